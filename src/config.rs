@@ -1,0 +1,107 @@
+//! Configuration: every option an environment variable (SPEC names) and a
+//! flag of the same name in kebab-case.
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+impl Switch {
+    pub fn is_on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct Config {
+    /// Postgres; the database is created if it does not exist.
+    #[arg(
+        long = "database-url",
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/idpool",
+        global = true
+    )]
+    pub database_url: String,
+
+    /// Redis; `redis-cluster://h1:p1?node=h2:p2` for a Redis Cluster.
+    #[arg(long = "redis-url", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", global = true)]
+    pub redis_url: String,
+
+    /// HTTP address to listen on.
+    #[arg(
+        long = "idpool-listen",
+        visible_alias = "listen",
+        env = "IDPOOL_LISTEN",
+        default_value = "127.0.0.1:8080",
+        global = true
+    )]
+    pub listen: String,
+
+    /// Apply migrations when `serve` starts.
+    #[arg(
+        long = "idpool-migrate",
+        env = "IDPOOL_MIGRATE",
+        value_enum,
+        default_value = "on",
+        global = true
+    )]
+    pub migrate: Switch,
+
+    /// Prefix of every Redis key (several deployments can share one Redis).
+    #[arg(long = "idpool-redis-prefix", env = "IDPOOL_REDIS_PREFIX", default_value = "idpool", global = true)]
+    pub redis_prefix: String,
+
+    /// Redis connections (commands on one are pipelined).
+    #[arg(long = "idpool-redis-clients", env = "IDPOOL_REDIS_CLIENTS", default_value_t = 2, global = true)]
+    pub redis_clients: usize,
+
+    /// Redis command timeout; past it the circuit opens and IDs come from Postgres.
+    #[arg(long = "idpool-redis-timeout-ms", env = "IDPOOL_REDIS_TIMEOUT_MS", default_value_t = 250, global = true)]
+    pub redis_timeout_ms: u64,
+
+    /// Postgres connections of this instance.
+    #[arg(long = "idpool-db-pool-size", env = "IDPOOL_DB_POOL_SIZE", default_value_t = 16, global = true)]
+    pub db_pool_size: u32,
+
+    /// Pool refills one instance runs at once.
+    #[arg(
+        long = "idpool-refill-concurrency",
+        env = "IDPOOL_REFILL_CONCURRENCY",
+        default_value_t = 8,
+        global = true
+    )]
+    pub refill_concurrency: usize,
+
+    /// Longest time a request may take before it is answered 503.
+    #[arg(
+        long = "idpool-request-timeout-s",
+        env = "IDPOOL_REQUEST_TIMEOUT_S",
+        default_value_t = 30,
+        global = true
+    )]
+    pub request_timeout_s: u64,
+
+    /// Name of this instance in block records and logs (default: host-pid).
+    #[arg(long = "idpool-instance-id", env = "IDPOOL_INSTANCE_ID", global = true)]
+    pub instance_id: Option<String>,
+}
+
+impl Config {
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_s.max(1))
+    }
+
+    pub fn instance_id(&self) -> String {
+        self.instance_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/etc/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_else(|_| "localhost".into());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+}

@@ -1,0 +1,168 @@
+//! The counter of record: Postgres reserves blocks of numbers per sequence
+//! period, one atomic `UPDATE` each, and records every block.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use crate::numbers::SeqRange;
+use crate::sequence::{Period, Sequence};
+
+/// Who received numbers: `POST /ids` or `POST /documents`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Via {
+    Ids,
+    Document,
+}
+
+impl Via {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Via::Ids => "ids",
+            Via::Document => "document",
+        }
+    }
+}
+
+/// A block reserved for a Redis pool.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolBlock {
+    pub id: i64,
+    pub range: SeqRange,
+}
+
+pub struct Counter {
+    db: PgPool,
+    instance_id: String,
+    /// Periods whose counter row this instance has already seen to exist.
+    known_periods: Mutex<HashSet<(i64, String)>>,
+}
+
+impl Counter {
+    pub fn new(db: PgPool, instance_id: String) -> Self {
+        Self {
+            db,
+            instance_id,
+            known_periods: Mutex::new(HashSet::new()),
+        }
+    }
+
+    pub fn db(&self) -> &PgPool {
+        &self.db
+    }
+
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    /// Creates the period's counter at `start` the first time it is used.
+    async fn ensure_period(&self, sequence: &Sequence, period: &Period) -> Result<(), sqlx::Error> {
+        let key = (sequence.id, period.key().to_owned());
+        if self.known(&key) {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, $2, $3) \
+             ON CONFLICT (sequence_id, period) DO NOTHING",
+        )
+        .bind(sequence.id)
+        .bind(period.key())
+        .bind(sequence.definition.start)
+        .execute(&self.db)
+        .await?;
+        self.known_periods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key);
+        Ok(())
+    }
+
+    fn known(&self, key: &(i64, String)) -> bool {
+        self.known_periods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(key)
+    }
+
+    /// Reserves up to `want` numbers for a pool (fewer near `max`); `None`
+    /// when the period is exhausted.
+    pub async fn reserve_pool_block(
+        &self,
+        sequence: &Sequence,
+        period: &Period,
+        want: i64,
+        lock_acquired_at: DateTime<Utc>,
+    ) -> Result<Option<PoolBlock>, sqlx::Error> {
+        self.ensure_period(sequence, period).await?;
+        let row: Option<(i64, i64, i64)> = sqlx::query_as(
+            "WITH taken AS ( \
+                 UPDATE counters SET last_grant = LEAST($3, $4 - next_seq + 1), \
+                                     next_seq = next_seq + LEAST($3, $4 - next_seq + 1) \
+                 WHERE sequence_id = $1 AND period = $2 AND next_seq <= $4 \
+                 RETURNING next_seq - last_grant AS first, next_seq AS next \
+             ) \
+             INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id, lock_acquired_at) \
+             SELECT $1, $2, int8range(first, next), 'pool', $5, $6 FROM taken \
+             RETURNING id, lower(seqs), upper(seqs)",
+        )
+        .bind(sequence.id)
+        .bind(period.key())
+        .bind(want)
+        .bind(sequence.definition.max_seq())
+        .bind(&self.instance_id)
+        .bind(lock_acquired_at)
+        .fetch_optional(&self.db)
+        .await?;
+        Ok(row.map(|(id, start, end)| PoolBlock {
+            id,
+            range: SeqRange::new(start, end),
+        }))
+    }
+
+    pub async fn mark_pushed(&self, block_id: i64) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE blocks SET pushed_at = clock_timestamp() WHERE id = $1")
+            .bind(block_id)
+            .execute(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// Takes `n` numbers straight from the counter and records them in the
+    /// ledger in the same statement, so they are issued the moment it
+    /// commits. `None` when fewer than `n` are left in the period.
+    pub async fn take_direct(
+        &self,
+        conn: &mut PgConnection,
+        sequence: &Sequence,
+        period: &Period,
+        n: i64,
+        via: Via,
+    ) -> Result<Option<SeqRange>, sqlx::Error> {
+        self.ensure_period(sequence, period).await?;
+        let first: Option<i64> = sqlx::query_scalar(
+            "WITH taken AS ( \
+                 UPDATE counters SET next_seq = next_seq + $3 \
+                 WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
+                 RETURNING next_seq - $3 AS first, next_seq AS next \
+             ), block AS ( \
+                 INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
+                 SELECT $1, $2, int8range(first, next), 'direct', $5 FROM taken \
+             ), ledger AS ( \
+                 INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
+                 SELECT $1, $2, int8range(first, next), $6 FROM taken \
+             ) \
+             SELECT first FROM taken",
+        )
+        .bind(sequence.id)
+        .bind(period.key())
+        .bind(n)
+        .bind(sequence.definition.max_seq())
+        .bind(&self.instance_id)
+        .bind(via.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        Ok(first.map(|first| SeqRange::new(first, first + n)))
+    }
+}

@@ -1,0 +1,57 @@
+//! Postgres: create the database when missing, connect, migrate.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgPool};
+
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Connects to `url`, creating its database first if it does not exist.
+pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+    let options = PgConnectOptions::from_str(url)?;
+    ensure_database(&options).await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections.max(2))
+        .min_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await?;
+    Ok(pool)
+}
+
+async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
+    let Some(name) = options.get_database().map(str::to_owned) else {
+        return Ok(());
+    };
+    // Connecting straight away is the common case and needs no rights on
+    // the maintenance database.
+    if options.clone().connect().await.is_ok() {
+        return Ok(());
+    }
+    let mut maintenance = options.clone().database("postgres").connect().await?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(&name)
+        .fetch_one(&mut maintenance)
+        .await?;
+    if !exists {
+        let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+        let created = sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))
+            .execute(&mut maintenance)
+            .await;
+        match created {
+            Ok(_) => tracing::info!(database = %name, "created database"),
+            // Another instance created it first.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    maintenance.close().await?;
+    Ok(())
+}
+
+pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
+    MIGRATOR.run(pool).await?;
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! `GET /healthz`, `GET /readyz`, `GET /metrics`.
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde::Serialize;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    #[schema(example = "ok")]
+    pub status: &'static str,
+}
+
+#[derive(Debug, Serialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Dependency {
+    Up,
+    Down,
+}
+
+#[derive(Debug, Serialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Numbers come from Redis pools.
+    Pool,
+    /// Redis is down or being checked; numbers come from Postgres.
+    Fallback,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Readiness {
+    pub postgres: Dependency,
+    pub redis: Dependency,
+    pub mode: Mode,
+}
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics))
+}
+
+/// The process is up (no dependency is checked).
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Health)))]
+pub async fn healthz() -> axum::Json<Health> {
+    axum::Json(Health { status: "ok" })
+}
+
+/// Whether this instance can serve: 200 while Postgres answers (IDs are
+/// served without Redis), 503 when it does not.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses((status = 200, body = Readiness), (status = 503, body = Readiness))
+)]
+pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Readiness>) {
+    let postgres = tokio::time::timeout(Duration::from_secs(1), sqlx::query("SELECT 1").execute(&state.db)).await;
+    let postgres = if matches!(postgres, Ok(Ok(_))) {
+        Dependency::Up
+    } else {
+        Dependency::Down
+    };
+    let redis_link = state.pools.redis();
+    let pools_in_use = redis_link.is_up();
+    let redis = if pools_in_use || redis_link.ping().await.is_ok() {
+        Dependency::Up
+    } else {
+        Dependency::Down
+    };
+    let status = if postgres == Dependency::Up {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let mode = if pools_in_use { Mode::Pool } else { Mode::Fallback };
+    (status, axum::Json(Readiness { postgres, redis, mode }))
+}
+
+/// Counters of this instance in Prometheus text format.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((status = 200, content_type = "text/plain; version=0.0.4", body = String))
+)]
+pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.stats.render(state.pools.redis().is_up()),
+    )
+}

@@ -1,0 +1,136 @@
+//! The HTTP surface: routes, the OpenAPI document, and the layers every
+//! request passes (request id, tracing, timeout, panic guard).
+
+pub mod extract;
+mod health;
+pub mod ids;
+pub mod problem;
+mod sequences;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::{HeaderName, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use sqlx::PgPool;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_swagger_ui::SwaggerUi;
+
+use crate::clock::Clock;
+use crate::issuance::Issuer;
+use crate::pool::PoolService;
+use crate::sequence::store::SequenceStore;
+use crate::stats::Stats;
+use problem::ApiError;
+
+/// Largest body the ID and sequence routes accept.
+pub const SMALL_BODY_LIMIT: usize = 64 * 1024;
+
+pub struct AppInner {
+    pub issuer: Issuer,
+    pub sequences: Arc<SequenceStore>,
+    pub pools: Arc<PoolService>,
+    pub stats: Arc<Stats>,
+    pub clock: Arc<dyn Clock>,
+    pub db: PgPool,
+    pub request_timeout: Duration,
+}
+
+#[derive(Clone)]
+pub struct AppState(pub Arc<AppInner>);
+
+impl std::ops::Deref for AppState {
+    type Target = AppInner;
+
+    fn deref(&self) -> &AppInner {
+        &self.0
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "idpool",
+        description = "Tenant-formatted sequential IDs (`PROJ-9012-1001`) from Redis pools over a Postgres \
+                       counter of record. Every error is `application/problem+json` with a stable `code`.",
+        license(name = "MIT")
+    ),
+    tags(
+        (name = "ids", description = "Issue IDs"),
+        (name = "sequences", description = "Sequence definitions"),
+        (name = "operations", description = "Health, readiness, metrics"),
+    ),
+    components(schemas(problem::Problem))
+)]
+struct ApiDoc;
+
+/// Every documented route, for the router and for `idpool openapi`.
+pub fn api_router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(ids::router())
+        .merge(sequences::router())
+        .merge(health::router())
+}
+
+/// The OpenAPI document, built without any running dependency.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api_router().into_openapi()
+}
+
+pub fn router(state: AppState) -> Router {
+    let (api, document) = api_router().split_for_parts();
+    let request_id = HeaderName::from_static("x-request-id");
+    let timeout = state.request_timeout;
+    api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
+        .merge(SwaggerUi::new("/docs").url("/openapi.json", document))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(move |req, next| with_timeout(timeout, req, next)))
+        .layer(CatchPanicLayer::custom(|_| {
+            ApiError::internal("handler panicked").into_response()
+        }))
+        .layer(
+            TraceLayer::new_for_http().make_span_with(|req: &Request| {
+                let id = req
+                    .headers()
+                    .get("x-request-id")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                tracing::info_span!("request", request_id = id, method = %req.method(), path = %req.uri().path())
+            }),
+        )
+        .layer(PropagateRequestIdLayer::new(request_id.clone()))
+        .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+        .with_state(state)
+}
+
+async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "timeout",
+            format!("the request took longer than {} s", limit.as_secs()),
+        )
+        .into_response(),
+    }
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found("not_found", format!("no route {} {}", req.method(), req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}

@@ -1,0 +1,191 @@
+//! Every error leaves as `application/problem+json` (RFC 9457) with a stable
+//! `code`. Internal causes are logged, never sent.
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::issuance::IssueError;
+use crate::sequence::store::{PutError, StoreError};
+
+/// An RFC 9457 problem document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// `urn:idpool:problem:<code>`.
+    #[serde(rename = "type")]
+    #[schema(example = "urn:idpool:problem:invalid_count")]
+    pub problem_type: String,
+    #[schema(example = "Bad Request")]
+    pub title: String,
+    #[schema(example = 400)]
+    pub status: u16,
+    #[schema(example = "count must be between 1 and 10000, got 0")]
+    pub detail: String,
+    /// Stable machine-readable error code.
+    #[schema(example = "invalid_count")]
+    pub code: String,
+}
+
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    detail: String,
+    headers: Vec<(header::HeaderName, HeaderValue)>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            detail: detail.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn bad_request(code: &'static str, detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, detail)
+    }
+
+    pub fn not_found(code: &'static str, detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, code, detail)
+    }
+
+    pub fn conflict(code: &'static str, detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, code, detail)
+    }
+
+    /// A failure of ours: logged with its cause, answered without it.
+    pub fn internal(cause: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %cause, "internal error");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "the server failed to handle this request; it was logged",
+        )
+    }
+
+    /// A dependency we cannot do without (Postgres) is not answering.
+    pub fn unavailable(cause: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %cause, "dependency unavailable");
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the database is not answering; retry shortly",
+        )
+        .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
+    }
+
+    pub fn with_header(mut self, name: header::HeaderName, value: HeaderValue) -> Self {
+        self.headers.push((name, value));
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Problem {
+            problem_type: format!("urn:idpool:problem:{}", self.code),
+            title: self
+                .status
+                .canonical_reason()
+                .unwrap_or("Error")
+                .to_owned(),
+            status: self.status.as_u16(),
+            detail: self.detail,
+            code: self.code.to_owned(),
+        };
+        let mut response = (self.status, Json(body)).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        for (name, value) in self.headers {
+            response.headers_mut().insert(name, value);
+        }
+        response
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        match rejection {
+            JsonRejection::MissingJsonContentType(_) => Self::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the body as JSON with Content-Type: application/json",
+            ),
+            JsonRejection::JsonSyntaxError(e) => Self::bad_request("invalid_json", e.body_text()),
+            JsonRejection::JsonDataError(e) => Self::bad_request("invalid_body", e.body_text()),
+            JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                "the request body is larger than this route accepts",
+            ),
+            other => Self::bad_request("invalid_body", other.body_text()),
+        }
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        Self::bad_request("invalid_query", rejection.body_text())
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        Self::bad_request("invalid_path", rejection.body_text())
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Db(e) => db_error(e),
+            StoreError::Definition(e) => Self::bad_request("invalid_definition", e.to_string()),
+            StoreError::Corrupt(..) => Self::internal(e),
+        }
+    }
+}
+
+impl From<PutError> for ApiError {
+    fn from(e: PutError) -> Self {
+        match e {
+            PutError::InUse => Self::conflict("sequence_in_use", e.to_string()),
+            PutError::Store(e) => e.into(),
+        }
+    }
+}
+
+impl From<IssueError> for ApiError {
+    fn from(e: IssueError) -> Self {
+        match e {
+            IssueError::Exhausted { .. } => Self::conflict("sequence_exhausted", e.to_string()),
+            IssueError::Layout(e) => Self::conflict("layout_out_of_range", e.to_string()),
+            IssueError::Store(e) => e.into(),
+            IssueError::Ledger(e) => Self::unavailable(e),
+            IssueError::Counter(e) => db_error(e),
+        }
+    }
+}
+
+/// Connection trouble is a 503 the client may retry; anything else is ours.
+pub fn db_error(e: sqlx::Error) -> ApiError {
+    match e {
+        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed => ApiError::unavailable(e),
+        other => ApiError::internal(other),
+    }
+}

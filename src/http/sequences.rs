@@ -1,0 +1,248 @@
+//! `GET /api/v1/sequences`, `GET`/`PUT /api/v1/sequences/{project}/{type}`.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::extract::{Json, Path, Query};
+use super::ids::parse_codes;
+use super::problem::{ApiError, Problem, db_error};
+use crate::sequence::{Definition, DefinitionInput, LayoutKind, Reset, Sequence};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SequenceView {
+    #[schema(example = "PROJ")]
+    pub project: String,
+    #[serde(rename = "type")]
+    #[schema(example = "9012")]
+    pub doc_type: String,
+    #[schema(example = "{project}-{type}-{seq}")]
+    pub format: String,
+    pub layout: LayoutKind,
+    /// Epoch of the int64 layout; null for text.
+    pub epoch: Option<DateTime<Utc>>,
+    pub start: i64,
+    pub max: Option<i64>,
+    pub reset: Reset,
+    #[schema(example = "UTC")]
+    pub timezone: String,
+    pub pool_size: u32,
+    pub refill_at: f64,
+    /// Bumped by every PUT.
+    pub version: i32,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    /// Live figures (only on `GET /api/v1/sequences/{project}/{type}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<LiveFigures>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LiveFigures {
+    /// The current period (`""` for sequences that never reset).
+    #[schema(example = "")]
+    pub period: String,
+    /// Numbers waiting in the current period's Redis pool; null while Redis is down.
+    pub pool_depth: Option<i64>,
+    /// Highest number issued in the current period, as in `seqs`.
+    pub last_issued: Option<i64>,
+    pub last_issued_id: Option<String>,
+    /// Blocks reserved for pools, all periods.
+    pub refills: i64,
+}
+
+impl SequenceView {
+    fn of(sequence: &Sequence, live: Option<LiveFigures>) -> Self {
+        let d = &sequence.definition;
+        Self {
+            project: sequence.project.to_string(),
+            doc_type: sequence.doc_type.to_string(),
+            format: d.format.as_str().to_owned(),
+            layout: d.layout_kind(),
+            epoch: d.epoch(),
+            start: d.start,
+            max: d.max,
+            reset: d.reset,
+            timezone: d.timezone.name().to_owned(),
+            pool_size: d.pool_size,
+            refill_at: d.refill_at,
+            version: sequence.version,
+            created_at: sequence.created_at,
+            updated_at: sequence.updated_at,
+            live,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SequenceList {
+    pub sequences: Vec<SequenceView>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// Page size, 1 to 1000 (default 100).
+    pub limit: Option<i64>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_sequences))
+        .routes(routes!(get_sequence, put_sequence))
+}
+
+/// List sequences.
+#[utoipa::path(
+    get,
+    path = "/api/v1/sequences",
+    tag = "sequences",
+    params(ListQuery),
+    responses(
+        (status = 200, body = SequenceList),
+        (status = 400, description = "Invalid limit or cursor", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn list_sequences(
+    State(state): State<AppState>,
+    Query(query): Query<ListQuery>,
+) -> Result<axum::Json<SequenceList>, ApiError> {
+    let limit = query.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            format!("limit must be between 1 and 1000, got {limit}"),
+        ));
+    }
+    let after = match &query.cursor {
+        None => None,
+        Some(cursor) => Some(
+            cursor
+                .split_once('/')
+                .ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is not one this API returned"))?,
+        ),
+    };
+    let sequences = state.sequences.list(after, limit).await?;
+    let next_cursor = (sequences.len() as i64 == limit)
+        .then(|| sequences.last().map(|s| format!("{}/{}", s.project, s.doc_type)))
+        .flatten();
+    Ok(axum::Json(SequenceList {
+        sequences: sequences.iter().map(|s| SequenceView::of(s, None)).collect(),
+        next_cursor,
+    }))
+}
+
+/// Read one sequence with its live figures.
+#[utoipa::path(
+    get,
+    path = "/api/v1/sequences/{project}/{type}",
+    tag = "sequences",
+    params(("project" = String, Path, description = "Project code"), ("type" = String, Path, description = "Document type code")),
+    responses(
+        (status = 200, body = SequenceView),
+        (status = 400, description = "Invalid project or type", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "Never defined nor used", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn get_sequence(
+    State(state): State<AppState>,
+    Path((project, doc_type)): Path<(String, String)>,
+) -> Result<axum::Json<SequenceView>, ApiError> {
+    let (project, doc_type) = parse_codes(&project, &doc_type)?;
+    let sequence = state
+        .sequences
+        .get(project.as_str(), doc_type.as_str())
+        .await?
+        .ok_or_else(|| {
+            ApiError::not_found(
+                "sequence_not_found",
+                format!("sequence {project}/{doc_type} was never defined nor used"),
+            )
+        })?;
+    let live = live_figures(&state, &sequence).await?;
+    Ok(axum::Json(SequenceView::of(&sequence, Some(live))))
+}
+
+async fn live_figures(state: &AppState, sequence: &std::sync::Arc<Sequence>) -> Result<LiveFigures, ApiError> {
+    let now = state.clock.now();
+    let period = sequence.definition.period_at(now);
+    let pool = state.pools.pool_ref(sequence.clone(), period.clone());
+    let pool_depth = if state.pools.redis().is_up() {
+        state.pools.redis().depth(&pool.keys).await.ok()
+    } else {
+        None
+    };
+    let (last_seq, refills): (Option<i64>, i64) = sqlx::query_as(
+        "SELECT (SELECT upper(seqs) - 1 FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 \
+                 ORDER BY lower(seqs) DESC LIMIT 1), \
+                (SELECT count(*) FROM blocks WHERE sequence_id = $1 AND purpose = 'pool')",
+    )
+    .bind(sequence.id)
+    .bind(period.key())
+    .fetch_one(&state.db)
+    .await
+    .map_err(db_error)?;
+    let shape = sequence
+        .definition
+        .shape(sequence.project.as_str(), sequence.doc_type.as_str(), &period, now)
+        .ok();
+    Ok(LiveFigures {
+        period: period.key().to_owned(),
+        pool_depth,
+        last_issued: last_seq.map(|s| shape.as_ref().map_or(s, |sh| sh.number(s))),
+        last_issued_id: last_seq.and_then(|s| shape.as_ref().map(|sh| sh.id(s))),
+        refills,
+    })
+}
+
+/// Define or change a sequence.
+///
+/// Every field is optional and takes its default when left out. Changing
+/// `format`, `layout`, `reset` or `timezone` of a sequence that has issued
+/// numbers is refused with 409 unless `"force": true`; the pools of the old
+/// definition are then discarded.
+#[utoipa::path(
+    put,
+    path = "/api/v1/sequences/{project}/{type}",
+    tag = "sequences",
+    params(("project" = String, Path, description = "Project code"), ("type" = String, Path, description = "Document type code")),
+    request_body = DefinitionInput,
+    responses(
+        (status = 200, description = "Replaced", body = SequenceView),
+        (status = 201, description = "Created", body = SequenceView),
+        (status = 400, description = "Invalid definition", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Identity change of a sequence in use without force", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn put_sequence(
+    State(state): State<AppState>,
+    Path((project, doc_type)): Path<(String, String)>,
+    Json(input): Json<DefinitionInput>,
+) -> Result<(StatusCode, axum::Json<SequenceView>), ApiError> {
+    let (project, doc_type) = parse_codes(&project, &doc_type)?;
+    let definition = Definition::from_input(&input, &project, &doc_type)
+        .map_err(|e| ApiError::bad_request("invalid_definition", e.to_string()))?;
+    let outcome = state
+        .sequences
+        .put(&project, &doc_type, &definition, input.force)
+        .await?;
+    if let Some(old) = &outcome.replaced_identity {
+        state.pools.discard_sequence_pools(old, "definition_changed").await;
+    }
+    let status = if outcome.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, axum::Json(SequenceView::of(&outcome.sequence, None))))
+}

@@ -1,0 +1,19 @@
+//! idpool: tenant-formatted sequential IDs from Redis pools over a Postgres
+//! counter of record.
+
+pub mod batch;
+pub mod cli;
+pub mod clock;
+pub mod config;
+pub mod counter;
+pub mod db;
+pub mod http;
+pub mod issuance;
+pub mod ledger;
+mod listen;
+pub mod numbers;
+pub mod pool;
+pub mod sequence;
+pub mod startup;
+pub mod stats;
+pub mod telemetry;

@@ -1,0 +1,485 @@
+//! Pools: pre-reserved numbers of one sequence period, waiting in a Redis
+//! list, popped in ascending order and refilled in the background.
+//!
+//! Refills are single-flight per pool inside an instance, serialised across
+//! instances by a Redis lock (`SET NX PX` + compare-and-delete), and capped by
+//! a semaphore per instance, so thousands of pools draining at once cost at
+//! most `refill_concurrency` refills, each holding nothing but two integers:
+//! the numbers themselves are generated inside Redis by the push script.
+
+mod redis;
+mod scripts;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::Utc;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use tokio::sync::{Semaphore, oneshot};
+use tokio_util::sync::CancellationToken;
+
+pub use self::redis::{PoolKeys, Popped, RedisFailure, RedisLink, RedisSettings};
+use crate::batch::Batcher;
+use crate::counter::Counter;
+use crate::numbers::SeqRange;
+use crate::sequence::store::SequenceStore;
+use crate::sequence::{Period, Sequence};
+use crate::stats::Stats;
+
+/// One sequence period's pool.
+#[derive(Clone)]
+pub struct PoolRef {
+    pub sequence: Arc<Sequence>,
+    pub period: Period,
+    pub keys: Arc<PoolKeys>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    /// Refills running at once in this instance.
+    pub refill_concurrency: usize,
+    /// How long a refill lock lives if its holder dies.
+    pub lock_ttl: Duration,
+    /// How long a request the pool could not serve waits for the refill it
+    /// needs before taking the rest from Postgres.
+    pub short_wait: Duration,
+    /// A pool refilled again within this time doubles its target depth...
+    pub grow_within: Duration,
+    /// ...and one idle longer than this halves it, never below `pool_size`.
+    pub shrink_after: Duration,
+    /// Largest target depth as a multiple of `pool_size`.
+    pub max_growth: u32,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self {
+            refill_concurrency: 8,
+            lock_ttl: Duration::from_secs(10),
+            short_wait: Duration::from_millis(250),
+            grow_within: Duration::from_secs(2),
+            shrink_after: Duration::from_secs(60),
+            max_growth: 64,
+        }
+    }
+}
+
+/// Upper bound for any pool's target depth.
+const MAX_TARGET: u32 = 1_000_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefillOutcome {
+    Refilled,
+    NotNeeded,
+    /// Another instance holds the lock.
+    Busy,
+    Exhausted,
+    Failed,
+}
+
+struct PopRequest {
+    keys: Arc<PoolKeys>,
+    count: usize,
+    reply: oneshot::Sender<Result<Popped, String>>,
+}
+
+type SharedRefill = Shared<BoxFuture<'static, RefillOutcome>>;
+
+pub struct PoolService {
+    redis: Arc<RedisLink>,
+    counter: Arc<Counter>,
+    sequences: Arc<SequenceStore>,
+    stats: Arc<Stats>,
+    settings: PoolSettings,
+    pops: Batcher<PopRequest>,
+    refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
+    refill_slots: Arc<Semaphore>,
+}
+
+impl PoolService {
+    pub fn new(
+        redis: Arc<RedisLink>,
+        counter: Arc<Counter>,
+        sequences: Arc<SequenceStore>,
+        stats: Arc<Stats>,
+        settings: PoolSettings,
+    ) -> Arc<Self> {
+        let pop_link = redis.clone();
+        let (pops, _collector) = Batcher::spawn(1024, 4, move |batch| pop_batch(pop_link.clone(), batch));
+        Arc::new(Self {
+            refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
+            redis,
+            counter,
+            sequences,
+            stats,
+            settings,
+            pops,
+            refills_in_flight: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn redis(&self) -> &Arc<RedisLink> {
+        &self.redis
+    }
+
+    pub fn pool_ref(&self, sequence: Arc<Sequence>, period: Period) -> PoolRef {
+        let keys = Arc::new(self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period.key(),
+        ));
+        PoolRef {
+            sequence,
+            period,
+            keys,
+        }
+    }
+
+    /// Pops up to `count` numbers. A pool that runs short gets the refill it
+    /// needs (waited for up to `short_wait`) and one more pop; what is still
+    /// missing is the caller's to take from Postgres.
+    pub async fn take(self: &Arc<Self>, pool: &PoolRef, count: usize) -> Result<Vec<i64>, RedisFailure> {
+        let first = self.pop(pool, count).await?;
+        self.refill_if_low(pool, &first);
+        let mut seqs = first.seqs;
+        if seqs.len() < count {
+            Stats::add(&self.stats.pool_short, 1);
+            let waited = tokio::time::timeout(self.settings.short_wait, self.refill_needed(pool)).await;
+            if matches!(waited, Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded)) {
+                let again = self.pop(pool, count - seqs.len()).await?;
+                self.refill_if_low(pool, &again);
+                seqs.extend(again.seqs);
+            }
+        }
+        Ok(seqs)
+    }
+
+    async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {
+        if !self.redis.is_up() {
+            return Err(RedisFailure::Open);
+        }
+        let (reply, answer) = oneshot::channel();
+        let request = PopRequest {
+            keys: pool.keys.clone(),
+            count,
+            reply,
+        };
+        if self.pops.submit(request).await.is_err() {
+            return Err(RedisFailure::Open);
+        }
+        match answer.await {
+            Ok(Ok(popped)) => Ok(popped),
+            Ok(Err(message)) => Err(RedisFailure::Reply(message)),
+            Err(_) => Err(RedisFailure::Open),
+        }
+    }
+
+    fn low_water(pool: &PoolRef, target: i64) -> i64 {
+        let definition = &pool.sequence.definition;
+        let target = target.max(i64::from(definition.pool_size));
+        ((target as f64) * (1.0 - definition.refill_at)).floor() as i64
+    }
+
+    fn refill_if_low(self: &Arc<Self>, pool: &PoolRef, popped: &Popped) {
+        if popped.depth <= Self::low_water(pool, popped.target) {
+            drop(self.refill_handle(pool));
+        }
+    }
+
+    /// Waits for a refill of `pool`, starting one if none runs here; if
+    /// another instance holds the lock, waits for it to finish.
+    async fn refill_needed(self: &Arc<Self>, pool: &PoolRef) -> RefillOutcome {
+        loop {
+            match self.refill_handle(pool).await {
+                RefillOutcome::Busy => tokio::time::sleep(Duration::from_millis(2)).await,
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// The refill of `pool` running in this instance, started if there is none.
+    pub fn refill_handle(self: &Arc<Self>, pool: &PoolRef) -> SharedRefill {
+        let mut running = self
+            .refills_in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(refill) = running.get(&pool.keys) {
+            return refill.clone();
+        }
+        let (done, outcome) = oneshot::channel();
+        let refill = outcome
+            .map(|r| r.unwrap_or(RefillOutcome::Failed))
+            .boxed()
+            .shared();
+        running.insert(pool.keys.clone(), refill.clone());
+        let service = self.clone();
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let outcome = service.refill(&pool).await;
+            service
+                .refills_in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&pool.keys);
+            let _ = done.send(outcome);
+        });
+        refill
+    }
+
+    async fn refill(&self, pool: &PoolRef) -> RefillOutcome {
+        let Ok(_slot) = self.refill_slots.acquire().await else {
+            return RefillOutcome::Failed;
+        };
+        let _gauge = self.stats.refill_started();
+        let outcome = self.refill_locked(pool).await;
+        let counter = match outcome {
+            RefillOutcome::Refilled => &self.stats.refills_done,
+            RefillOutcome::Busy => &self.stats.refills_busy,
+            RefillOutcome::Failed => &self.stats.refills_failed,
+            RefillOutcome::NotNeeded | RefillOutcome::Exhausted => return outcome,
+        };
+        Stats::add(counter, 1);
+        outcome
+    }
+
+    async fn refill_locked(&self, pool: &PoolRef) -> RefillOutcome {
+        if !self.redis.is_up() {
+            return RefillOutcome::Failed;
+        }
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let locked = match self.redis.acquire(&pool.keys, &token, self.settings.lock_ttl).await {
+            Ok(Some(locked)) => locked,
+            Ok(None) => return RefillOutcome::Busy,
+            Err(e) => {
+                tracing::warn!(error = %e, pool = %pool.keys.pool, "refill lock failed");
+                return RefillOutcome::Failed;
+            }
+        };
+        let lock_acquired_at = Utc::now();
+        let now_ms = lock_acquired_at.timestamp_millis();
+        let target = self.adapted_target(pool, locked.target, locked.refilled_at_ms, now_ms);
+        // Double check under the lock: another instance may have refilled
+        // between our pop and our lock.
+        if locked.depth > Self::low_water(pool, target) {
+            let _ = self.redis.release(&pool.keys, &token).await;
+            return RefillOutcome::NotNeeded;
+        }
+        let want = target - locked.depth;
+        let block = match self
+            .counter
+            .reserve_pool_block(&pool.sequence, &pool.period, want, lock_acquired_at)
+            .await
+        {
+            Ok(Some(block)) => block,
+            Ok(None) => {
+                let _ = self.redis.release(&pool.keys, &token).await;
+                return RefillOutcome::Exhausted;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, pool = %pool.keys.pool, "block reservation failed");
+                let _ = self.redis.release(&pool.keys, &token).await;
+                return RefillOutcome::Failed;
+            }
+        };
+        match self.redis.push(&pool.keys, &token, block.range, target, now_ms).await {
+            Ok(Some(_depth)) => {
+                if let Err(e) = self.counter.mark_pushed(block.id).await {
+                    tracing::warn!(error = %e, block = block.id, "could not mark block pushed");
+                }
+                RefillOutcome::Refilled
+            }
+            Ok(None) => {
+                tracing::warn!(pool = %pool.keys.pool, "refill lock expired before the push; block discarded");
+                self.record_discard(&pool.sequence, pool.period.key(), &[block.range], "refill_lock_lost")
+                    .await;
+                RefillOutcome::Failed
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, pool = %pool.keys.pool, "push failed; block discarded");
+                self.record_discard(&pool.sequence, pool.period.key(), &[block.range], "push_failed")
+                    .await;
+                RefillOutcome::Failed
+            }
+        }
+    }
+
+    /// Leaf's dynamic step: a pool refilled again soon after its last refill
+    /// doubles its depth, an idle one halves it back towards `pool_size`.
+    fn adapted_target(&self, pool: &PoolRef, current: i64, refilled_at_ms: i64, now_ms: i64) -> i64 {
+        let base = i64::from(pool.sequence.definition.pool_size);
+        let cap = (base * i64::from(self.settings.max_growth)).clamp(base, i64::from(MAX_TARGET).max(base));
+        let current = if current <= 0 { base } else { current.clamp(base, cap) };
+        if refilled_at_ms <= 0 {
+            return current;
+        }
+        let since = Duration::from_millis(now_ms.saturating_sub(refilled_at_ms).max(0) as u64);
+        if since < self.settings.grow_within {
+            (current * 2).min(cap)
+        } else if since > self.settings.shrink_after {
+            (current / 2).max(base)
+        } else {
+            current
+        }
+    }
+
+    pub async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) -> Result<(), RedisFailure> {
+        let mut sorted = seqs.to_vec();
+        sorted.sort_unstable();
+        self.redis.give_back(&pool.keys, &sorted).await
+    }
+
+    /// Empties a pool whose list cannot be trusted and records its numbers.
+    pub async fn invalidate(&self, pool: &PoolRef, cause: &str) {
+        match self.redis.discard(&pool.keys, None).await {
+            Ok(ranges) => {
+                self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
+                    .await
+            }
+            Err(e) => tracing::warn!(error = %e, pool = %pool.keys.pool, "could not invalidate pool"),
+        }
+    }
+
+    pub async fn record_discard(&self, sequence: &Sequence, period: &str, ranges: &[SeqRange], cause: &str) {
+        if ranges.is_empty() {
+            return;
+        }
+        let numbers: i64 = ranges.iter().map(SeqRange::len).sum();
+        Stats::add(&self.stats.pool_numbers_discarded, numbers as u64);
+        let starts: Vec<i64> = ranges.iter().map(|r| r.start).collect();
+        let ends: Vec<i64> = ranges.iter().map(|r| r.end).collect();
+        let written = sqlx::query(
+            "INSERT INTO pool_discards (sequence_id, period, seqs, cause) \
+             SELECT $1, $2, int8range(s, e), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(s, e)",
+        )
+        .bind(sequence.id)
+        .bind(period)
+        .bind(cause)
+        .bind(&starts)
+        .bind(&ends)
+        .execute(self.counter.db())
+        .await;
+        match written {
+            Ok(_) => tracing::info!(
+                project = %sequence.project, doc_type = %sequence.doc_type, period,
+                numbers, cause, "pool numbers discarded"
+            ),
+            Err(e) => tracing::error!(
+                error = %e, project = %sequence.project, doc_type = %sequence.doc_type, period,
+                numbers, cause, "could not record discarded pool numbers"
+            ),
+        }
+    }
+
+    /// Empties every period's pool of `sequence` (its definition changed).
+    pub async fn discard_sequence_pools(&self, sequence: &Sequence, cause: &str) {
+        let keys = match self
+            .redis
+            .pool_keys(Some((sequence.project.as_str(), sequence.doc_type.as_str())))
+            .await
+        {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list pools to discard; they stay until the next reconnect check");
+                return;
+            }
+        };
+        for key in keys {
+            if let Some((project, doc_type, period)) = PoolKeys::parse_pool_key(self.redis.prefix(), &key) {
+                let keys = self.redis.keys(project, doc_type, period);
+                match self.redis.discard(&keys, None).await {
+                    Ok(ranges) => self.record_discard(sequence, period, &ranges, cause).await,
+                    Err(e) => tracing::warn!(error = %e, key, "could not discard pool"),
+                }
+            }
+        }
+    }
+
+    /// After any (re)connect: drop every pool not filled on the server we
+    /// now talk to (a restarted Redis, a promoted replica with a stale list)
+    /// and record its numbers, before a single number is popped again.
+    pub async fn resync(&self) -> Result<usize, RedisFailure> {
+        Stats::add(&self.stats.redis_resyncs, 1);
+        let run_id = self.redis.server_run_id().await?;
+        let mut discarded_pools = 0;
+        for key in self.redis.pool_keys(None).await? {
+            let Some((project, doc_type, period)) = PoolKeys::parse_pool_key(self.redis.prefix(), &key) else {
+                continue;
+            };
+            let keys = self.redis.keys(project, doc_type, period);
+            let ranges = self.redis.discard(&keys, Some(&run_id)).await?;
+            if ranges.is_empty() {
+                continue;
+            }
+            discarded_pools += 1;
+            match self.sequences.get(project, doc_type).await {
+                Ok(Some(sequence)) => self.record_discard(&sequence, period, &ranges, "redis_reconnect").await,
+                _ => tracing::error!(key, "discarded a pool of an unknown sequence"),
+            }
+        }
+        Ok(discarded_pools)
+    }
+
+    /// Keeps the circuit honest: after a failure or reconnect, waits for
+    /// Redis to answer, checks the pools, then lets requests use them again.
+    pub async fn watch_redis(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = self.redis.woken() => {}
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
+            if self.redis.is_up() {
+                continue;
+            }
+            let failures_before = self.redis.failure_count();
+            if !self.redis.all_connected() || self.redis.ping().await.is_err() {
+                continue;
+            }
+            match self.resync().await {
+                Ok(discarded) => {
+                    if discarded > 0 {
+                        tracing::warn!(pools = discarded, "pools from before the reconnect discarded");
+                    }
+                    self.redis.mark_up(failures_before);
+                }
+                Err(e) => tracing::warn!(error = %e, "pool check after reconnect failed"),
+            }
+        }
+    }
+}
+
+/// One pop per pool for the whole batch, answers in arrival order.
+async fn pop_batch(redis: Arc<RedisLink>, batch: Vec<PopRequest>) {
+    let mut by_pool: HashMap<Arc<PoolKeys>, Vec<PopRequest>> = HashMap::new();
+    for request in batch {
+        by_pool.entry(request.keys.clone()).or_default().push(request);
+    }
+    let pops = by_pool.into_values().map(|requests| {
+        let redis = redis.clone();
+        async move {
+            let total: usize = requests.iter().map(|r| r.count).sum();
+            match redis.pop(&requests[0].keys, total).await {
+                Ok(popped) => {
+                    let mut seqs = popped.seqs.into_iter();
+                    for request in requests {
+                        let share: Vec<i64> = seqs.by_ref().take(request.count).collect();
+                        let _ = request.reply.send(Ok(Popped {
+                            seqs: share,
+                            depth: popped.depth,
+                            target: popped.target,
+                        }));
+                    }
+                }
+                Err(e) => {
+                    let message = e.to_string();
+                    for request in requests {
+                        let _ = request.reply.send(Err(message.clone()));
+                    }
+                }
+            }
+        }
+    });
+    futures::future::join_all(pops).await;
+}

@@ -1,0 +1,458 @@
+//! Sequences: a (project, type) pair and the definition of how its IDs look
+//! and count.
+
+mod name;
+mod period;
+pub mod store;
+mod template;
+
+use chrono::{DateTime, NaiveDate, TimeZone, Utc};
+use chrono_tz::Tz;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+pub use name::{CodeError, ProjectCode, TypeCode};
+pub use period::{Period, Reset, start_of_day};
+pub use template::{Template, TemplateError, TextShape};
+
+/// Longest formatted ID (SPEC).
+pub const MAX_ID_LEN: usize = 64;
+/// Cap for sequences without `max`: the largest integer a JSON number keeps
+/// exactly in every client (2^53 - 1), and one Lua in Redis counts exactly.
+pub const MAX_TEXT_SEQ: i64 = (1 << 53) - 1;
+/// The 64-bit layout keeps its per-day counter in the low 32 bits.
+pub const MAX_INT64_SEQ: i64 = (1 << 32) - 1;
+pub const DEFAULT_FORMAT: &str = "{project}-{type}-{seq}";
+pub const DEFAULT_POOL_SIZE: u32 = 1000;
+pub const MAX_POOL_SIZE: u32 = 100_000;
+pub const DEFAULT_REFILL_AT: f64 = 0.75;
+
+/// How a number becomes an ID.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LayoutKind {
+    /// The `format` template.
+    #[default]
+    Text,
+    /// The coupon-order layout: 31-bit seconds since `epoch` (of the start of
+    /// the day) above a 32-bit per-day counter, as one 64-bit integer.
+    Int64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Layout {
+    Text,
+    Int64 { epoch: DateTime<Utc> },
+}
+
+/// Default epoch of the 64-bit layout (the seed's 2022-01-01T00:00:00Z).
+pub fn default_int64_epoch() -> DateTime<Utc> {
+    Utc.timestamp_opt(1_640_995_200, 0)
+        .single()
+        .unwrap_or_default()
+}
+
+/// A definition as a client writes it; every field optional, defaults as SPEC.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DefinitionInput {
+    /// Template with `{project}`, `{type}`, `{seq}`, `{seq:N}`, `{date:FMT}`.
+    #[schema(example = "{project}-{type}-{seq}")]
+    pub format: Option<String>,
+    pub layout: Option<LayoutKind>,
+    /// Epoch of the `int64` layout (RFC 3339); default 2022-01-01T00:00:00Z.
+    pub epoch: Option<DateTime<Utc>>,
+    /// First number of each period (default 1).
+    pub start: Option<i64>,
+    /// Last number of each period; past it the sequence is exhausted.
+    pub max: Option<i64>,
+    pub reset: Option<Reset>,
+    /// IANA time zone of the periods and `{date}` tokens (default `UTC`).
+    #[schema(example = "UTC")]
+    pub timezone: Option<String>,
+    /// Numbers kept ready in the Redis pool (default 1000).
+    pub pool_size: Option<u32>,
+    /// Fraction of the pool consumed that triggers a refill (default 0.75).
+    pub refill_at: Option<f64>,
+    /// Allow changing `format`, `layout`, `reset` or `timezone` after numbers were issued.
+    #[serde(default)]
+    pub force: bool,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DefinitionError {
+    #[error("format: {0}")]
+    Format(#[from] TemplateError),
+    #[error("timezone {0:?} is not an IANA time zone")]
+    Timezone(String),
+    #[error("start must be between 0 and {max}, got {start}")]
+    Start { start: i64, max: i64 },
+    #[error("max must be at least start ({start}) and at most {cap}, got {max}")]
+    Max { max: i64, start: i64, cap: i64 },
+    #[error("pool_size must be between 1 and {MAX_POOL_SIZE}, got {0}")]
+    PoolSize(u32),
+    #[error("refill_at must be greater than 0 and at most 1, got {0}")]
+    RefillAt(f64),
+    #[error("the int64 layout counts per day: reset must be daily, got {0}")]
+    Int64Reset(&'static str),
+    #[error("epoch must be on or after 1970-01-01T00:00:00Z")]
+    Epoch,
+    #[error("a {0} sequence needs {{date:...}} tokens that change every period, or its IDs would repeat")]
+    PeriodNotInFormat(&'static str),
+    #[error("IDs would be up to {0} characters long; the limit is {MAX_ID_LEN}")]
+    TooLong(usize),
+}
+
+/// A validated sequence definition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Definition {
+    pub format: Template,
+    pub layout: Layout,
+    pub start: i64,
+    pub max: Option<i64>,
+    pub reset: Reset,
+    pub timezone: Tz,
+    pub pool_size: u32,
+    pub refill_at: f64,
+}
+
+impl Definition {
+    /// Validates `input` for the sequence `project`/`doc_type`, filling in defaults.
+    pub fn from_input(
+        input: &DefinitionInput,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
+    ) -> Result<Self, DefinitionError> {
+        let layout = match input.layout.unwrap_or_default() {
+            LayoutKind::Text => Layout::Text,
+            LayoutKind::Int64 => {
+                let epoch = input.epoch.unwrap_or_else(default_int64_epoch);
+                if epoch.timestamp() < 0 {
+                    return Err(DefinitionError::Epoch);
+                }
+                Layout::Int64 { epoch }
+            }
+        };
+        let reset = match (&layout, input.reset) {
+            (Layout::Int64 { .. }, None | Some(Reset::Daily)) => Reset::Daily,
+            (Layout::Int64 { .. }, Some(other)) => return Err(DefinitionError::Int64Reset(other.as_str())),
+            (Layout::Text, reset) => reset.unwrap_or_default(),
+        };
+        let format = Template::parse(input.format.as_deref().unwrap_or(DEFAULT_FORMAT))?;
+        let tz_name = input.timezone.as_deref().unwrap_or("UTC");
+        let timezone: Tz = tz_name
+            .parse()
+            .map_err(|_| DefinitionError::Timezone(tz_name.to_owned()))?;
+        let cap = match layout {
+            Layout::Text => MAX_TEXT_SEQ,
+            Layout::Int64 { .. } => MAX_INT64_SEQ,
+        };
+        let start = input.start.unwrap_or(1);
+        if !(0..=cap).contains(&start) {
+            return Err(DefinitionError::Start { start, max: cap });
+        }
+        if let Some(max) = input.max
+            && !(start..=cap).contains(&max)
+        {
+            return Err(DefinitionError::Max { max, start, cap });
+        }
+        let pool_size = input.pool_size.unwrap_or(DEFAULT_POOL_SIZE);
+        if !(1..=MAX_POOL_SIZE).contains(&pool_size) {
+            return Err(DefinitionError::PoolSize(pool_size));
+        }
+        let refill_at = input.refill_at.unwrap_or(DEFAULT_REFILL_AT);
+        if !(refill_at > 0.0 && refill_at <= 1.0) {
+            return Err(DefinitionError::RefillAt(refill_at));
+        }
+        let definition = Definition {
+            format,
+            layout,
+            start,
+            max: input.max,
+            reset,
+            timezone,
+            pool_size,
+            refill_at,
+        };
+        definition.check_periods_distinct()?;
+        definition.check_id_length(project, doc_type)?;
+        Ok(definition)
+    }
+
+    pub fn defaults(project: &ProjectCode, doc_type: &TypeCode) -> Result<Self, DefinitionError> {
+        Self::from_input(&DefinitionInput::default(), project, doc_type)
+    }
+
+    /// Largest number a period can issue.
+    pub fn max_seq(&self) -> i64 {
+        self.max.unwrap_or(match self.layout {
+            Layout::Text => MAX_TEXT_SEQ,
+            Layout::Int64 { .. } => MAX_INT64_SEQ,
+        })
+    }
+
+    pub fn layout_kind(&self) -> LayoutKind {
+        match self.layout {
+            Layout::Text => LayoutKind::Text,
+            Layout::Int64 { .. } => LayoutKind::Int64,
+        }
+    }
+
+    pub fn epoch(&self) -> Option<DateTime<Utc>> {
+        match self.layout {
+            Layout::Text => None,
+            Layout::Int64 { epoch } => Some(epoch),
+        }
+    }
+
+    pub fn period_at(&self, now: DateTime<Utc>) -> Period {
+        self.reset.period_at(self.timezone, now)
+    }
+
+    /// Whether going from `self` to `next` changes how existing numbers read,
+    /// which SPEC refuses without `force` once numbers were issued.
+    pub fn changes_identity(&self, next: &Definition) -> bool {
+        self.format != next.format
+            || self.layout != next.layout
+            || self.reset != next.reset
+            || self.timezone != next.timezone
+    }
+
+    /// How the IDs of numbers issued at `at` in `period` read.
+    pub fn shape(
+        &self,
+        project: &str,
+        doc_type: &str,
+        period: &Period,
+        at: DateTime<Utc>,
+    ) -> Result<IdShape, LayoutRangeError> {
+        match self.layout {
+            Layout::Text => Ok(IdShape::Text(self.format.shape(
+                project,
+                doc_type,
+                &at.with_timezone(&self.timezone),
+            ))),
+            Layout::Int64 { epoch } => {
+                let day_start = period.starts_at().unwrap_or(at);
+                let seconds = (day_start - epoch).num_seconds();
+                if !(0..(1 << 31)).contains(&seconds) {
+                    return Err(LayoutRangeError { seconds });
+                }
+                Ok(IdShape::Int64 { base: seconds << 32 })
+            }
+        }
+    }
+
+    fn check_periods_distinct(&self) -> Result<(), DefinitionError> {
+        if self.reset == Reset::Never || matches!(self.layout, Layout::Int64 { .. }) {
+            return Ok(());
+        }
+        let samples = match self.reset {
+            Reset::Daily => 400,
+            Reset::Monthly => 25,
+            _ => 10,
+        };
+        let from = NaiveDate::from_ymd_opt(2024, 1, 1).unwrap_or_default();
+        let mut seen = std::collections::HashSet::new();
+        for day in self.reset.consecutive_first_days(from, samples) {
+            let at = start_of_day(self.timezone, day).with_timezone(&self.timezone);
+            if !seen.insert(self.format.date_part(&at)) {
+                return Err(DefinitionError::PeriodNotInFormat(self.reset.as_str()));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_id_length(&self, project: &ProjectCode, doc_type: &TypeCode) -> Result<(), DefinitionError> {
+        let digits = self.max_seq().to_string().len();
+        let longest = match self.layout {
+            Layout::Int64 { .. } => 19,
+            Layout::Text => {
+                // Wednesday, September: the longest English day and month names.
+                let samples = ["2026-09-30T23:59:59Z", "2026-12-31T23:59:59Z"];
+                samples
+                    .iter()
+                    .filter_map(|s| DateTime::parse_from_rfc3339(s).ok())
+                    .map(|at| {
+                        self.format
+                            .shape(project.as_str(), doc_type.as_str(), &at.with_timezone(&self.timezone))
+                            .len_with_digits(digits)
+                    })
+                    .max()
+                    .unwrap_or(0)
+            }
+        };
+        if longest > MAX_ID_LEN {
+            return Err(DefinitionError::TooLong(longest));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the int64 layout cannot express a day {seconds} s after its epoch (0 to 2^31 - 1)")]
+pub struct LayoutRangeError {
+    pub seconds: i64,
+}
+
+/// What turns numbers of one request into IDs.
+#[derive(Debug, Clone)]
+pub enum IdShape {
+    Text(TextShape),
+    Int64 { base: i64 },
+}
+
+impl IdShape {
+    pub fn id(&self, seq: i64) -> String {
+        match self {
+            IdShape::Text(shape) => shape.format(seq),
+            IdShape::Int64 { base } => (base | seq).to_string(),
+        }
+    }
+
+    /// The number clients see in `seqs`: the counter, or the whole 64-bit value.
+    pub fn number(&self, seq: i64) -> i64 {
+        match self {
+            IdShape::Text(_) => seq,
+            IdShape::Int64 { base } => base | seq,
+        }
+    }
+}
+
+/// A stored sequence.
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub id: i64,
+    pub project: ProjectCode,
+    pub doc_type: TypeCode,
+    pub definition: Definition,
+    pub version: i32,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn codes(p: &str, t: &str) -> (ProjectCode, TypeCode) {
+        (ProjectCode::parse(p).unwrap(), TypeCode::parse(t).unwrap())
+    }
+
+    fn at(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    #[test]
+    fn defaults_are_the_spec_defaults() {
+        let (p, t) = codes("PROJ", "9012");
+        let d = Definition::defaults(&p, &t).unwrap();
+        assert_eq!(d.format.as_str(), "{project}-{type}-{seq}");
+        assert_eq!((d.start, d.max, d.reset), (1, None, Reset::Never));
+        assert_eq!((d.pool_size, d.refill_at), (1000, 0.75));
+        assert_eq!(d.timezone, Tz::UTC);
+    }
+
+    #[test]
+    fn a_daily_sequence_needs_a_daily_date_token() {
+        let (p, t) = codes("P", "IS");
+        let mut input = DefinitionInput {
+            format: Some("{type}{date:%Y%m}{seq:4}".into()),
+            reset: Some(Reset::Daily),
+            ..Default::default()
+        };
+        assert_eq!(
+            Definition::from_input(&input, &p, &t),
+            Err(DefinitionError::PeriodNotInFormat("daily"))
+        );
+        input.format = Some("{type}{date:%Y%m%d}{seq:4}".into());
+        assert!(Definition::from_input(&input, &p, &t).is_ok());
+        input.format = Some("{type}{date:%y%j}{seq:4}".into());
+        assert!(Definition::from_input(&input, &p, &t).is_ok());
+    }
+
+    #[test]
+    fn ids_longer_than_64_characters_are_refused() {
+        let (p, t) = codes(&"P".repeat(32), &"T".repeat(32));
+        assert!(matches!(
+            Definition::defaults(&p, &t),
+            Err(DefinitionError::TooLong(_))
+        ));
+        let (p, t) = codes("PROJ", "9012");
+        let input = DefinitionInput {
+            format: Some(format!("{}{{seq}}", "x".repeat(60))),
+            ..Default::default()
+        };
+        assert!(matches!(
+            Definition::from_input(&input, &p, &t),
+            Err(DefinitionError::TooLong(76))
+        ));
+    }
+
+    #[test]
+    fn bounds_are_checked() {
+        let (p, t) = codes("P", "T");
+        let check = |input: DefinitionInput| Definition::from_input(&input, &p, &t);
+        assert!(matches!(
+            check(DefinitionInput { start: Some(-1), ..Default::default() }),
+            Err(DefinitionError::Start { .. })
+        ));
+        assert!(matches!(
+            check(DefinitionInput { start: Some(10), max: Some(9), ..Default::default() }),
+            Err(DefinitionError::Max { .. })
+        ));
+        assert!(matches!(
+            check(DefinitionInput { pool_size: Some(0), ..Default::default() }),
+            Err(DefinitionError::PoolSize(0))
+        ));
+        assert!(matches!(
+            check(DefinitionInput { refill_at: Some(0.0), ..Default::default() }),
+            Err(DefinitionError::RefillAt(_))
+        ));
+        assert!(matches!(
+            check(DefinitionInput { timezone: Some("Mars/Olympus".into()), ..Default::default() }),
+            Err(DefinitionError::Timezone(_))
+        ));
+        assert!(matches!(
+            check(DefinitionInput {
+                layout: Some(LayoutKind::Int64),
+                reset: Some(Reset::Never),
+                ..Default::default()
+            }),
+            Err(DefinitionError::Int64Reset("never"))
+        ));
+    }
+
+    #[test]
+    fn int64_layout_puts_day_seconds_above_the_counter() {
+        let (p, t) = codes("SHOP", "coupon");
+        let input = DefinitionInput {
+            layout: Some(LayoutKind::Int64),
+            ..Default::default()
+        };
+        let d = Definition::from_input(&input, &p, &t).unwrap();
+        assert_eq!(d.reset, Reset::Daily);
+        assert_eq!(d.max_seq(), (1 << 32) - 1);
+        let now = at("2026-11-22T10:00:00Z");
+        let period = d.period_at(now);
+        let shape = d.shape("SHOP", "coupon", &period, now).unwrap();
+        let day_seconds = at("2026-11-22T00:00:00Z").timestamp() - 1_640_995_200;
+        assert_eq!(shape.number(7), (day_seconds << 32) | 7);
+        assert_eq!(shape.id(7), ((day_seconds << 32) | 7).to_string());
+        assert!(shape.number(8) > shape.number(7));
+        let next_day = d.period_at(at("2026-11-23T00:00:00Z"));
+        let later = d.shape("SHOP", "coupon", &next_day, at("2026-11-23T00:00:00Z")).unwrap();
+        assert!(later.number(1) > shape.number(d.max_seq()));
+    }
+
+    #[test]
+    fn identity_changes_are_detected() {
+        let (p, t) = codes("P", "T");
+        let a = Definition::defaults(&p, &t).unwrap();
+        let mut b = a.clone();
+        b.pool_size = 50;
+        assert!(!a.changes_identity(&b));
+        b.timezone = "Europe/Berlin".parse().unwrap();
+        assert!(a.changes_identity(&b));
+    }
+}

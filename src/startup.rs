@@ -1,0 +1,166 @@
+//! Wiring: build every part from the configuration, serve until told to stop,
+//! then stop the background tasks in order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::counter::Counter;
+use crate::http::{AppInner, AppState};
+use crate::issuance::Issuer;
+use crate::ledger::Ledger;
+use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
+use crate::sequence::store::SequenceStore;
+use crate::stats::Stats;
+use crate::{db, http, listen};
+
+/// Parts tests replace.
+pub struct Overrides {
+    pub clock: Arc<dyn Clock>,
+    pub pool: PoolSettings,
+}
+
+impl Default for Overrides {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            pool: PoolSettings::default(),
+        }
+    }
+}
+
+pub struct Application {
+    listener: TcpListener,
+    state: AppState,
+    background: Vec<JoinHandle<()>>,
+    stop: CancellationToken,
+}
+
+impl Application {
+    pub async fn build(config: &Config) -> anyhow::Result<Self> {
+        Self::build_with(config, Overrides::default()).await
+    }
+
+    pub async fn build_with(config: &Config, overrides: Overrides) -> anyhow::Result<Self> {
+        let db = db::connect(&config.database_url, config.db_pool_size).await?;
+        if config.migrate.is_on() {
+            db::migrate(&db).await?;
+        }
+        let stats = Arc::new(Stats::default());
+        let redis = RedisLink::connect(
+            &RedisSettings {
+                url: config.redis_url.clone(),
+                prefix: config.redis_prefix.clone(),
+                clients: config.redis_clients,
+                command_timeout: Duration::from_millis(config.redis_timeout_ms.max(1)),
+            },
+            stats.clone(),
+        )?;
+        let sequences = Arc::new(SequenceStore::new(db.clone()));
+        let counter = Arc::new(Counter::new(db.clone(), config.instance_id()));
+        let pool_settings = PoolSettings {
+            refill_concurrency: config.refill_concurrency,
+            ..overrides.pool
+        };
+        let pools = PoolService::new(redis, counter.clone(), sequences.clone(), stats.clone(), pool_settings);
+        let ledger = Ledger::spawn(db.clone(), stats.clone(), 4);
+        let issuer = Issuer {
+            sequences: sequences.clone(),
+            pools: pools.clone(),
+            ledger,
+            counter,
+            clock: overrides.clock.clone(),
+            stats: stats.clone(),
+            db: db.clone(),
+        };
+        let stop = CancellationToken::new();
+        let background = vec![
+            tokio::spawn(pools.clone().watch_redis(stop.clone())),
+            tokio::spawn(listen::run(db.clone(), sequences.clone(), stop.clone())),
+        ];
+        let state = AppState(Arc::new(AppInner {
+            issuer,
+            sequences,
+            pools,
+            stats,
+            clock: overrides.clock,
+            db,
+            request_timeout: config.request_timeout(),
+        }));
+        let listener = TcpListener::bind(&config.listen).await?;
+        Ok(Self {
+            listener,
+            state,
+            background,
+            stop,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.listener.local_addr().map(|a| a.port()).unwrap_or(0)
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Cancelling this token shuts the application down gracefully.
+    pub fn stop_token(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Serves until the stop token is cancelled; requests in flight finish,
+    /// then the background tasks stop.
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        let Self {
+            listener,
+            state,
+            background,
+            stop,
+        } = self;
+        tracing::info!(address = %listener.local_addr()?, "idpool serving");
+        let redis = state.pools.redis().clone();
+        let router = http::router(state);
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(stop.clone().cancelled_owned())
+            .await;
+        stop.cancel();
+        for task in background {
+            let _ = task.await;
+        }
+        redis.shutdown().await;
+        tracing::info!("idpool stopped");
+        Ok(served?)
+    }
+}
+
+/// Cancels `stop` on SIGTERM or SIGINT.
+pub fn stop_on_signals(stop: CancellationToken) {
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot handle SIGTERM");
+                    std::future::pending::<()>().await
+                }
+            }
+        };
+        #[cfg(not(unix))]
+        let terminate = std::future::pending::<()>();
+        tokio::select! {
+            _ = ctrl_c => tracing::info!("SIGINT: shutting down"),
+            _ = terminate => tracing::info!("SIGTERM: shutting down"),
+        }
+        stop.cancel();
+    });
+}
