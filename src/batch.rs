@@ -30,7 +30,11 @@ pub struct BatcherClosed;
 impl<T: Send + 'static> Batcher<T> {
     /// Starts the collector. It stops once every `Batcher` handle is dropped
     /// and the queue is drained, after its batches in flight finish.
-    pub fn spawn<F, Fut>(max_batch: usize, max_in_flight: usize, handler: F) -> (Self, JoinHandle<()>)
+    pub fn spawn<F, Fut>(
+        max_batch: usize,
+        max_in_flight: usize,
+        handler: F,
+    ) -> (Self, JoinHandle<()>)
     where
         F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
@@ -78,10 +82,8 @@ mod tests {
     async fn concurrent_items_share_batches_and_all_get_answers() {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let seen = sizes.clone();
-        let (batcher, collector) = Batcher::spawn(
-            16,
-            1,
-            move |batch: Vec<(u32, oneshot::Sender<u32>)>| {
+        let (batcher, collector) =
+            Batcher::spawn(16, 1, move |batch: Vec<(u32, oneshot::Sender<u32>)>| {
                 let seen = seen.clone();
                 async move {
                     seen.lock().unwrap().push(batch.len());
@@ -90,8 +92,7 @@ mod tests {
                         let _ = reply.send(n * 2);
                     }
                 }
-            },
-        );
+            });
         let mut waiting = Vec::new();
         for n in 0..100u32 {
             let (tx, rx) = oneshot::channel();

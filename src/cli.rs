@@ -9,7 +9,11 @@ use crate::startup::{Application, stop_on_signals};
 use crate::{db, http, telemetry};
 
 #[derive(Debug, Parser)]
-#[command(name = "idpool", version, about = "Tenant-formatted sequential IDs from Redis pools over Postgres")]
+#[command(
+    name = "idpool",
+    version,
+    about = "Tenant-formatted sequential IDs from Redis pools over Postgres"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,

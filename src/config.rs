@@ -29,7 +29,12 @@ pub struct Config {
     pub database_url: String,
 
     /// Redis; `redis-cluster://h1:p1?node=h2:p2` for a Redis Cluster.
-    #[arg(long = "redis-url", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", global = true)]
+    #[arg(
+        long = "redis-url",
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        global = true
+    )]
     pub redis_url: String,
 
     /// HTTP address to listen on.
@@ -53,19 +58,39 @@ pub struct Config {
     pub migrate: Switch,
 
     /// Prefix of every Redis key (several deployments can share one Redis).
-    #[arg(long = "idpool-redis-prefix", env = "IDPOOL_REDIS_PREFIX", default_value = "idpool", global = true)]
+    #[arg(
+        long = "idpool-redis-prefix",
+        env = "IDPOOL_REDIS_PREFIX",
+        default_value = "idpool",
+        global = true
+    )]
     pub redis_prefix: String,
 
     /// Redis connections (commands on one are pipelined).
-    #[arg(long = "idpool-redis-clients", env = "IDPOOL_REDIS_CLIENTS", default_value_t = 2, global = true)]
+    #[arg(
+        long = "idpool-redis-clients",
+        env = "IDPOOL_REDIS_CLIENTS",
+        default_value_t = 2,
+        global = true
+    )]
     pub redis_clients: usize,
 
     /// Redis command timeout; past it the circuit opens and IDs come from Postgres.
-    #[arg(long = "idpool-redis-timeout-ms", env = "IDPOOL_REDIS_TIMEOUT_MS", default_value_t = 250, global = true)]
+    #[arg(
+        long = "idpool-redis-timeout-ms",
+        env = "IDPOOL_REDIS_TIMEOUT_MS",
+        default_value_t = 1000,
+        global = true
+    )]
     pub redis_timeout_ms: u64,
 
     /// Postgres connections of this instance.
-    #[arg(long = "idpool-db-pool-size", env = "IDPOOL_DB_POOL_SIZE", default_value_t = 16, global = true)]
+    #[arg(
+        long = "idpool-db-pool-size",
+        env = "IDPOOL_DB_POOL_SIZE",
+        default_value_t = 16,
+        global = true
+    )]
     pub db_pool_size: u32,
 
     /// Pool refills one instance runs at once.

@@ -34,23 +34,25 @@ pub struct PoolBlock {
 }
 
 pub struct Counter {
-    db: PgPool,
+    /// Connections of their own for refills, so a flood of requests waiting
+    /// on the main pool never starves the refills that would relieve it.
+    refill_db: PgPool,
     instance_id: String,
     /// Periods whose counter row this instance has already seen to exist.
     known_periods: Mutex<HashSet<(i64, String)>>,
 }
 
 impl Counter {
-    pub fn new(db: PgPool, instance_id: String) -> Self {
+    pub fn new(refill_db: PgPool, instance_id: String) -> Self {
         Self {
-            db,
+            refill_db,
             instance_id,
             known_periods: Mutex::new(HashSet::new()),
         }
     }
 
-    pub fn db(&self) -> &PgPool {
-        &self.db
+    pub fn refill_db(&self) -> &PgPool {
+        &self.refill_db
     }
 
     pub fn instance_id(&self) -> &str {
@@ -58,7 +60,12 @@ impl Counter {
     }
 
     /// Creates the period's counter at `start` the first time it is used.
-    async fn ensure_period(&self, sequence: &Sequence, period: &Period) -> Result<(), sqlx::Error> {
+    async fn ensure_period<'e, E: sqlx::PgExecutor<'e>>(
+        &self,
+        db: E,
+        sequence: &Sequence,
+        period: &Period,
+    ) -> Result<(), sqlx::Error> {
         let key = (sequence.id, period.key().to_owned());
         if self.known(&key) {
             return Ok(());
@@ -70,7 +77,7 @@ impl Counter {
         .bind(sequence.id)
         .bind(period.key())
         .bind(sequence.definition.start)
-        .execute(&self.db)
+        .execute(db)
         .await?;
         self.known_periods
             .lock()
@@ -95,7 +102,8 @@ impl Counter {
         want: i64,
         lock_acquired_at: DateTime<Utc>,
     ) -> Result<Option<PoolBlock>, sqlx::Error> {
-        self.ensure_period(sequence, period).await?;
+        self.ensure_period(&self.refill_db, sequence, period)
+            .await?;
         let row: Option<(i64, i64, i64)> = sqlx::query_as(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = LEAST($3, $4 - next_seq + 1), \
@@ -113,7 +121,7 @@ impl Counter {
         .bind(sequence.definition.max_seq())
         .bind(&self.instance_id)
         .bind(lock_acquired_at)
-        .fetch_optional(&self.db)
+        .fetch_optional(&self.refill_db)
         .await?;
         Ok(row.map(|(id, start, end)| PoolBlock {
             id,
@@ -124,7 +132,7 @@ impl Counter {
     pub async fn mark_pushed(&self, block_id: i64) -> Result<(), sqlx::Error> {
         sqlx::query("UPDATE blocks SET pushed_at = clock_timestamp() WHERE id = $1")
             .bind(block_id)
-            .execute(&self.db)
+            .execute(&self.refill_db)
             .await?;
         Ok(())
     }
@@ -140,7 +148,9 @@ impl Counter {
         n: i64,
         via: Via,
     ) -> Result<Option<SeqRange>, sqlx::Error> {
-        self.ensure_period(sequence, period).await?;
+        // On the caller's connection: taking a second one while holding this
+        // one deadlocks once every connection is held this way.
+        self.ensure_period(&mut *conn, sequence, period).await?;
         let first: Option<i64> = sqlx::query_scalar(
             "WITH taken AS ( \
                  UPDATE counters SET next_seq = next_seq + $3 \

@@ -12,10 +12,15 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(url)?;
     ensure_database(&options).await?;
+    pool(options, max_connections).await
+}
+
+/// A pool on a database that exists.
+pub async fn pool(options: PgConnectOptions, max_connections: u32) -> anyhow::Result<PgPool> {
     let pool = PgPoolOptions::new()
         .max_connections(max_connections.max(2))
         .min_connections(1)
-        .acquire_timeout(Duration::from_secs(5))
+        .acquire_timeout(Duration::from_secs(30))
         .connect_with(options)
         .await?;
     Ok(pool)
@@ -31,10 +36,11 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut maintenance = options.clone().database("postgres").connect().await?;
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(&name)
-        .fetch_one(&mut maintenance)
-        .await?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&name)
+            .fetch_one(&mut maintenance)
+            .await?;
     if !exists {
         let quoted = format!("\"{}\"", name.replace('"', "\"\""));
         let created = sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))

@@ -20,7 +20,9 @@ pub const MAX_COUNT: usize = 10_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IssueError {
-    #[error("sequence {project}/{doc_type} has no {count} numbers left in period {period:?} (max {max})")]
+    #[error(
+        "sequence {project}/{doc_type} has no {count} numbers left in period {period:?} (max {max})"
+    )]
     Exhausted {
         project: String,
         doc_type: String,
@@ -95,7 +97,12 @@ impl Issuer {
     }
 
     /// `count` ledgered numbers of `pool`'s period, ascending.
-    pub async fn take(&self, pool: &PoolRef, count: usize, via: Via) -> Result<Vec<i64>, IssueError> {
+    pub async fn take(
+        &self,
+        pool: &PoolRef,
+        count: usize,
+        via: Via,
+    ) -> Result<Vec<i64>, IssueError> {
         let sequence = &pool.sequence;
         let mut popped = match self.pools.take(pool, count).await {
             Ok(seqs) => seqs,
@@ -110,6 +117,17 @@ impl Issuer {
             if missing > 0 {
                 match self.take_direct(pool, missing, via).await {
                     Ok(direct) => issued.extend(direct),
+                    Err(IssueError::Exhausted { .. }) => {
+                        // The counter is spent, but a refill may have moved
+                        // its last numbers into the pool.
+                        let more = self.pools.take(pool, missing).await.unwrap_or_default();
+                        if more.is_empty() {
+                            self.give_back(pool, &popped).await;
+                            return Err(self.exhausted(pool, count));
+                        }
+                        popped.extend(more);
+                        continue;
+                    }
                     Err(e) => {
                         self.give_back(pool, &popped).await;
                         return Err(e);
@@ -123,7 +141,7 @@ impl Issuer {
                 .ledger
                 .record(sequence.id, pool.period.key(), &popped, via)
                 .await?;
-            let accepted = without(popped, &refused);
+            let accepted = without(std::mem::take(&mut popped), &refused);
             Stats::add(&self.stats.ids_from_pool, accepted.len() as u64);
             issued.extend(accepted);
             if refused.is_empty() {
@@ -136,13 +154,17 @@ impl Issuer {
                 "pool handed out numbers that were already issued; discarding the pool"
             );
             self.pools.invalidate(pool, "stale_list").await;
-            popped = Vec::new();
         }
         issued.sort_unstable();
         Ok(issued)
     }
 
-    async fn take_direct(&self, pool: &PoolRef, n: usize, via: Via) -> Result<Vec<i64>, IssueError> {
+    async fn take_direct(
+        &self,
+        pool: &PoolRef,
+        n: usize,
+        via: Via,
+    ) -> Result<Vec<i64>, IssueError> {
         let mut conn = self.db.acquire().await?;
         let taken = self
             .counter
@@ -175,7 +197,12 @@ impl Issuer {
             tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
             let ranges = crate::numbers::runs(seqs);
             self.pools
-                .record_discard(&pool.sequence, pool.period.key(), &ranges, "give_back_failed")
+                .record_discard(
+                    &pool.sequence,
+                    pool.period.key(),
+                    &ranges,
+                    "give_back_failed",
+                )
                 .await;
         }
     }

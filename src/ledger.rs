@@ -122,7 +122,9 @@ async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
         .enumerate()
         .flat_map(|(group, seqs)| {
             let seqs: Vec<i64> = seqs.iter().copied().collect();
-            runs(&seqs).into_iter().map(move |range| Row { group, range })
+            runs(&seqs)
+                .into_iter()
+                .map(move |range| Row { group, range })
         })
         .collect();
 
@@ -183,11 +185,10 @@ async fn insert_resolving_conflicts(
                 .entry(row.group)
                 .or_default()
                 .extend(taken.iter().filter_map(|t| intersect(*t, row.range)));
-            rows.extend(
-                subtract(row.range, &taken)
-                    .into_iter()
-                    .map(|range| Row { group: row.group, range }),
-            );
+            rows.extend(subtract(row.range, &taken).into_iter().map(|range| Row {
+                group: row.group,
+                range,
+            }));
         }
     }
     Ok(refused)
@@ -200,9 +201,17 @@ fn intersect(a: SeqRange, b: SeqRange) -> Option<SeqRange> {
 }
 
 /// One statement for all rows; returns the rows the constraint refused.
-async fn insert_rows(db: &PgPool, stats: &Stats, groups: &[Group], rows: &[Row]) -> Result<Vec<Row>, sqlx::Error> {
+async fn insert_rows(
+    db: &PgPool,
+    stats: &Stats,
+    groups: &[Group],
+    rows: &[Row],
+) -> Result<Vec<Row>, sqlx::Error> {
     let sequence_ids: Vec<i64> = rows.iter().map(|r| groups[r.group].sequence_id).collect();
-    let periods: Vec<&str> = rows.iter().map(|r| groups[r.group].period.as_str()).collect();
+    let periods: Vec<&str> = rows
+        .iter()
+        .map(|r| groups[r.group].period.as_str())
+        .collect();
     let starts: Vec<i64> = rows.iter().map(|r| r.range.start).collect();
     let ends: Vec<i64> = rows.iter().map(|r| r.range.end).collect();
     let vias: Vec<&str> = rows.iter().map(|r| groups[r.group].via.as_str()).collect();
@@ -243,7 +252,11 @@ async fn insert_rows(db: &PgPool, stats: &Stats, groups: &[Group], rows: &[Row])
 }
 
 /// Issued ranges overlapping `range`, clipped to it, sorted.
-async fn issued_within(db: &PgPool, group: &Group, range: SeqRange) -> Result<Vec<SeqRange>, sqlx::Error> {
+async fn issued_within(
+    db: &PgPool,
+    group: &Group,
+    range: SeqRange,
+) -> Result<Vec<SeqRange>, sqlx::Error> {
     let rows: Vec<(i64, i64)> = sqlx::query_as(
         "SELECT lower(seqs), upper(seqs) FROM issuance_ledger \
          WHERE sequence_id = $1 AND period = $2 AND seqs && int8range($3, $4) ORDER BY lower(seqs)",

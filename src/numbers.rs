@@ -108,7 +108,11 @@ mod tests {
     #[test]
     fn subtract_leaves_the_holes() {
         let whole = SeqRange::new(1, 11);
-        let taken = [SeqRange::new(0, 2), SeqRange::new(4, 6), SeqRange::new(9, 20)];
+        let taken = [
+            SeqRange::new(0, 2),
+            SeqRange::new(4, 6),
+            SeqRange::new(9, 20),
+        ];
         assert_eq!(
             subtract(whole, &taken),
             vec![SeqRange::new(2, 4), SeqRange::new(6, 9)]

@@ -62,12 +62,23 @@ impl Application {
             stats.clone(),
         )?;
         let sequences = Arc::new(SequenceStore::new(db.clone()));
-        let counter = Arc::new(Counter::new(db.clone(), config.instance_id()));
+        let refill_db = db::pool(
+            (*db.connect_options()).clone(),
+            config.refill_concurrency.clamp(1, 4) as u32,
+        )
+        .await?;
+        let counter = Arc::new(Counter::new(refill_db, config.instance_id()));
         let pool_settings = PoolSettings {
             refill_concurrency: config.refill_concurrency,
             ..overrides.pool
         };
-        let pools = PoolService::new(redis, counter.clone(), sequences.clone(), stats.clone(), pool_settings);
+        let pools = PoolService::new(
+            redis,
+            counter.clone(),
+            sequences.clone(),
+            stats.clone(),
+            pool_settings,
+        );
         let ledger = Ledger::spawn(db.clone(), stats.clone(), 4);
         let issuer = Issuer {
             sequences: sequences.clone(),

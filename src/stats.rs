@@ -41,7 +41,8 @@ impl Stats {
 
     pub fn refill_started(&self) -> InFlight<'_> {
         let now = self.refills_in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-        self.refills_in_flight_peak.fetch_max(now, Ordering::Relaxed);
+        self.refills_in_flight_peak
+            .fetch_max(now, Ordering::Relaxed);
         InFlight(self)
     }
 
@@ -64,7 +65,12 @@ impl Stats {
                 ("{source=\"direct\"}", get(&self.ids_direct)),
             ],
         );
-        metric("idpool_pool_pops_total", "counter", "Pop round trips to Redis.", &[("", get(&self.pool_pops))]);
+        metric(
+            "idpool_pool_pops_total",
+            "counter",
+            "Pop round trips to Redis.",
+            &[("", get(&self.pool_pops))],
+        );
         metric(
             "idpool_pool_short_total",
             "counter",

@@ -63,7 +63,11 @@ pub async fn healthz() -> axum::Json<Health> {
     responses((status = 200, body = Readiness), (status = 503, body = Readiness))
 )]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Readiness>) {
-    let postgres = tokio::time::timeout(Duration::from_secs(1), sqlx::query("SELECT 1").execute(&state.db)).await;
+    let postgres = tokio::time::timeout(
+        Duration::from_secs(1),
+        sqlx::query("SELECT 1").execute(&state.db),
+    )
+    .await;
     let postgres = if matches!(postgres, Ok(Ok(_))) {
         Dependency::Up
     } else {
@@ -81,8 +85,19 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let mode = if pools_in_use { Mode::Pool } else { Mode::Fallback };
-    (status, axum::Json(Readiness { postgres, redis, mode }))
+    let mode = if pools_in_use {
+        Mode::Pool
+    } else {
+        Mode::Fallback
+    };
+    (
+        status,
+        axum::Json(Readiness {
+            postgres,
+            redis,
+            mode,
+        }),
+    )
 }
 
 /// Counters of this instance in Prometheus text format.

@@ -64,8 +64,8 @@ pub struct IdsInput {
 pub fn parse_codes(project: &str, doc_type: &str) -> Result<(ProjectCode, TypeCode), ApiError> {
     let project = ProjectCode::parse(project)
         .map_err(|e| ApiError::bad_request("invalid_project", format!("project: {e}")))?;
-    let doc_type =
-        TypeCode::parse(doc_type).map_err(|e| ApiError::bad_request("invalid_type", format!("type: {e}")))?;
+    let doc_type = TypeCode::parse(doc_type)
+        .map_err(|e| ApiError::bad_request("invalid_type", format!("type: {e}")))?;
     Ok((project, doc_type))
 }
 
@@ -75,7 +75,10 @@ impl IdsInput {
         if !(1..=MAX_COUNT as i64).contains(&body.count) {
             return Err(ApiError::bad_request(
                 "invalid_count",
-                format!("count must be between 1 and {MAX_COUNT}, got {}", body.count),
+                format!(
+                    "count must be between 1 and {MAX_COUNT}, got {}",
+                    body.count
+                ),
             ));
         }
         Ok(Self {

@@ -124,7 +124,10 @@ async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::not_found("not_found", format!("no route {} {}", req.method(), req.uri().path()))
+    ApiError::not_found(
+        "not_found",
+        format!("no route {} {}", req.method(), req.uri().path()),
+    )
 }
 
 async fn method_not_allowed(req: Request) -> ApiError {

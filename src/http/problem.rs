@@ -98,11 +98,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = Problem {
             problem_type: format!("urn:idpool:problem:{}", self.code),
-            title: self
-                .status
-                .canonical_reason()
-                .unwrap_or("Error")
-                .to_owned(),
+            title: self.status.canonical_reason().unwrap_or("Error").to_owned(),
             status: self.status.as_u16(),
             detail: self.detail,
             code: self.code.to_owned(),
@@ -129,11 +125,13 @@ impl From<JsonRejection> for ApiError {
             ),
             JsonRejection::JsonSyntaxError(e) => Self::bad_request("invalid_json", e.body_text()),
             JsonRejection::JsonDataError(e) => Self::bad_request("invalid_body", e.body_text()),
-            JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Self::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                "the request body is larger than this route accepts",
-            ),
+            JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Self::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    "the request body is larger than this route accepts",
+                )
+            }
             other => Self::bad_request("invalid_body", other.body_text()),
         }
     }
@@ -185,7 +183,9 @@ impl From<IssueError> for ApiError {
 /// Connection trouble is a 503 the client may retry; anything else is ours.
 pub fn db_error(e: sqlx::Error) -> ApiError {
     match e {
-        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed => ApiError::unavailable(e),
+        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed => {
+            ApiError::unavailable(e)
+        }
         other => ApiError::internal(other),
     }
 }

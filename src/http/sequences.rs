@@ -126,18 +126,23 @@ pub async fn list_sequences(
     }
     let after = match &query.cursor {
         None => None,
-        Some(cursor) => Some(
-            cursor
-                .split_once('/')
-                .ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is not one this API returned"))?,
-        ),
+        Some(cursor) => Some(cursor.split_once('/').ok_or_else(|| {
+            ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
+        })?),
     };
     let sequences = state.sequences.list(after, limit).await?;
     let next_cursor = (sequences.len() as i64 == limit)
-        .then(|| sequences.last().map(|s| format!("{}/{}", s.project, s.doc_type)))
+        .then(|| {
+            sequences
+                .last()
+                .map(|s| format!("{}/{}", s.project, s.doc_type))
+        })
         .flatten();
     Ok(axum::Json(SequenceList {
-        sequences: sequences.iter().map(|s| SequenceView::of(s, None)).collect(),
+        sequences: sequences
+            .iter()
+            .map(|s| SequenceView::of(s, None))
+            .collect(),
         next_cursor,
     }))
 }
@@ -173,7 +178,10 @@ pub async fn get_sequence(
     Ok(axum::Json(SequenceView::of(&sequence, Some(live))))
 }
 
-async fn live_figures(state: &AppState, sequence: &std::sync::Arc<Sequence>) -> Result<LiveFigures, ApiError> {
+async fn live_figures(
+    state: &AppState,
+    sequence: &std::sync::Arc<Sequence>,
+) -> Result<LiveFigures, ApiError> {
     let now = state.clock.now();
     let period = sequence.definition.period_at(now);
     let pool = state.pools.pool_ref(sequence.clone(), period.clone());
@@ -194,7 +202,12 @@ async fn live_figures(state: &AppState, sequence: &std::sync::Arc<Sequence>) -> 
     .map_err(db_error)?;
     let shape = sequence
         .definition
-        .shape(sequence.project.as_str(), sequence.doc_type.as_str(), &period, now)
+        .shape(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            &period,
+            now,
+        )
         .ok();
     Ok(LiveFigures {
         period: period.key().to_owned(),
@@ -237,12 +250,18 @@ pub async fn put_sequence(
         .put(&project, &doc_type, &definition, input.force)
         .await?;
     if let Some(old) = &outcome.replaced_identity {
-        state.pools.discard_sequence_pools(old, "definition_changed").await;
+        state
+            .pools
+            .discard_sequence_pools(old, "definition_changed")
+            .await;
     }
     let status = if outcome.created {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    Ok((status, axum::Json(SequenceView::of(&outcome.sequence, None))))
+    Ok((
+        status,
+        axum::Json(SequenceView::of(&outcome.sequence, None)),
+    ))
 }

@@ -66,6 +66,10 @@ impl Default for PoolSettings {
     }
 }
 
+/// How long a request the pool could not serve waits before looking again
+/// while another instance holds the refill lock.
+const BUSY_POLL: Duration = Duration::from_millis(3);
+
 /// Upper bound for any pool's target depth.
 const MAX_TARGET: u32 = 1_000_000;
 
@@ -95,6 +99,8 @@ pub struct PoolService {
     settings: PoolSettings,
     pops: Batcher<PopRequest>,
     refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
+    /// Numbers requests of this instance are waiting for, per pool.
+    demand: Mutex<HashMap<Arc<PoolKeys>, i64>>,
     refill_slots: Arc<Semaphore>,
 }
 
@@ -107,7 +113,8 @@ impl PoolService {
         settings: PoolSettings,
     ) -> Arc<Self> {
         let pop_link = redis.clone();
-        let (pops, _collector) = Batcher::spawn(1024, 4, move |batch| pop_batch(pop_link.clone(), batch));
+        let (pops, _collector) =
+            Batcher::spawn(1024, 4, move |batch| pop_batch(pop_link.clone(), batch));
         Arc::new(Self {
             refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
             redis,
@@ -117,6 +124,7 @@ impl PoolService {
             settings,
             pops,
             refills_in_flight: Mutex::new(HashMap::new()),
+            demand: Mutex::new(HashMap::new()),
         })
     }
 
@@ -140,14 +148,35 @@ impl PoolService {
     /// Pops up to `count` numbers. A pool that runs short gets the refill it
     /// needs (waited for up to `short_wait`) and one more pop; what is still
     /// missing is the caller's to take from Postgres.
-    pub async fn take(self: &Arc<Self>, pool: &PoolRef, count: usize) -> Result<Vec<i64>, RedisFailure> {
+    pub async fn take(
+        self: &Arc<Self>,
+        pool: &PoolRef,
+        count: usize,
+    ) -> Result<Vec<i64>, RedisFailure> {
         let first = self.pop(pool, count).await?;
         self.refill_if_low(pool, &first);
         let mut seqs = first.seqs;
         if seqs.len() < count {
             Stats::add(&self.stats.pool_short, 1);
-            let waited = tokio::time::timeout(self.settings.short_wait, self.refill_needed(pool)).await;
-            if matches!(waited, Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded)) {
+            let deadline = tokio::time::Instant::now() + self.settings.short_wait;
+            while seqs.len() < count {
+                // The refill also brings what waiting requests lack, so a
+                // big request is served from the pool, in order, rather
+                // than from the counter past numbers a refill just pushed.
+                self.add_demand(pool, count - seqs.len());
+                let refill = tokio::time::timeout_at(deadline, self.refill_handle(pool)).await;
+                match refill {
+                    Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded) => {}
+                    // Another instance is refilling: give it a moment
+                    // rather than queueing lock attempts behind the cap.
+                    Ok(RefillOutcome::Busy) => {
+                        if tokio::time::Instant::now() + BUSY_POLL >= deadline {
+                            break;
+                        }
+                        tokio::time::sleep(BUSY_POLL).await;
+                    }
+                    Ok(RefillOutcome::Exhausted | RefillOutcome::Failed) | Err(_) => break,
+                }
                 let again = self.pop(pool, count - seqs.len()).await?;
                 self.refill_if_low(pool, &again);
                 seqs.extend(again.seqs);
@@ -185,17 +214,6 @@ impl PoolService {
     fn refill_if_low(self: &Arc<Self>, pool: &PoolRef, popped: &Popped) {
         if popped.depth <= Self::low_water(pool, popped.target) {
             drop(self.refill_handle(pool));
-        }
-    }
-
-    /// Waits for a refill of `pool`, starting one if none runs here; if
-    /// another instance holds the lock, waits for it to finish.
-    async fn refill_needed(self: &Arc<Self>, pool: &PoolRef) -> RefillOutcome {
-        loop {
-            match self.refill_handle(pool).await {
-                RefillOutcome::Busy => tokio::time::sleep(Duration::from_millis(2)).await,
-                outcome => return outcome,
-            }
         }
     }
 
@@ -249,7 +267,11 @@ impl PoolService {
             return RefillOutcome::Failed;
         }
         let token = uuid::Uuid::new_v4().simple().to_string();
-        let locked = match self.redis.acquire(&pool.keys, &token, self.settings.lock_ttl).await {
+        let locked = match self
+            .redis
+            .acquire(&pool.keys, &token, self.settings.lock_ttl)
+            .await
+        {
             Ok(Some(locked)) => locked,
             Ok(None) => return RefillOutcome::Busy,
             Err(e) => {
@@ -260,13 +282,14 @@ impl PoolService {
         let lock_acquired_at = Utc::now();
         let now_ms = lock_acquired_at.timestamp_millis();
         let target = self.adapted_target(pool, locked.target, locked.refilled_at_ms, now_ms);
+        let demand = self.take_demand(pool);
         // Double check under the lock: another instance may have refilled
         // between our pop and our lock.
-        if locked.depth > Self::low_water(pool, target) {
+        if locked.depth > Self::low_water(pool, target) && locked.depth >= demand {
             let _ = self.redis.release(&pool.keys, &token).await;
             return RefillOutcome::NotNeeded;
         }
-        let want = target - locked.depth;
+        let want = (target - locked.depth).max(0) + demand;
         let block = match self
             .counter
             .reserve_pool_block(&pool.sequence, &pool.period, want, lock_acquired_at)
@@ -283,7 +306,11 @@ impl PoolService {
                 return RefillOutcome::Failed;
             }
         };
-        match self.redis.push(&pool.keys, &token, block.range, target, now_ms).await {
+        match self
+            .redis
+            .push(&pool.keys, &token, block.range, target, now_ms)
+            .await
+        {
             Ok(Some(_depth)) => {
                 if let Err(e) = self.counter.mark_pushed(block.id).await {
                     tracing::warn!(error = %e, block = block.id, "could not mark block pushed");
@@ -292,25 +319,61 @@ impl PoolService {
             }
             Ok(None) => {
                 tracing::warn!(pool = %pool.keys.pool, "refill lock expired before the push; block discarded");
-                self.record_discard(&pool.sequence, pool.period.key(), &[block.range], "refill_lock_lost")
-                    .await;
+                self.record_discard(
+                    &pool.sequence,
+                    pool.period.key(),
+                    &[block.range],
+                    "refill_lock_lost",
+                )
+                .await;
                 RefillOutcome::Failed
             }
             Err(e) => {
                 tracing::warn!(error = %e, pool = %pool.keys.pool, "push failed; block discarded");
-                self.record_discard(&pool.sequence, pool.period.key(), &[block.range], "push_failed")
-                    .await;
+                self.record_discard(
+                    &pool.sequence,
+                    pool.period.key(),
+                    &[block.range],
+                    "push_failed",
+                )
+                .await;
                 RefillOutcome::Failed
             }
         }
     }
 
+    fn add_demand(&self, pool: &PoolRef, numbers: usize) {
+        let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+        let waiting = demand.entry(pool.keys.clone()).or_default();
+        *waiting = waiting
+            .saturating_add(numbers as i64)
+            .min(i64::from(MAX_TARGET));
+    }
+
+    /// What requests waiting on this pool lack; the refill about to reserve
+    /// takes it all.
+    fn take_demand(&self, pool: &PoolRef) -> i64 {
+        let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+        demand.remove(&pool.keys).unwrap_or(0)
+    }
+
     /// Leaf's dynamic step: a pool refilled again soon after its last refill
     /// doubles its depth, an idle one halves it back towards `pool_size`.
-    fn adapted_target(&self, pool: &PoolRef, current: i64, refilled_at_ms: i64, now_ms: i64) -> i64 {
+    fn adapted_target(
+        &self,
+        pool: &PoolRef,
+        current: i64,
+        refilled_at_ms: i64,
+        now_ms: i64,
+    ) -> i64 {
         let base = i64::from(pool.sequence.definition.pool_size);
-        let cap = (base * i64::from(self.settings.max_growth)).clamp(base, i64::from(MAX_TARGET).max(base));
-        let current = if current <= 0 { base } else { current.clamp(base, cap) };
+        let cap = (base * i64::from(self.settings.max_growth))
+            .clamp(base, i64::from(MAX_TARGET).max(base));
+        let current = if current <= 0 {
+            base
+        } else {
+            current.clamp(base, cap)
+        };
         if refilled_at_ms <= 0 {
             return current;
         }
@@ -337,11 +400,19 @@ impl PoolService {
                 self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
                     .await
             }
-            Err(e) => tracing::warn!(error = %e, pool = %pool.keys.pool, "could not invalidate pool"),
+            Err(e) => {
+                tracing::warn!(error = %e, pool = %pool.keys.pool, "could not invalidate pool")
+            }
         }
     }
 
-    pub async fn record_discard(&self, sequence: &Sequence, period: &str, ranges: &[SeqRange], cause: &str) {
+    pub async fn record_discard(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+        ranges: &[SeqRange],
+        cause: &str,
+    ) {
         if ranges.is_empty() {
             return;
         }
@@ -358,7 +429,7 @@ impl PoolService {
         .bind(cause)
         .bind(&starts)
         .bind(&ends)
-        .execute(self.counter.db())
+        .execute(self.counter.refill_db())
         .await;
         match written {
             Ok(_) => tracing::info!(
@@ -376,7 +447,10 @@ impl PoolService {
     pub async fn discard_sequence_pools(&self, sequence: &Sequence, cause: &str) {
         let keys = match self
             .redis
-            .pool_keys(Some((sequence.project.as_str(), sequence.doc_type.as_str())))
+            .pool_keys(Some((
+                sequence.project.as_str(),
+                sequence.doc_type.as_str(),
+            )))
             .await
         {
             Ok(keys) => keys,
@@ -386,7 +460,9 @@ impl PoolService {
             }
         };
         for key in keys {
-            if let Some((project, doc_type, period)) = PoolKeys::parse_pool_key(self.redis.prefix(), &key) {
+            if let Some((project, doc_type, period)) =
+                PoolKeys::parse_pool_key(self.redis.prefix(), &key)
+            {
                 let keys = self.redis.keys(project, doc_type, period);
                 match self.redis.discard(&keys, None).await {
                     Ok(ranges) => self.record_discard(sequence, period, &ranges, cause).await,
@@ -404,7 +480,9 @@ impl PoolService {
         let run_id = self.redis.server_run_id().await?;
         let mut discarded_pools = 0;
         for key in self.redis.pool_keys(None).await? {
-            let Some((project, doc_type, period)) = PoolKeys::parse_pool_key(self.redis.prefix(), &key) else {
+            let Some((project, doc_type, period)) =
+                PoolKeys::parse_pool_key(self.redis.prefix(), &key)
+            else {
                 continue;
             };
             let keys = self.redis.keys(project, doc_type, period);
@@ -414,7 +492,10 @@ impl PoolService {
             }
             discarded_pools += 1;
             match self.sequences.get(project, doc_type).await {
-                Ok(Some(sequence)) => self.record_discard(&sequence, period, &ranges, "redis_reconnect").await,
+                Ok(Some(sequence)) => {
+                    self.record_discard(&sequence, period, &ranges, "redis_reconnect")
+                        .await
+                }
                 _ => tracing::error!(key, "discarded a pool of an unknown sequence"),
             }
         }
@@ -440,7 +521,10 @@ impl PoolService {
             match self.resync().await {
                 Ok(discarded) => {
                     if discarded > 0 {
-                        tracing::warn!(pools = discarded, "pools from before the reconnect discarded");
+                        tracing::warn!(
+                            pools = discarded,
+                            "pools from before the reconnect discarded"
+                        );
                     }
                     self.redis.mark_up(failures_before);
                 }
@@ -454,7 +538,10 @@ impl PoolService {
 async fn pop_batch(redis: Arc<RedisLink>, batch: Vec<PopRequest>) {
     let mut by_pool: HashMap<Arc<PoolKeys>, Vec<PopRequest>> = HashMap::new();
     for request in batch {
-        by_pool.entry(request.keys.clone()).or_default().push(request);
+        by_pool
+            .entry(request.keys.clone())
+            .or_default()
+            .push(request);
     }
     let pops = by_pool.into_values().map(|requests| {
         let redis = redis.clone();

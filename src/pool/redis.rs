@@ -101,7 +101,10 @@ pub struct RedisSettings {
 impl RedisLink {
     /// Builds the clients and starts connecting in the background: the
     /// service serves from Postgres until Redis answers.
-    pub fn connect(settings: &RedisSettings, stats: Arc<Stats>) -> Result<Arc<Self>, fred::error::Error> {
+    pub fn connect(
+        settings: &RedisSettings,
+        stats: Arc<Stats>,
+    ) -> Result<Arc<Self>, fred::error::Error> {
         let mut config = Config::from_url(&settings.url)?;
         // Keep retrying a Redis that is down at start instead of failing boot.
         config.fail_fast = false;
@@ -212,7 +215,12 @@ impl RedisLink {
         let _ = self.clients.quit().await;
     }
 
-    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Value, RedisFailure> {
+    async fn eval(
+        &self,
+        script: &Script,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<Value, RedisFailure> {
         let client = self.clients.next().with_options(&self.options);
         let result: Result<Value, _> = client
             .evalsha(script.sha1().clone(), keys.clone(), args.clone())
@@ -227,7 +235,10 @@ impl RedisLink {
     }
 
     /// Runs `f` and trips the circuit when Redis fails.
-    async fn guarded<T>(&self, f: impl Future<Output = Result<T, RedisFailure>>) -> Result<T, RedisFailure> {
+    async fn guarded<T>(
+        &self,
+        f: impl Future<Output = Result<T, RedisFailure>>,
+    ) -> Result<T, RedisFailure> {
         let result = f.await;
         if let Err(RedisFailure::Command(e)) = &result {
             self.trip(&e.to_string());
@@ -250,19 +261,30 @@ impl RedisLink {
                 .await?;
             let mut parts = array(reply)?.into_iter();
             let seqs = match parts.next() {
-                Some(Value::Array(values)) => values.into_iter().filter_map(|v| integer(&v)).collect(),
+                Some(Value::Array(values)) => {
+                    values.into_iter().filter_map(|v| integer(&v)).collect()
+                }
                 Some(Value::Null) | None => Vec::new(),
                 Some(other) => return Err(RedisFailure::Reply(format!("pop list: {other:?}"))),
             };
             let depth = parts.next().as_ref().and_then(integer).unwrap_or(0);
             let target = parts.next().as_ref().and_then(integer).unwrap_or(0);
-            Ok(Popped { seqs, depth, target })
+            Ok(Popped {
+                seqs,
+                depth,
+                target,
+            })
         })
         .await
     }
 
     /// Takes the pool's refill lock; `None` when another holder has it.
-    pub async fn acquire(&self, keys: &PoolKeys, token: &str, ttl: Duration) -> Result<Option<LockedPool>, RedisFailure> {
+    pub async fn acquire(
+        &self,
+        keys: &PoolKeys,
+        token: &str,
+        ttl: Duration,
+    ) -> Result<Option<LockedPool>, RedisFailure> {
         self.guarded(async {
             let reply = self
                 .eval(
@@ -308,7 +330,8 @@ impl RedisLink {
                     ],
                 )
                 .await?;
-            let depth = integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))?;
+            let depth =
+                integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))?;
             Ok((depth >= 0).then_some(depth))
         })
         .await
@@ -316,16 +339,24 @@ impl RedisLink {
 
     pub async fn release(&self, keys: &PoolKeys, token: &str) -> Result<(), RedisFailure> {
         self.guarded(async {
-            self.eval(&self.scripts.release, vec![keys.lock.clone()], vec![token.to_owned()])
-                .await
-                .map(|_| ())
+            self.eval(
+                &self.scripts.release,
+                vec![keys.lock.clone()],
+                vec![token.to_owned()],
+            )
+            .await
+            .map(|_| ())
         })
         .await
     }
 
     /// Empties the pool unless it was filled on the server `keep_run_id`
     /// names (`None`: always), returning the numbers it held.
-    pub async fn discard(&self, keys: &PoolKeys, keep_run_id: Option<&str>) -> Result<Vec<SeqRange>, RedisFailure> {
+    pub async fn discard(
+        &self,
+        keys: &PoolKeys,
+        keep_run_id: Option<&str>,
+    ) -> Result<Vec<SeqRange>, RedisFailure> {
         self.guarded(async {
             let reply = self
                 .eval(
@@ -403,7 +434,9 @@ impl RedisLink {
         };
         let mut keys = Vec::new();
         let mut stream = if client.is_clustered() {
-            client.scan_cluster_buffered(pattern, Some(1000), None).boxed()
+            client
+                .scan_cluster_buffered(pattern, Some(1000), None)
+                .boxed()
         } else {
             client.scan_buffered(pattern, Some(1000), None).boxed()
         };
@@ -420,7 +453,9 @@ fn array(value: Value) -> Result<Vec<Value>, RedisFailure> {
     match value {
         Value::Array(values) => Ok(values),
         Value::Null => Ok(Vec::new()),
-        other => Err(RedisFailure::Reply(format!("expected an array, got {other:?}"))),
+        other => Err(RedisFailure::Reply(format!(
+            "expected an array, got {other:?}"
+        ))),
     }
 }
 
@@ -448,7 +483,10 @@ mod tests {
             Some(("PROJ", "9012", "20261122"))
         );
         let never = PoolKeys::new("t1", "P", "T", "");
-        assert_eq!(PoolKeys::parse_pool_key("t1", &never.pool), Some(("P", "T", "")));
+        assert_eq!(
+            PoolKeys::parse_pool_key("t1", &never.pool),
+            Some(("P", "T", ""))
+        );
         assert_eq!(PoolKeys::parse_pool_key("other", &never.pool), None);
     }
 }

@@ -97,7 +97,9 @@ pub enum DefinitionError {
     Int64Reset(&'static str),
     #[error("epoch must be on or after 1970-01-01T00:00:00Z")]
     Epoch,
-    #[error("a {0} sequence needs {{date:...}} tokens that change every period, or its IDs would repeat")]
+    #[error(
+        "a {0} sequence needs {{date:...}} tokens that change every period, or its IDs would repeat"
+    )]
     PeriodNotInFormat(&'static str),
     #[error("IDs would be up to {0} characters long; the limit is {MAX_ID_LEN}")]
     TooLong(usize),
@@ -135,7 +137,9 @@ impl Definition {
         };
         let reset = match (&layout, input.reset) {
             (Layout::Int64 { .. }, None | Some(Reset::Daily)) => Reset::Daily,
-            (Layout::Int64 { .. }, Some(other)) => return Err(DefinitionError::Int64Reset(other.as_str())),
+            (Layout::Int64 { .. }, Some(other)) => {
+                return Err(DefinitionError::Int64Reset(other.as_str()));
+            }
             (Layout::Text, reset) => reset.unwrap_or_default(),
         };
         let format = Template::parse(input.format.as_deref().unwrap_or(DEFAULT_FORMAT))?;
@@ -238,7 +242,9 @@ impl Definition {
                 if !(0..(1 << 31)).contains(&seconds) {
                     return Err(LayoutRangeError { seconds });
                 }
-                Ok(IdShape::Int64 { base: seconds << 32 })
+                Ok(IdShape::Int64 {
+                    base: seconds << 32,
+                })
             }
         }
     }
@@ -263,7 +269,11 @@ impl Definition {
         Ok(())
     }
 
-    fn check_id_length(&self, project: &ProjectCode, doc_type: &TypeCode) -> Result<(), DefinitionError> {
+    fn check_id_length(
+        &self,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
+    ) -> Result<(), DefinitionError> {
         let digits = self.max_seq().to_string().len();
         let longest = match self.layout {
             Layout::Int64 { .. } => 19,
@@ -275,7 +285,11 @@ impl Definition {
                     .filter_map(|s| DateTime::parse_from_rfc3339(s).ok())
                     .map(|at| {
                         self.format
-                            .shape(project.as_str(), doc_type.as_str(), &at.with_timezone(&self.timezone))
+                            .shape(
+                                project.as_str(),
+                                doc_type.as_str(),
+                                &at.with_timezone(&self.timezone),
+                            )
                             .len_with_digits(digits)
                     })
                     .max()
@@ -394,23 +408,39 @@ mod tests {
         let (p, t) = codes("P", "T");
         let check = |input: DefinitionInput| Definition::from_input(&input, &p, &t);
         assert!(matches!(
-            check(DefinitionInput { start: Some(-1), ..Default::default() }),
+            check(DefinitionInput {
+                start: Some(-1),
+                ..Default::default()
+            }),
             Err(DefinitionError::Start { .. })
         ));
         assert!(matches!(
-            check(DefinitionInput { start: Some(10), max: Some(9), ..Default::default() }),
+            check(DefinitionInput {
+                start: Some(10),
+                max: Some(9),
+                ..Default::default()
+            }),
             Err(DefinitionError::Max { .. })
         ));
         assert!(matches!(
-            check(DefinitionInput { pool_size: Some(0), ..Default::default() }),
+            check(DefinitionInput {
+                pool_size: Some(0),
+                ..Default::default()
+            }),
             Err(DefinitionError::PoolSize(0))
         ));
         assert!(matches!(
-            check(DefinitionInput { refill_at: Some(0.0), ..Default::default() }),
+            check(DefinitionInput {
+                refill_at: Some(0.0),
+                ..Default::default()
+            }),
             Err(DefinitionError::RefillAt(_))
         ));
         assert!(matches!(
-            check(DefinitionInput { timezone: Some("Mars/Olympus".into()), ..Default::default() }),
+            check(DefinitionInput {
+                timezone: Some("Mars/Olympus".into()),
+                ..Default::default()
+            }),
             Err(DefinitionError::Timezone(_))
         ));
         assert!(matches!(
@@ -441,7 +471,9 @@ mod tests {
         assert_eq!(shape.id(7), ((day_seconds << 32) | 7).to_string());
         assert!(shape.number(8) > shape.number(7));
         let next_day = d.period_at(at("2026-11-23T00:00:00Z"));
-        let later = d.shape("SHOP", "coupon", &next_day, at("2026-11-23T00:00:00Z")).unwrap();
+        let later = d
+            .shape("SHOP", "coupon", &next_day, at("2026-11-23T00:00:00Z"))
+            .unwrap();
         assert!(later.number(1) > shape.number(d.max_seq()));
     }
 

@@ -18,7 +18,10 @@ fn validate(code: &str) -> Result<(), CodeError> {
     if len == 0 || len > MAX_CODE_LEN {
         return Err(CodeError::Length(len));
     }
-    match code.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '_')) {
+    match code
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_'))
+    {
         Some(c) => Err(CodeError::Character(c)),
         None => Ok(()),
     }
@@ -78,7 +81,10 @@ mod tests {
     #[test]
     fn rejects_empty_long_and_foreign_characters() {
         assert_eq!(ProjectCode::parse(""), Err(CodeError::Length(0)));
-        assert_eq!(ProjectCode::parse(&"A".repeat(33)), Err(CodeError::Length(33)));
+        assert_eq!(
+            ProjectCode::parse(&"A".repeat(33)),
+            Err(CodeError::Length(33))
+        );
         assert_eq!(ProjectCode::parse("PR-OJ"), Err(CodeError::Character('-')));
         assert_eq!(TypeCode::parse("90:12"), Err(CodeError::Character(':')));
         assert_eq!(TypeCode::parse("{9}"), Err(CodeError::Character('{')));

@@ -167,7 +167,10 @@ mod tests {
         assert_eq!(p, Reset::Daily.period_at(tz, at("2026-11-22T23:00:00Z")));
         assert!(Reset::Daily.period_named(tz, "202611").is_none());
         assert!(Reset::Daily.period_named(tz, "20261340").is_none());
-        assert_eq!(Reset::Monthly.period_named(tz, "202611").unwrap().key(), "202611");
+        assert_eq!(
+            Reset::Monthly.period_named(tz, "202611").unwrap().key(),
+            "202611"
+        );
         assert_eq!(Reset::Never.period_named(tz, "").unwrap(), Period::never());
         assert!(Reset::Never.period_named(tz, "2026").is_none());
     }

@@ -28,7 +28,9 @@ pub enum StoreError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PutError {
-    #[error("the sequence has issued numbers; changing format, layout, reset or timezone needs \"force\": true")]
+    #[error(
+        "the sequence has issued numbers; changing format, layout, reset or timezone needs \"force\": true"
+    )]
     InUse,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -162,7 +164,10 @@ impl SequenceStore {
             return Ok(self.remember(sequence));
         }
         let definition = Definition::defaults(project, doc_type)?;
-        insert_definition(&self.db, project, doc_type, &definition, true).await?;
+        if let Some(created) = insert_defaults(&self.db, project, doc_type, &definition).await? {
+            return Ok(self.remember(created.into_sequence()?));
+        }
+        // Another request created it first.
         let sequence = self
             .load(project.as_str(), doc_type.as_str())
             .await?
@@ -171,8 +176,15 @@ impl SequenceStore {
     }
 
     /// The sequence if it was defined or used, read fresh from Postgres.
-    pub async fn get(&self, project: &str, doc_type: &str) -> Result<Option<Arc<Sequence>>, StoreError> {
-        Ok(self.load(project, doc_type).await?.map(|s| self.remember(s)))
+    pub async fn get(
+        &self,
+        project: &str,
+        doc_type: &str,
+    ) -> Result<Option<Arc<Sequence>>, StoreError> {
+        Ok(self
+            .load(project, doc_type)
+            .await?
+            .map(|s| self.remember(s)))
     }
 
     pub async fn by_id(&self, id: i64) -> Result<Option<Sequence>, StoreError> {
@@ -185,7 +197,8 @@ impl SequenceStore {
     }
 
     async fn load(&self, project: &str, doc_type: &str) -> Result<Option<Sequence>, StoreError> {
-        let sql = format!("SELECT {SELECT_COLUMNS} FROM sequences WHERE project = $1 AND doc_type = $2");
+        let sql =
+            format!("SELECT {SELECT_COLUMNS} FROM sequences WHERE project = $1 AND doc_type = $2");
         let row: Option<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(project)
             .bind(doc_type)
@@ -236,7 +249,7 @@ impl SequenceStore {
         let existing = existing.map(SequenceRow::into_sequence).transpose()?;
         let mut replaced_identity = None;
         match &existing {
-            None => insert_definition(&mut *tx, project, doc_type, definition, false)
+            None => insert_definition(&mut *tx, project, doc_type, definition)
                 .await
                 .map_err(StoreError::from)?,
             Some(current) => {
@@ -268,7 +281,12 @@ impl SequenceStore {
         let sequence = self
             .load(project.as_str(), doc_type.as_str())
             .await?
-            .ok_or_else(|| StoreError::Corrupt(cache_key(project.as_str(), doc_type.as_str()), "vanished".into()))?;
+            .ok_or_else(|| {
+                StoreError::Corrupt(
+                    cache_key(project.as_str(), doc_type.as_str()),
+                    "vanished".into(),
+                )
+            })?;
         Ok(PutOutcome {
             sequence: self.remember(sequence),
             created: existing.is_none(),
@@ -277,22 +295,54 @@ impl SequenceStore {
     }
 }
 
+const INSERT_SEQUENCE: &str = "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, \
+     max_seq, reset, timezone, pool_size, refill_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+/// Creates the sequence with `d` unless it exists; the new row, if any.
+async fn insert_defaults(
+    db: &PgPool,
+    project: &ProjectCode,
+    doc_type: &TypeCode,
+    d: &Definition,
+) -> Result<Option<SequenceRow>, sqlx::Error> {
+    let sql = format!(
+        "{INSERT_SEQUENCE} ON CONFLICT (project, doc_type) DO NOTHING RETURNING {SELECT_COLUMNS}"
+    );
+    bind_definition(
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)),
+        project,
+        doc_type,
+        d,
+    )
+    .fetch_optional(db)
+    .await
+}
+
 async fn insert_definition<'e, E: sqlx::PgExecutor<'e>>(
     db: E,
     project: &ProjectCode,
     doc_type: &TypeCode,
     d: &Definition,
-    if_absent: bool,
 ) -> Result<(), sqlx::Error> {
-    let sql = if if_absent {
-        "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, max_seq, reset, \
-         timezone, pool_size, refill_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
-         ON CONFLICT (project, doc_type) DO NOTHING"
-    } else {
-        "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, max_seq, reset, \
-         timezone, pool_size, refill_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-    };
-    sqlx::query(sql)
+    let sql = format!("{INSERT_SEQUENCE} RETURNING {SELECT_COLUMNS}");
+    bind_definition(
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)),
+        project,
+        doc_type,
+        d,
+    )
+    .fetch_one(db)
+    .await?;
+    Ok(())
+}
+
+fn bind_definition<'q>(
+    query: sqlx::query::QueryAs<'q, sqlx::Postgres, SequenceRow, sqlx::postgres::PgArguments>,
+    project: &'q ProjectCode,
+    doc_type: &'q TypeCode,
+    d: &'q Definition,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, SequenceRow, sqlx::postgres::PgArguments> {
+    query
         .bind(project.as_str())
         .bind(doc_type.as_str())
         .bind(d.format.as_str())
@@ -304,9 +354,6 @@ async fn insert_definition<'e, E: sqlx::PgExecutor<'e>>(
         .bind(d.timezone.name())
         .bind(d.pool_size as i32)
         .bind(d.refill_at)
-        .execute(db)
-        .await?;
-    Ok(())
 }
 
 async fn update_definition<'e, E: sqlx::PgExecutor<'e>>(

@@ -149,15 +149,18 @@ fn parse_token(token: &str) -> Result<Segment, TemplateError> {
     }
     if let Some(width) = token.strip_prefix("seq:") {
         return match width.parse::<usize>() {
-            Ok(w) if (1..=MAX_SEQ_WIDTH).contains(&w) && width.bytes().all(|b| b.is_ascii_digit()) => {
+            Ok(w)
+                if (1..=MAX_SEQ_WIDTH).contains(&w)
+                    && width.bytes().all(|b| b.is_ascii_digit()) =>
+            {
                 Ok(Segment::Seq { width: w })
             }
             _ => Err(TemplateError::SeqWidth(width.to_owned())),
         };
     }
     if let Some(fmt) = token.strip_prefix("date:") {
-        let valid = !fmt.is_empty()
-            && StrftimeItems::new(fmt).all(|item| !matches!(item, Item::Error));
+        let valid =
+            !fmt.is_empty() && StrftimeItems::new(fmt).all(|item| !matches!(item, Item::Error));
         return if valid {
             Ok(Segment::Date(fmt.to_owned()))
         } else {
@@ -219,22 +222,43 @@ mod tests {
     #[test]
     fn refuses_malformed_templates() {
         assert_eq!(Template::parse(""), Err(TemplateError::Empty));
-        assert_eq!(Template::parse("{project}"), Err(TemplateError::SeqCount(0)));
-        assert_eq!(Template::parse("{seq}-{seq}"), Err(TemplateError::SeqCount(2)));
+        assert_eq!(
+            Template::parse("{project}"),
+            Err(TemplateError::SeqCount(0))
+        );
+        assert_eq!(
+            Template::parse("{seq}-{seq}"),
+            Err(TemplateError::SeqCount(2))
+        );
         assert_eq!(Template::parse("{seq"), Err(TemplateError::Unclosed(0)));
-        assert_eq!(Template::parse("a}{seq}"), Err(TemplateError::StrayClose(1)));
+        assert_eq!(
+            Template::parse("a}{seq}"),
+            Err(TemplateError::StrayClose(1))
+        );
         assert_eq!(
             Template::parse("{user}{seq}"),
             Err(TemplateError::UnknownToken("user".into()))
         );
-        assert_eq!(Template::parse("{seq:0}"), Err(TemplateError::SeqWidth("0".into())));
-        assert_eq!(Template::parse("{seq:20}"), Err(TemplateError::SeqWidth("20".into())));
-        assert_eq!(Template::parse("{seq:+4}"), Err(TemplateError::SeqWidth("+4".into())));
+        assert_eq!(
+            Template::parse("{seq:0}"),
+            Err(TemplateError::SeqWidth("0".into()))
+        );
+        assert_eq!(
+            Template::parse("{seq:20}"),
+            Err(TemplateError::SeqWidth("20".into()))
+        );
+        assert_eq!(
+            Template::parse("{seq:+4}"),
+            Err(TemplateError::SeqWidth("+4".into()))
+        );
         assert_eq!(
             Template::parse("{date:%Q}{seq}"),
             Err(TemplateError::DateFormat("%Q".into()))
         );
-        assert_eq!(Template::parse("{date:}{seq}"), Err(TemplateError::DateFormat("".into())));
+        assert_eq!(
+            Template::parse("{date:}{seq}"),
+            Err(TemplateError::DateFormat("".into()))
+        );
     }
 
     proptest! {

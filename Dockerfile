@@ -1,0 +1,26 @@
+# syntax=docker/dockerfile:1
+# Build: release binary. Runtime: distroless-like Debian slim, non-root.
+
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+# Dependencies first, so source edits do not rebuild them.
+COPY Cargo.toml Cargo.lock ./
+RUN mkdir src && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+    && cargo build --release --locked \
+    && rm -rf src
+COPY src ./src
+COPY migrations ./migrations
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin idpool
+
+FROM debian:bookworm-slim AS runtime
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin idpool
+COPY --from=build /src/target/release/idpool /usr/local/bin/idpool
+USER 10001
+ENV IDPOOL_LISTEN=0.0.0.0:8080 \
+    RUST_LOG=info
+EXPOSE 8080
+ENTRYPOINT ["/usr/local/bin/idpool"]
+CMD ["serve"]

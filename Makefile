@@ -1,0 +1,44 @@
+# idpool — the commands a newcomer needs: `make run`, `make test`.
+SHELL := /bin/bash
+export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
+export REDIS_URL ?= redis://127.0.0.1:6379
+
+.PHONY: help run test lint openapi services services-down clean-test-dbs
+
+help:
+	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080"
+	@echo "make test           start Postgres/Redis if needed, then the whole test suite"
+	@echo "make lint           rustfmt and clippy, warnings as errors"
+	@echo "make openapi        regenerate openapi/openapi.json"
+	@echo "make services-down  stop the Postgres/Redis that make started (never others)"
+
+services:
+	@scripts/dev-services.sh up
+
+services-down:
+	@scripts/dev-services.sh down
+
+run: services
+	cargo run --release -- serve
+
+# Every test makes its own database (idpool_test_*); drop those of earlier runs.
+clean-test-dbs:
+	@if command -v psql >/dev/null; then \
+	  base=$${DATABASE_URL%/*}; \
+	  psql "$$base/postgres" -Atqc "SELECT 'DROP DATABASE IF EXISTS \"' || datname || '\";' FROM pg_database WHERE datname LIKE 'idpool_test_%'" \
+	    | psql "$$base/postgres" -q >/dev/null 2>&1 || true; \
+	fi
+
+test: services clean-test-dbs
+	@if cargo nextest --version >/dev/null 2>&1; then \
+	  cargo nextest run --workspace --all-targets; \
+	else \
+	  cargo test --workspace --all-targets -- --test-threads 2; \
+	fi
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --all-targets -- -D warnings
+
+openapi:
+	cargo run -q -- openapi > openapi/openapi.json

@@ -1,0 +1,298 @@
+//! A real idpool per test: its own Postgres database and Redis key prefix on
+//! the servers at DATABASE_URL / REDIS_URL (or a redis-server of its own).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idpool::clock::{Clock, ManualClock, SystemClock};
+use idpool::config::{Config, Switch};
+use idpool::pool::PoolSettings;
+use idpool::startup::{Application, Overrides};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+pub fn base_database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idpool".into())
+}
+
+pub fn base_redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Database and Redis namespace shared by the instances of one test.
+#[derive(Clone)]
+pub struct TestEnv {
+    pub database_url: String,
+    pub redis_url: String,
+    pub prefix: String,
+    pub refill_concurrency: usize,
+    pub redis_timeout_ms: u64,
+}
+
+impl TestEnv {
+    pub fn new() -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        let database_url =
+            replace_database(&base_database_url(), &format!("idpool_test_{}", &tag[..16]));
+        Self {
+            database_url,
+            redis_url: base_redis_url(),
+            prefix: format!("t{}", &tag[..12]),
+            refill_concurrency: 8,
+            redis_timeout_ms: 1000,
+        }
+    }
+
+    pub fn with_redis(mut self, url: &str) -> Self {
+        self.redis_url = url.to_owned();
+        self
+    }
+
+    pub fn config(&self) -> Config {
+        Config {
+            database_url: self.database_url.clone(),
+            redis_url: self.redis_url.clone(),
+            listen: "127.0.0.1:0".into(),
+            migrate: Switch::On,
+            redis_prefix: self.prefix.clone(),
+            redis_clients: 2,
+            redis_timeout_ms: self.redis_timeout_ms,
+            db_pool_size: 8,
+            refill_concurrency: self.refill_concurrency,
+            request_timeout_s: 30,
+            instance_id: Some(format!("test-{}", uuid::Uuid::new_v4().simple())),
+        }
+    }
+
+    pub async fn spawn(&self) -> TestApp {
+        self.spawn_with(Arc::new(SystemClock), PoolSettings::default())
+            .await
+    }
+
+    pub async fn spawn_with_clock(&self, clock: Arc<ManualClock>) -> TestApp {
+        self.spawn_with(clock, PoolSettings::default()).await
+    }
+
+    pub async fn spawn_with(&self, clock: Arc<dyn Clock>, pool: PoolSettings) -> TestApp {
+        let config = self.config();
+        let app = Application::build_with(&config, Overrides { clock, pool })
+            .await
+            .expect("application builds");
+        let address = format!("http://127.0.0.1:{}", app.port());
+        let stop = app.stop_token();
+        tokio::spawn(async move {
+            let _ = app.run_until_stopped().await;
+        });
+        let db = PgPool::connect(&self.database_url).await.expect("test db");
+        let test_app = TestApp {
+            address,
+            client: reqwest::Client::builder()
+                .pool_max_idle_per_host(256)
+                .build()
+                .expect("client"),
+            db,
+            env: self.clone(),
+            stop,
+        };
+        test_app
+            .wait_for_mode("pool", Duration::from_secs(10))
+            .await;
+        test_app
+    }
+}
+
+pub fn replace_database(url: &str, name: &str) -> String {
+    let (head, tail) = match url.split_once('?') {
+        Some((h, t)) => (h, Some(t)),
+        None => (url, None),
+    };
+    let scheme_end = head.find("://").map(|i| i + 3).unwrap_or(0);
+    let base = match head[scheme_end..].find('/') {
+        Some(i) => &head[..scheme_end + i],
+        None => head,
+    };
+    match tail {
+        Some(t) => format!("{base}/{name}?{t}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+pub struct TestApp {
+    pub address: String,
+    pub client: reqwest::Client,
+    pub db: PgPool,
+    pub env: TestEnv,
+    stop: CancellationToken,
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    pub async fn post_ids(&self, project: &str, doc_type: &str, count: i64) -> reqwest::Response {
+        self.client
+            .post(self.url("/ids"))
+            .json(&json!({"project": project, "type": doc_type, "count": count}))
+            .send()
+            .await
+            .expect("request")
+    }
+
+    /// Issues IDs and returns (ids, seqs), failing the test on any error.
+    pub async fn issue(
+        &self,
+        project: &str,
+        doc_type: &str,
+        count: i64,
+    ) -> (Vec<String>, Vec<i64>) {
+        let response = self.post_ids(project, doc_type, count).await;
+        let status = response.status();
+        let body: Value = response.json().await.expect("json");
+        assert_eq!(status, StatusCode::OK, "POST /ids failed: {body}");
+        let ids = body["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_str().expect("id").to_owned())
+            .collect();
+        let seqs = body["seqs"]
+            .as_array()
+            .expect("seqs")
+            .iter()
+            .map(|v| v.as_i64().expect("seq"))
+            .collect();
+        (ids, seqs)
+    }
+
+    pub async fn put_sequence(
+        &self,
+        project: &str,
+        doc_type: &str,
+        body: Value,
+    ) -> reqwest::Response {
+        self.client
+            .put(self.url(&format!("/api/v1/sequences/{project}/{doc_type}")))
+            .json(&body)
+            .send()
+            .await
+            .expect("request")
+    }
+
+    pub async fn get_json(&self, path: &str) -> (StatusCode, Value) {
+        let response = self
+            .client
+            .get(self.url(path))
+            .send()
+            .await
+            .expect("request");
+        let status = response.status();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn mode(&self) -> Option<String> {
+        let (_, body) = self.get_json("/readyz").await;
+        body["mode"].as_str().map(str::to_owned)
+    }
+
+    /// Waits until `/readyz` reports `mode`; panics after `limit`.
+    pub async fn wait_for_mode(&self, mode: &str, limit: Duration) -> Duration {
+        let started = Instant::now();
+        loop {
+            if self.mode().await.as_deref() == Some(mode) {
+                return started.elapsed();
+            }
+            assert!(
+                started.elapsed() < limit,
+                "mode {mode} not reached within {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn metrics(&self) -> HashMap<String, f64> {
+        let text = self
+            .client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.rsplit_once(' '))
+            .filter_map(|(name, value)| Some((name.to_owned(), value.parse().ok()?)))
+            .collect()
+    }
+
+    pub fn redis_pool_key(&self, project: &str, doc_type: &str, period: &str) -> String {
+        format!("{}:{{{project}:{doc_type}:{period}}}:pool", self.env.prefix)
+    }
+}
+
+/// A problem+json answer: asserts the status, media type and code.
+pub async fn assert_problem(response: reqwest::Response, status: StatusCode, code: &str) -> Value {
+    assert_eq!(response.status(), status, "status");
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let body: Value = response.json().await.expect("problem body is JSON");
+    assert_eq!(
+        content_type, "application/problem+json",
+        "content type of {body}"
+    );
+    assert_eq!(body["code"], code, "code in {body}");
+    assert_eq!(body["status"], status.as_u16(), "status in {body}");
+    assert!(
+        body["type"].as_str().is_some_and(|t| t.ends_with(code)),
+        "type in {body}"
+    );
+    assert!(
+        body["title"].is_string() && body["detail"].is_string(),
+        "title/detail in {body}"
+    );
+    body
+}
+
+/// Numbers the ledger holds for a sequence period, expanded.
+pub async fn ledger_numbers(db: &PgPool, project: &str, doc_type: &str, period: &str) -> Vec<i64> {
+    let rows: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT lower(l.seqs), upper(l.seqs) FROM issuance_ledger l JOIN sequences s ON s.id = l.sequence_id \
+         WHERE s.project = $1 AND s.doc_type = $2 AND l.period = $3 ORDER BY lower(l.seqs)",
+    )
+    .bind(project)
+    .bind(doc_type)
+    .bind(period)
+    .fetch_all(db)
+    .await
+    .expect("ledger");
+    rows.into_iter().flat_map(|(s, e)| s..e).collect()
+}
+
+pub fn assert_distinct(seqs: &[i64], what: &str) {
+    let mut sorted = seqs.to_vec();
+    sorted.sort_unstable();
+    let before = sorted.len();
+    sorted.dedup();
+    assert_eq!(
+        sorted.len(),
+        before,
+        "{what}: {} duplicates",
+        before - sorted.len()
+    );
+}

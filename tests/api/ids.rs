@@ -1,0 +1,231 @@
+//! POST /ids: distinct, ascending, formatted, across instances.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use chrono::{DateTime, Duration, Utc};
+use idpool::clock::ManualClock;
+use reqwest::StatusCode;
+use serde_json::json;
+use tokio::sync::Barrier;
+
+use crate::helpers::{TestEnv, assert_distinct, assert_problem, ledger_numbers};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_requests_released_at_once_get_hundred_distinct_ids() {
+    let app = Arc::new(TestEnv::new().spawn().await);
+    let barrier = Arc::new(Barrier::new(100));
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let app = app.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            app.issue("PROJ", "9012", 1).await
+        }));
+    }
+    let mut ids = Vec::new();
+    let mut seqs = Vec::new();
+    for task in tasks {
+        let (i, s) = task.await.unwrap();
+        ids.extend(i);
+        seqs.extend(s);
+    }
+    assert_eq!(ids.len(), 100);
+    let distinct: std::collections::HashSet<_> = ids.iter().collect();
+    assert_eq!(distinct.len(), 100, "duplicate IDs");
+    for (id, seq) in ids.iter().zip(&seqs) {
+        assert_eq!(id, &format!("PROJ-9012-{seq}"));
+    }
+    // Every number handed out is in the ledger, and nothing else is.
+    let mut ledgered = ledger_numbers(&app.db, "PROJ", "9012", "").await;
+    ledgered.sort_unstable();
+    seqs.sort_unstable();
+    assert_eq!(ledgered, seqs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_10000_is_distinct_ascending_and_formatted() {
+    let app = TestEnv::new().spawn().await;
+    let (ids, seqs) = app.issue("BIG", "7", 10_000).await;
+    assert_eq!(ids.len(), 10_000);
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "seqs not strictly ascending"
+    );
+    for (id, seq) in ids.iter().zip(&seqs) {
+        assert_eq!(id, &format!("BIG-7-{seq}"));
+    }
+    // A second batch continues above the first.
+    let (_, more) = app.issue("BIG", "7", 10_000).await;
+    assert!(more[0] > seqs[9_999]);
+    let mut all = seqs.clone();
+    all.extend(&more);
+    assert_distinct(&all, "two batches");
+}
+
+/// One observed request: when it was sent and answered, what it got.
+struct Observed {
+    sent: Instant,
+    received: Instant,
+    seq: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_issue_30000_ids_over_3_sequences_without_duplicates_in_order() {
+    let env = TestEnv::new();
+    let apps = Arc::new(vec![
+        env.spawn().await,
+        env.spawn().await,
+        env.spawn().await,
+    ]);
+    let sequences = ["SEQA", "SEQB", "SEQC"];
+    let workers_per_sequence = 20;
+    let per_worker = 10_000 / workers_per_sequence;
+    let mut tasks = Vec::new();
+    for (s, sequence) in sequences.iter().enumerate() {
+        for w in 0..workers_per_sequence {
+            let apps = apps.clone();
+            let sequence = sequence.to_string();
+            tasks.push(tokio::spawn(async move {
+                let mut seen = Vec::with_capacity(per_worker);
+                for i in 0..per_worker {
+                    let app = &apps[(s + w + i) % apps.len()];
+                    let sent = Instant::now();
+                    let (ids, seqs) = app.issue(&sequence, "1", 1).await;
+                    let received = Instant::now();
+                    assert_eq!(ids[0], format!("{sequence}-1-{}", seqs[0]));
+                    seen.push(Observed {
+                        sent,
+                        received,
+                        seq: seqs[0],
+                    });
+                }
+                (sequence, seen)
+            }));
+        }
+    }
+    let mut by_sequence: HashMap<String, Vec<Observed>> = HashMap::new();
+    for task in tasks {
+        let (sequence, seen) = task.await.unwrap();
+        by_sequence.entry(sequence).or_default().extend(seen);
+    }
+    let mut total = 0;
+    for (sequence, mut observed) in by_sequence {
+        total += observed.len();
+        let seqs: Vec<i64> = observed.iter().map(|o| o.seq).collect();
+        assert_distinct(&seqs, &sequence);
+        // Issue order: a request sent after another was answered gets a
+        // higher number. Sweep requests by send time, tracking the highest
+        // number among those already answered.
+        observed.sort_by_key(|o| o.sent);
+        let mut answered: Vec<&Observed> = observed.iter().collect();
+        answered.sort_by_key(|o| o.received);
+        let mut highest_answered = i64::MIN;
+        let mut next = 0;
+        for request in &observed {
+            while next < answered.len() && answered[next].received < request.sent {
+                highest_answered = highest_answered.max(answered[next].seq);
+                next += 1;
+            }
+            assert!(
+                request.seq > highest_answered,
+                "{sequence}: got {} after {} had been answered",
+                request.seq,
+                highest_answered
+            );
+        }
+        // All three instances' numbers are in the one ledger.
+        let ledgered = ledger_numbers(&apps[0].db, &sequence, "1", "").await;
+        assert_eq!(ledgered.len(), seqs.len());
+    }
+    assert_eq!(total, 30_000);
+    let from_pool: f64 = {
+        let mut sum = 0.0;
+        for app in apps.iter() {
+            sum += app.metrics().await["idpool_ids_issued_total{source=\"pool\"}"];
+        }
+        sum
+    };
+    assert_eq!(
+        from_pool, 30_000.0,
+        "every ID came from a pool while Redis was up"
+    );
+}
+
+fn at(s: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_sequence_restarts_each_day_and_refuses_the_10000th_number() {
+    let clock = Arc::new(ManualClock::new(at("2026-11-22T09:00:00Z")));
+    let app = TestEnv::new().spawn_with_clock(clock.clone()).await;
+    let created = app
+        .put_sequence(
+            "SHOP",
+            "IS",
+            json!({"format": "{type}{date:%Y%m%d}{seq:4}", "reset": "daily", "max": 9999}),
+        )
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+
+    let (first, _) = app.issue("SHOP", "IS", 1).await;
+    assert_eq!(first, vec!["IS202611220001"]);
+    let (rest, seqs) = app.issue("SHOP", "IS", 9_998).await;
+    assert_eq!(rest.last().unwrap(), "IS202611229999");
+    assert_eq!(seqs.len(), 9_998);
+    let refused = app.post_ids("SHOP", "IS", 1).await;
+    let problem = assert_problem(refused, StatusCode::CONFLICT, "sequence_exhausted").await;
+    assert!(problem["detail"].as_str().unwrap().contains("20261122"));
+
+    // Midnight: a new period, counting from start again.
+    clock.set(at("2026-11-23T00:00:00Z"));
+    let (next_day, _) = app.issue("SHOP", "IS", 2).await;
+    assert_eq!(next_day, vec!["IS202611230001", "IS202611230002"]);
+    assert_eq!(
+        ledger_numbers(&app.db, "SHOP", "IS", "20261122")
+            .await
+            .len(),
+        9_999
+    );
+
+    // The day before is still exhausted, not wrapped.
+    clock.set(at("2026-11-22T23:59:59Z"));
+    assert_problem(
+        app.post_ids("SHOP", "IS", 1).await,
+        StatusCode::CONFLICT,
+        "sequence_exhausted",
+    )
+    .await;
+    clock.advance(Duration::seconds(1));
+    let (later, _) = app.issue("SHOP", "IS", 1).await;
+    assert_eq!(later, vec!["IS202611230003"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_int64_layout_returns_numbers_and_decimal_strings() {
+    let clock = Arc::new(ManualClock::new(at("2026-11-22T09:30:00Z")));
+    let app = TestEnv::new().spawn_with_clock(clock).await;
+    let created = app
+        .put_sequence("SHOP", "coupon", json!({"layout": "int64"}))
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let (ids, seqs) = app.issue("SHOP", "coupon", 3).await;
+    let day_seconds = at("2026-11-22T00:00:00Z").timestamp() - 1_640_995_200;
+    assert_eq!(
+        seqs,
+        vec![
+            (day_seconds << 32) | 1,
+            (day_seconds << 32) | 2,
+            (day_seconds << 32) | 3
+        ]
+    );
+    assert_eq!(ids, seqs.iter().map(i64::to_string).collect::<Vec<_>>());
+    let (_, view) = app.get_json("/api/v1/sequences/SHOP/coupon").await;
+    assert_eq!(view["layout"], "int64");
+    assert_eq!(view["reset"], "daily");
+    assert_eq!(view["max"], serde_json::Value::Null);
+    assert_eq!(view["live"]["last_issued"], (day_seconds << 32) | 3);
+}

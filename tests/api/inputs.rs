@@ -1,0 +1,207 @@
+//! Bad input gets a clear 4xx problem+json answer and changes nothing.
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, TestEnv, assert_problem};
+
+async fn post_raw(
+    app: &TestApp,
+    path: &str,
+    content_type: Option<&str>,
+    body: impl Into<reqwest::Body>,
+) -> reqwest::Response {
+    let mut request = app.client.post(app.url(path)).body(body);
+    if let Some(content_type) = content_type {
+        request = request.header("content-type", content_type);
+    }
+    request.send().await.unwrap()
+}
+
+async fn nothing_was_created(app: &TestApp) {
+    let (status, list) = app.get_json("/api/v1/sequences").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        list["sequences"],
+        json!([]),
+        "a rejected request created a sequence"
+    );
+    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM issuance_ledger")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(ledger, 0, "a rejected request issued numbers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_ids_request_gets_its_problem_and_changes_nothing() {
+    let app = TestEnv::new().spawn().await;
+    let json_type = Some("application/json");
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            json!({"project": "PR-OJ", "type": "9012"}),
+            "invalid_project",
+        ),
+        (json!({"project": "", "type": "9012"}), "invalid_project"),
+        (
+            json!({"project": "P".repeat(33), "type": "9012"}),
+            "invalid_project",
+        ),
+        (json!({"project": "PROJ", "type": "90 12"}), "invalid_type"),
+        (json!({"project": "PROJ", "type": ""}), "invalid_type"),
+        (
+            json!({"project": "PROJ", "type": "9012", "count": 0}),
+            "invalid_count",
+        ),
+        (
+            json!({"project": "PROJ", "type": "9012", "count": 10001}),
+            "invalid_count",
+        ),
+        (
+            json!({"project": "PROJ", "type": "9012", "count": -5}),
+            "invalid_count",
+        ),
+        (
+            json!({"project": "PROJ", "type": "9012", "count": 1.5}),
+            "invalid_body",
+        ),
+        (
+            json!({"project": "PROJ", "type": "9012", "count": "3"}),
+            "invalid_body",
+        ),
+        (
+            json!({"project": "PROJ", "type": "9012", "extra": true}),
+            "invalid_body",
+        ),
+        (json!({"type": "9012"}), "invalid_body"),
+        (json!({"project": 7, "type": "9012"}), "invalid_body"),
+        (json!(["PROJ", "9012"]), "invalid_body"),
+    ];
+    for path in ["/ids", "/api/v1/ids"] {
+        for (body, code) in &cases {
+            let response = post_raw(&app, path, json_type, body.to_string()).await;
+            let problem = assert_problem(response, StatusCode::BAD_REQUEST, code).await;
+            assert!(!problem["detail"].as_str().unwrap().is_empty());
+        }
+        let malformed = post_raw(&app, path, json_type, "{\"project\": \"PROJ\",").await;
+        assert_problem(malformed, StatusCode::BAD_REQUEST, "invalid_json").await;
+        let empty = post_raw(&app, path, json_type, "").await;
+        assert_eq!(empty.status(), StatusCode::BAD_REQUEST);
+        let no_type = post_raw(
+            &app,
+            path,
+            None,
+            json!({"project": "PROJ", "type": "9012"}).to_string(),
+        )
+        .await;
+        assert_problem(
+            no_type,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        )
+        .await;
+        let text = post_raw(&app, path, Some("text/plain"), "PROJ 9012").await;
+        assert_problem(
+            text,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        )
+        .await;
+        let huge = format!(
+            "{{\"project\": \"PROJ\", \"type\": \"9012\", \"pad\": \"{}\"}}",
+            "x".repeat(70_000)
+        );
+        let too_large = post_raw(&app, path, json_type, huge).await;
+        assert_problem(too_large, StatusCode::PAYLOAD_TOO_LARGE, "body_too_large").await;
+    }
+    nothing_was_created(&app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_sequence_definitions_and_queries_get_their_problems() {
+    let app = TestEnv::new().spawn().await;
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({"format": "{project}-{type}"}), "seq"),
+        (json!({"format": "{project}-{seq}-{seq}"}), "seq"),
+        (json!({"format": "{user}-{seq}"}), "unknown token"),
+        (json!({"format": "{seq:0}"}), "seq:N"),
+        (json!({"format": "{date:%Q}{seq}"}), "strftime"),
+        (json!({"format": "{seq", "reset": "never"}), "never closed"),
+        (
+            json!({"format": "{type}{date:%Y%m}{seq:4}", "reset": "daily"}),
+            "change every period",
+        ),
+        (json!({"timezone": "Mars/Olympus"}), "IANA"),
+        (json!({"start": 10, "max": 5}), "max"),
+        (json!({"pool_size": 0}), "pool_size"),
+        (json!({"refill_at": 1.5}), "refill_at"),
+        (json!({"layout": "int64", "reset": "monthly"}), "daily"),
+        (
+            json!({"format": format!("{}{{seq}}", "x".repeat(60))}),
+            "64",
+        ),
+    ];
+    for (body, mention) in cases {
+        let response = app.put_sequence("PROJ", "9012", body.clone()).await;
+        let problem = assert_problem(response, StatusCode::BAD_REQUEST, "invalid_definition").await;
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(
+            detail.contains(mention),
+            "{body}: detail {detail:?} should mention {mention:?}"
+        );
+    }
+    let unknown = app
+        .put_sequence("PROJ", "9012", json!({"colour": "blue"}))
+        .await;
+    assert_problem(unknown, StatusCode::BAD_REQUEST, "invalid_body").await;
+    let wrong_reset = app
+        .put_sequence("PROJ", "9012", json!({"reset": "hourly"}))
+        .await;
+    assert_problem(wrong_reset, StatusCode::BAD_REQUEST, "invalid_body").await;
+    let bad_path = app.put_sequence("PR-OJ", "9012", json!({})).await;
+    assert_problem(bad_path, StatusCode::BAD_REQUEST, "invalid_project").await;
+
+    let missing = app
+        .client
+        .get(app.url("/api/v1/sequences/NOPE/1"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(missing, StatusCode::NOT_FOUND, "sequence_not_found").await;
+    let bad_limit = app
+        .client
+        .get(app.url("/api/v1/sequences?limit=0"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_limit, StatusCode::BAD_REQUEST, "invalid_limit").await;
+    let bad_cursor = app
+        .client
+        .get(app.url("/api/v1/sequences?cursor=zzz"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_cursor, StatusCode::BAD_REQUEST, "invalid_cursor").await;
+    let unknown_param = app
+        .client
+        .get(app.url("/api/v1/sequences?colour=blue"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(unknown_param, StatusCode::BAD_REQUEST, "invalid_query").await;
+    let no_route = app
+        .client
+        .get(app.url("/api/v1/nothing"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(no_route, StatusCode::NOT_FOUND, "not_found").await;
+    let wrong_method = app.client.get(app.url("/ids")).send().await.unwrap();
+    assert_problem(
+        wrong_method,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+    )
+    .await;
+    nothing_was_created(&app).await;
+}

@@ -1,0 +1,9 @@
+//! End-to-end tests against real Postgres and Redis.
+
+mod helpers;
+mod ids;
+mod inputs;
+mod operations;
+mod redis_server;
+mod resilience;
+mod sequences;

@@ -1,0 +1,167 @@
+//! Health, readiness, metrics, the OpenAPI document, start without Redis,
+//! and graceful shutdown of the real binary.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+
+use crate::helpers::{TestEnv, base_database_url, replace_database};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_metrics_answer() {
+    let app = TestEnv::new().spawn().await;
+    let (status, health) = app.get_json("/healthz").await;
+    assert_eq!(
+        (status, health["status"].as_str()),
+        (StatusCode::OK, Some("ok"))
+    );
+    let (status, ready) = app.get_json("/readyz").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        ready,
+        serde_json::json!({"postgres": "up", "redis": "up", "mode": "pool"})
+    );
+    app.issue("M", "1", 3).await;
+    let metrics = app.metrics().await;
+    assert_eq!(metrics["idpool_ids_issued_total{source=\"pool\"}"], 3.0);
+    assert_eq!(metrics["idpool_mode_pool"], 1.0);
+    let response = app.client.get(app.url("/healthz")).send().await.unwrap();
+    assert!(
+        response.headers().contains_key("x-request-id"),
+        "every response carries a request id"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_committed_openapi_document_matches_the_code() {
+    let generated = idpool::http::openapi().to_pretty_json().unwrap();
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/openapi.json"))
+            .expect("openapi/openapi.json is committed");
+    assert!(
+        generated.trim() == committed.trim(),
+        "openapi/openapi.json is stale: run `make openapi` (cargo run -- openapi > openapi/openapi.json)"
+    );
+    let app = TestEnv::new().spawn().await;
+    let (status, served) = app.get_json("/openapi.json").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        served,
+        serde_json::from_str::<serde_json::Value>(&committed).unwrap()
+    );
+    assert!(served["paths"]["/ids"]["post"].is_object());
+    assert!(served["paths"]["/api/v1/ids"]["post"].is_object());
+    let docs = app.client.get(app.url("/docs/")).send().await.unwrap();
+    assert_eq!(docs.status(), StatusCode::OK);
+    assert!(
+        docs.text().await.unwrap().contains("swagger"),
+        "the docs UI is served from the binary"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_at_start_ids_come_from_postgres() {
+    // Nothing listens on port 1.
+    let app = TestEnv::new().with_redis("redis://127.0.0.1:1");
+    let config = app.config();
+    let application = idpool::startup::Application::build(&config).await.unwrap();
+    let address = format!("http://127.0.0.1:{}", application.port());
+    let stop = application.stop_token();
+    let server = tokio::spawn(application.run_until_stopped());
+    let client = reqwest::Client::new();
+    let ready: serde_json::Value = client
+        .get(format!("{address}/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        ready,
+        serde_json::json!({"postgres": "up", "redis": "down", "mode": "fallback"})
+    );
+    let issued: serde_json::Value = client
+        .post(format!("{address}/ids"))
+        .json(&serde_json::json!({"project": "NOREDIS", "type": "1", "count": 3}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        issued["ids"],
+        serde_json::json!(["NOREDIS-1-1", "NOREDIS-1-2", "NOREDIS-1-3"])
+    );
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_stops_cleanly_on_sigterm() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let database = format!(
+        "idpool_test_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..16]
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idpool"))
+        .arg("serve")
+        .env(
+            "DATABASE_URL",
+            replace_database(&base_database_url(), &database),
+        )
+        .env("IDPOOL_LISTEN", format!("127.0.0.1:{port}"))
+        .env("IDPOOL_REDIS_PREFIX", format!("t{database}"))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    loop {
+        if let Ok(r) = client
+            .get(format!("http://127.0.0.1:{port}/readyz"))
+            .send()
+            .await
+            && r.status() == StatusCode::OK
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "binary did not become ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let issued = client
+        .post(format!("http://127.0.0.1:{port}/ids"))
+        .json(&serde_json::json!({"project": "BIN", "type": "1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(issued.status(), StatusCode::OK);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "binary did not stop within 10 s of SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "exit status {status}");
+}

@@ -1,0 +1,109 @@
+//! A redis-server of the test's own, on a free port, that the test may kill
+//! and restart without touching the shared one.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct RedisServer {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+impl RedisServer {
+    /// Starts an empty server without persistence.
+    pub fn start() -> Self {
+        let mut server = Self {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("tempdir"),
+            child: None,
+        };
+        server.launch(false);
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// With `persist`, the server loads and saves `dump.rdb` in its
+    /// directory, so a restart brings the old data back under a new run_id
+    /// (what a failover to a lagging replica looks like to clients).
+    fn launch(&mut self, persist: bool) {
+        let mut command = Command::new("redis-server");
+        command
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args([
+                "--bind",
+                "127.0.0.1",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if persist {
+            command.args(["--dbfilename", "dump.rdb"]);
+        } else {
+            command.args(["--save", ""]);
+        }
+        let child = command
+            .spawn()
+            .expect("redis-server starts (is it installed?)");
+        self.child = Some(child);
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "redis-server did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL: the server and everything in it are gone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again on the same port, empty.
+    pub fn restart_empty(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_file(self.dir.path().join("dump.rdb"));
+        self.launch(false);
+    }
+
+    /// Saves the data, stops, and starts again on the same port with the
+    /// data loaded: same lists, new run_id.
+    pub fn restart_with_data(&mut self) {
+        let status = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "SAVE"])
+            .stdout(Stdio::null())
+            .status()
+            .expect("redis-cli");
+        assert!(status.success(), "SAVE failed");
+        self.kill();
+        self.launch(true);
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,266 @@
+//! Redis failing, coming back empty or stale, and many pools at once.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use fred::prelude::*;
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::helpers::{TestApp, TestEnv, assert_distinct};
+use crate::redis_server::RedisServer;
+
+async fn redis_client(url: &str) -> Client {
+    let client = Builder::from_config(Config::from_url(url).unwrap())
+        .build()
+        .unwrap();
+    client.init().await.unwrap();
+    client
+}
+
+/// Issues single IDs from `workers` loops until `running` clears; returns
+/// every seq and every non-200 status seen.
+fn load(
+    app: Arc<TestApp>,
+    workers: usize,
+    running: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<(Vec<i64>, Vec<u16>)> {
+    tokio::spawn(async move {
+        let mut tasks = Vec::new();
+        for _ in 0..workers {
+            let app = app.clone();
+            let running = running.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut seqs = Vec::new();
+                let mut failures = Vec::new();
+                while running.load(Ordering::Relaxed) {
+                    let response = app.post_ids("LOAD", "1", 1).await;
+                    let status = response.status();
+                    if status == StatusCode::OK {
+                        let body: Value = response.json().await.unwrap();
+                        seqs.push(body["seqs"][0].as_i64().unwrap());
+                    } else {
+                        failures.push(status.as_u16());
+                    }
+                }
+                (seqs, failures)
+            }));
+        }
+        let mut seqs = Vec::new();
+        let mut failures = Vec::new();
+        for task in tasks {
+            let (s, f) = task.await.unwrap();
+            seqs.extend(s);
+            failures.extend(f);
+        }
+        (seqs, failures)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load_then_restarted_empty_loses_no_request_and_no_uniqueness() {
+    let mut redis = RedisServer::start();
+    let app = Arc::new(TestEnv::new().with_redis(&redis.url()).spawn().await);
+    let running = Arc::new(AtomicBool::new(true));
+    let loader = load(app.clone(), 8, running.clone());
+
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let before_kill = app.metrics().await["idpool_ids_issued_total{source=\"pool\"}"];
+    assert!(
+        before_kill > 0.0,
+        "load was served from the pool before the kill"
+    );
+
+    redis.kill();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    let (status, ready) = app.get_json("/readyz").await;
+    assert_eq!(status, StatusCode::OK, "ready without Redis: {ready}");
+    assert_eq!(ready["redis"], "down");
+    let direct_before = app.metrics().await["idpool_ids_issued_total{source=\"direct\"}"];
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let direct_after = app.metrics().await["idpool_ids_issued_total{source=\"direct\"}"];
+    assert!(
+        direct_after > direct_before,
+        "IDs kept coming from Postgres while Redis was down"
+    );
+
+    redis.restart_empty();
+    let resumed = app.wait_for_mode("pool", Duration::from_secs(10)).await;
+    let pool_before = app.metrics().await["idpool_ids_issued_total{source=\"pool\"}"];
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    running.store(false, Ordering::Relaxed);
+    let (seqs, failures) = loader.await.unwrap();
+    let pool_after = app.metrics().await["idpool_ids_issued_total{source=\"pool\"}"];
+
+    assert!(failures.is_empty(), "non-200 answers: {failures:?}");
+    assert!(
+        pool_after > pool_before,
+        "pool mode served IDs again after the restart"
+    );
+    assert_distinct(&seqs, "whole run");
+    println!(
+        "pool mode resumed {resumed:?} after the restart; {} IDs issued",
+        seqs.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_pool_list_never_yields_a_duplicate() {
+    let app = TestEnv::new().spawn().await;
+    let (_, first) = app.issue("STALE", "1", 50).await;
+    // What a lagging replica would hand back after a failover: numbers
+    // already issued, at the head of the list.
+    let redis = redis_client(&app.env.redis_url).await;
+    let key = app.redis_pool_key("STALE", "1", "");
+    let stale: Vec<String> = first.iter().rev().map(i64::to_string).collect();
+    let _: i64 = redis.lpush(key.as_str(), stale).await.unwrap();
+
+    let mut later = Vec::new();
+    for _ in 0..20 {
+        later.extend(app.issue("STALE", "1", 5).await.1);
+    }
+    let mut all = first.clone();
+    all.extend(&later);
+    assert_distinct(&all, "stale list");
+    let metrics = app.metrics().await;
+    assert!(
+        metrics["idpool_stale_numbers_rejected_total"] >= 1.0,
+        "the ledger caught the stale numbers"
+    );
+    // The stale pool was discarded and its unissued numbers recorded.
+    let discarded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pool_discards WHERE cause = 'stale_list'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!(discarded >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_filled_on_another_server_is_discarded_after_reconnect() {
+    let mut redis = RedisServer::start();
+    let app = TestEnv::new().with_redis(&redis.url()).spawn().await;
+    let (_, before) = app.issue("FAIL", "1", 10).await;
+    // Same data, new server: like a failover to a replica.
+    redis.restart_with_data();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    app.wait_for_mode("pool", Duration::from_secs(10)).await;
+    let (_, after) = app.issue("FAIL", "1", 10).await;
+    let highest_block: i64 =
+        sqlx::query_scalar("SELECT max(upper(seqs)) FROM blocks WHERE purpose = 'pool'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!(after[0] > before[9]);
+    // The numbers of the old pool were recorded, and the new ones come from
+    // a block reserved after the reconnect.
+    let discarded: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT lower(seqs), upper(seqs) FROM pool_discards WHERE cause = 'redis_reconnect'",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(discarded.len(), 1, "one pool discarded: {discarded:?}");
+    assert_eq!(
+        discarded[0].0,
+        before[9] + 1,
+        "discarded from the old pool's head"
+    );
+    assert!(after[0] >= discarded[0].1);
+    assert!(after[9] < highest_block);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_pools_drained_at_once_refill_one_at_a_time_each_within_the_cap() {
+    let mut env = TestEnv::new();
+    env.refill_concurrency = 4;
+    let apps = Arc::new(vec![env.spawn().await, env.spawn().await]);
+    // Small pools, so every request below drains its pool.
+    for i in 0..1000 {
+        let created = apps[0]
+            .put_sequence(
+                &format!("P{i}"),
+                "1",
+                serde_json::json!({"pool_size": 20, "refill_at": 0.5}),
+            )
+            .await;
+        assert_eq!(created.status(), StatusCode::CREATED);
+    }
+    let started = Instant::now();
+    let mut by_sequence: HashMap<usize, Vec<i64>> = HashMap::new();
+    // Three rounds; in each, all 1000 sequences are asked at once, split
+    // over the two instances.
+    for round in 0..3 {
+        let mut tasks = Vec::new();
+        for i in 0..1000 {
+            let apps = apps.clone();
+            tasks.push(tokio::spawn(async move {
+                let app = &apps[(i + round) % 2];
+                (i, app.issue(&format!("P{i}"), "1", 20).await.1)
+            }));
+        }
+        for task in tasks {
+            let (i, seqs) = task.await.unwrap();
+            by_sequence.entry(i).or_default().extend(seqs);
+        }
+    }
+    let elapsed = started.elapsed();
+    for (i, seqs) in &by_sequence {
+        assert_distinct(seqs, &format!("P{i}"));
+        assert_eq!(seqs.len(), 60);
+    }
+    // Let the refills that requests did not wait for finish.
+    for app in apps.iter() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while app.metrics().await["idpool_refills_in_flight"] > 0.0 {
+            assert!(
+                Instant::now() < deadline,
+                "refills still running after 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // Per pool, the refills (lock taken .. block pushed) never overlapped,
+    // across both instances.
+    let refills: Vec<(i64, String, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as(
+            "SELECT sequence_id, instance_id, lock_acquired_at, pushed_at FROM blocks \
+             WHERE purpose = 'pool' AND pushed_at IS NOT NULL ORDER BY sequence_id, lock_acquired_at",
+        )
+        .fetch_all(&apps[0].db)
+        .await
+        .unwrap();
+    let pools_refilled = refills.chunk_by(|a, b| a.0 == b.0).count();
+    assert_eq!(pools_refilled, 1000, "every drained pool was refilled");
+    let mut max_in_flight_per_pool = 0;
+    let mut instances = std::collections::HashSet::new();
+    for pool in refills.chunk_by(|a, b| a.0 == b.0) {
+        for (i, refill) in pool.iter().enumerate() {
+            instances.insert(refill.1.clone());
+            let overlapping = pool[..i]
+                .iter()
+                .filter(|earlier| earlier.3 > refill.2)
+                .count();
+            max_in_flight_per_pool = max_in_flight_per_pool.max(overlapping + 1);
+        }
+    }
+    assert_eq!(
+        max_in_flight_per_pool, 1,
+        "two refills of one pool overlapped"
+    );
+    assert_eq!(instances.len(), 2, "both instances refilled pools");
+    for app in apps.iter() {
+        let peak = app.metrics().await["idpool_refills_in_flight_peak"];
+        assert!(peak <= 4.0, "refill cap exceeded: {peak}");
+        assert!(
+            peak >= 2.0,
+            "refills ran concurrently up to the cap: {peak}"
+        );
+    }
+    println!(
+        "3000 requests over 1000 pools in {elapsed:?}; {} refills, none overlapping per pool",
+        refills.len()
+    );
+}
