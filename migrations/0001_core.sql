@@ -35,8 +35,8 @@ CREATE TABLE counters (
 );
 
 -- Every reservation from a counter. 'pool' blocks went to a Redis pool
--- (pushed_at set once they are in it); 'direct' blocks went straight to a
--- caller in the same statement as their ledger record.
+-- (pushed_at set once they are in it); 'direct' blocks went straight to one
+-- caller, who records them in the ledger next.
 CREATE TABLE blocks (
     id               BIGSERIAL PRIMARY KEY,
     sequence_id      BIGINT NOT NULL REFERENCES sequences (id),

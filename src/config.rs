@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+use crate::documents::sink::SinkConfig;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
     On,
@@ -111,12 +113,95 @@ pub struct Config {
     )]
     pub request_timeout_s: u64,
 
+    /// Target store: `postgres` (documents table), `dir:/path` (a JSON file
+    /// per document) or `webhook:https://...` (POST each document).
+    #[arg(
+        long = "idpool-sink",
+        env = "IDPOOL_SINK",
+        default_value = "postgres",
+        global = true
+    )]
+    pub sink: SinkConfig,
+
+    /// Run the outbox processor in this process (`off` to run it elsewhere).
+    #[arg(
+        long = "idpool-outbox-processor",
+        env = "IDPOOL_OUTBOX_PROCESSOR",
+        value_enum,
+        default_value = "on",
+        global = true
+    )]
+    pub outbox_processor: Switch,
+
+    /// Outbox poll interval; new rows also wake the processor at once.
+    #[arg(
+        long = "idpool-outbox-poll-ms",
+        env = "IDPOOL_OUTBOX_POLL_MS",
+        default_value_t = 2000,
+        global = true
+    )]
+    pub outbox_poll_ms: u64,
+
+    /// Failed delivery attempts before a document is dead-lettered.
+    #[arg(
+        long = "idpool-outbox-max-retries",
+        env = "IDPOOL_OUTBOX_MAX_RETRIES",
+        default_value_t = 5,
+        global = true
+    )]
+    pub outbox_max_retries: i32,
+
+    /// Retry n waits base × 2^n.
+    #[arg(
+        long = "idpool-outbox-backoff-base-ms",
+        env = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
+        default_value_t = 1000,
+        global = true
+    )]
+    pub outbox_backoff_base_ms: u64,
+
+    /// Rows one processor claims per transaction.
+    #[arg(
+        long = "idpool-outbox-batch",
+        env = "IDPOOL_OUTBOX_BATCH",
+        default_value_t = 500,
+        global = true
+    )]
+    pub outbox_batch: i64,
+
+    /// Webhook sink: time allowed per delivery, and deliveries in flight.
+    #[arg(
+        long = "idpool-webhook-timeout-ms",
+        env = "IDPOOL_WEBHOOK_TIMEOUT_MS",
+        default_value_t = 10_000,
+        global = true
+    )]
+    pub webhook_timeout_ms: u64,
+
+    #[arg(
+        long = "idpool-webhook-concurrency",
+        env = "IDPOOL_WEBHOOK_CONCURRENCY",
+        default_value_t = 16,
+        global = true
+    )]
+    pub webhook_concurrency: usize,
+
     /// Name of this instance in block records and logs (default: host-pid).
     #[arg(long = "idpool-instance-id", env = "IDPOOL_INSTANCE_ID", global = true)]
     pub instance_id: Option<String>,
 }
 
 impl Config {
+    pub fn processor_settings(&self) -> crate::documents::processor::ProcessorSettings {
+        crate::documents::processor::ProcessorSettings {
+            poll: Duration::from_millis(self.outbox_poll_ms.max(1)),
+            max_retries: self.outbox_max_retries.max(1),
+            backoff_base: Duration::from_millis(self.outbox_backoff_base_ms),
+            batch_size: self.outbox_batch.clamp(1, 10_000),
+            ..Default::default()
+        }
+    }
+
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs(self.request_timeout_s.max(1))
     }

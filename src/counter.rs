@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
 use crate::numbers::SeqRange;
 use crate::sequence::{Period, Sequence};
@@ -137,41 +137,33 @@ impl Counter {
         Ok(())
     }
 
-    /// Takes `n` numbers straight from the counter and records them in the
-    /// ledger in the same statement, so they are issued the moment it
-    /// commits. `None` when fewer than `n` are left in the period.
-    pub async fn take_direct(
+    /// Reserves exactly `n` numbers for one caller, straight from the
+    /// counter (no pool); `None` when fewer than `n` are left in the period.
+    /// They are issued once the caller's ledger record commits.
+    pub async fn reserve_direct(
         &self,
-        conn: &mut PgConnection,
+        db: &PgPool,
         sequence: &Sequence,
         period: &Period,
         n: i64,
-        via: Via,
     ) -> Result<Option<SeqRange>, sqlx::Error> {
-        // On the caller's connection: taking a second one while holding this
-        // one deadlocks once every connection is held this way.
-        self.ensure_period(&mut *conn, sequence, period).await?;
+        self.ensure_period(db, sequence, period).await?;
         let first: Option<i64> = sqlx::query_scalar(
             "WITH taken AS ( \
-                 UPDATE counters SET next_seq = next_seq + $3 \
+                 UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
                  RETURNING next_seq - $3 AS first, next_seq AS next \
-             ), block AS ( \
-                 INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
-                 SELECT $1, $2, int8range(first, next), 'direct', $5 FROM taken \
-             ), ledger AS ( \
-                 INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
-                 SELECT $1, $2, int8range(first, next), $6 FROM taken \
              ) \
-             SELECT first FROM taken",
+             INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
+             SELECT $1, $2, int8range(first, next), 'direct', $5 FROM taken \
+             RETURNING lower(seqs)",
         )
         .bind(sequence.id)
         .bind(period.key())
         .bind(n)
         .bind(sequence.definition.max_seq())
         .bind(&self.instance_id)
-        .bind(via.as_str())
-        .fetch_optional(&mut *conn)
+        .fetch_optional(db)
         .await?;
         Ok(first.map(|first| SeqRange::new(first, first + n)))
     }

@@ -1,15 +1,15 @@
-//! Issuing numbers to a caller: pool first, Postgres for whatever the pool
-//! cannot give, and the ledger before anything leaves.
+//! Issuing numbers to a caller: pool first, the counter for whatever the
+//! pool cannot give, and the ledger before anything leaves.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use crate::clock::Clock;
 use crate::counter::{Counter, Via};
-use crate::ledger::{Ledger, LedgerError};
+use crate::ledger::{self, Ledger, LedgerError};
 use crate::pool::{PoolRef, PoolService};
 use crate::sequence::store::{SequenceStore, StoreError};
 use crate::sequence::{IdShape, LayoutRangeError, Period, ProjectCode, Sequence, TypeCode};
@@ -40,22 +40,35 @@ pub enum IssueError {
     Counter(#[from] sqlx::Error),
 }
 
-/// Numbers issued to one caller, ascending.
-pub struct Issued {
+/// Where numbers of a sequence issued now come from, and how they read.
+#[derive(Clone)]
+pub struct Placement {
     pub sequence: Arc<Sequence>,
     pub period: Period,
-    pub seqs: Vec<i64>,
+    pub pool: PoolRef,
     pub shape: IdShape,
     pub at: DateTime<Utc>,
 }
 
+/// Numbers issued to one caller, ascending.
+pub struct Issued {
+    pub placement: Placement,
+    pub seqs: Vec<i64>,
+}
+
 impl Issued {
     pub fn ids(&self) -> Vec<String> {
-        self.seqs.iter().map(|&s| self.shape.id(s)).collect()
+        self.seqs
+            .iter()
+            .map(|&s| self.placement.shape.id(s))
+            .collect()
     }
 
     pub fn numbers(&self) -> Vec<i64> {
-        self.seqs.iter().map(|&s| self.shape.number(s)).collect()
+        self.seqs
+            .iter()
+            .map(|&s| self.placement.shape.number(s))
+            .collect()
     }
 }
 
@@ -70,15 +83,13 @@ pub struct Issuer {
 }
 
 impl Issuer {
-    /// Issues `count` numbers of `project`/`doc_type` (created with defaults
-    /// on first use). Nothing is returned before its ledger record commits.
-    pub async fn issue(
+    /// The sequence (created with defaults on first use), its current
+    /// period and pool, and the shape of IDs issued now.
+    pub async fn place(
         &self,
         project: &ProjectCode,
         doc_type: &TypeCode,
-        count: usize,
-        via: Via,
-    ) -> Result<Issued, IssueError> {
+    ) -> Result<Placement, IssueError> {
         let sequence = self.sequences.get_or_create(project, doc_type).await?;
         let at = self.clock.now();
         let period = sequence.definition.period_at(at);
@@ -86,95 +97,135 @@ impl Issuer {
             .definition
             .shape(project.as_str(), doc_type.as_str(), &period, at)?;
         let pool = self.pools.pool_ref(sequence.clone(), period.clone());
-        let seqs = self.take(&pool, count, via).await?;
-        Ok(Issued {
+        Ok(Placement {
             sequence,
             period,
-            seqs,
+            pool,
             shape,
             at,
         })
     }
 
-    /// `count` ledgered numbers of `pool`'s period, ascending.
-    pub async fn take(
+    /// Issues `count` numbers to `POST /ids`; they are recorded in the
+    /// shared ledger writer before this returns.
+    pub async fn issue(
         &self,
-        pool: &PoolRef,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
         count: usize,
-        via: Via,
+    ) -> Result<Issued, IssueError> {
+        let placement = self.place(project, doc_type).await?;
+        let seqs = self
+            .issue_with(&placement, count, LedgerTarget::Shared(&self.ledger))
+            .await?;
+        Ok(Issued { placement, seqs })
+    }
+
+    /// The same, with the ledger rows written in the caller's transaction
+    /// (an idempotent request stores its response in the same commit).
+    pub async fn issue_in(
+        &self,
+        conn: &mut PgConnection,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
+        count: usize,
+    ) -> Result<Issued, IssueError> {
+        let placement = self.place(project, doc_type).await?;
+        let seqs = self
+            .issue_with(&placement, count, LedgerTarget::Transaction(conn))
+            .await?;
+        Ok(Issued { placement, seqs })
+    }
+
+    /// Obtains numbers and records them in `ledger`, replacing any the
+    /// ledger refuses until `count` are issued.
+    async fn issue_with(
+        &self,
+        placement: &Placement,
+        count: usize,
+        mut ledger: LedgerTarget<'_>,
     ) -> Result<Vec<i64>, IssueError> {
-        let sequence = &pool.sequence;
-        let mut popped = match self.pools.take(pool, count).await {
+        let pool = &placement.pool;
+        let (sequence_id, period) = (placement.sequence.id, placement.period.key());
+        let mut issued = Vec::with_capacity(count);
+        let mut pending = self.obtain(pool, count).await?;
+        loop {
+            let refused = match &mut ledger {
+                LedgerTarget::Shared(shared) => {
+                    shared.record(sequence_id, period, &pending).await?
+                }
+                LedgerTarget::Transaction(conn) => {
+                    ledger::record_in(conn, &self.stats, sequence_id, period, &pending, Via::Ids)
+                        .await?
+                }
+            };
+            let accepted = without(pending, &refused);
+            issued.extend(accepted);
+            if refused.is_empty() {
+                break;
+            }
+            self.refused(pool, refused.len()).await;
+            pending = self.obtain(pool, count - issued.len()).await?;
+        }
+        issued.sort_unstable();
+        Ok(issued)
+    }
+
+    /// `count` numbers of the pool's period, not yet issued: popped from the
+    /// pool, and reserved straight from the counter for whatever the pool
+    /// cannot give (Redis down, or still short after waiting for a refill).
+    /// Ascending.
+    pub async fn obtain(&self, pool: &PoolRef, count: usize) -> Result<Vec<i64>, IssueError> {
+        let mut seqs = match self.pools.take(pool, count).await {
             Ok(seqs) => seqs,
             Err(e) => {
                 tracing::debug!(error = %e, "pool unavailable, taking numbers from postgres");
                 Vec::new()
             }
         };
-        let mut issued = Vec::with_capacity(count);
-        loop {
-            let missing = count - issued.len() - popped.len();
-            if missing > 0 {
-                match self.take_direct(pool, missing, via).await {
-                    Ok(direct) => issued.extend(direct),
-                    Err(IssueError::Exhausted { .. }) => {
-                        // The counter is spent, but a refill may have moved
-                        // its last numbers into the pool.
-                        let more = self.pools.take(pool, missing).await.unwrap_or_default();
-                        if more.is_empty() {
-                            self.give_back(pool, &popped).await;
-                            return Err(self.exhausted(pool, count));
-                        }
-                        popped.extend(more);
-                        continue;
+        Stats::add(&self.stats.ids_from_pool, seqs.len() as u64);
+        while seqs.len() < count {
+            let missing = count - seqs.len();
+            let reserved = self
+                .counter
+                .reserve_direct(&self.db, &pool.sequence, &pool.period, missing as i64)
+                .await;
+            match reserved {
+                Ok(Some(range)) => {
+                    Stats::add(&self.stats.ids_direct, missing as u64);
+                    seqs.extend(range.iter());
+                }
+                Ok(None) => {
+                    // The counter is spent, but a refill may have moved its
+                    // last numbers into the pool.
+                    let more = self.pools.take(pool, missing).await.unwrap_or_default();
+                    if more.is_empty() {
+                        self.give_back(pool, &seqs).await;
+                        return Err(self.exhausted(pool, count));
                     }
-                    Err(e) => {
-                        self.give_back(pool, &popped).await;
-                        return Err(e);
-                    }
+                    Stats::add(&self.stats.ids_from_pool, more.len() as u64);
+                    seqs.extend(more);
+                }
+                Err(e) => {
+                    self.give_back(pool, &seqs).await;
+                    return Err(e.into());
                 }
             }
-            if popped.is_empty() {
-                break;
-            }
-            let refused = self
-                .ledger
-                .record(sequence.id, pool.period.key(), &popped, via)
-                .await?;
-            let accepted = without(std::mem::take(&mut popped), &refused);
-            Stats::add(&self.stats.ids_from_pool, accepted.len() as u64);
-            issued.extend(accepted);
-            if refused.is_empty() {
-                break;
-            }
-            Stats::add(&self.stats.stale_numbers_rejected, refused.len() as u64);
-            tracing::warn!(
-                project = %sequence.project, doc_type = %sequence.doc_type,
-                period = pool.period.key(), refused = refused.len(),
-                "pool handed out numbers that were already issued; discarding the pool"
-            );
-            self.pools.invalidate(pool, "stale_list").await;
         }
-        issued.sort_unstable();
-        Ok(issued)
+        seqs.sort_unstable();
+        Ok(seqs)
     }
 
-    async fn take_direct(
-        &self,
-        pool: &PoolRef,
-        n: usize,
-        via: Via,
-    ) -> Result<Vec<i64>, IssueError> {
-        let mut conn = self.db.acquire().await?;
-        let taken = self
-            .counter
-            .take_direct(&mut conn, &pool.sequence, &pool.period, n as i64, via)
-            .await?;
-        let Some(range) = taken else {
-            return Err(self.exhausted(pool, n));
-        };
-        Stats::add(&self.stats.ids_direct, n as u64);
-        Ok(range.iter().collect())
+    /// The ledger refused numbers as issued before: the pool handed out a
+    /// stale list. Nothing more is taken from it.
+    pub async fn refused(&self, pool: &PoolRef, how_many: usize) {
+        Stats::add(&self.stats.stale_numbers_rejected, how_many as u64);
+        tracing::warn!(
+            project = %pool.sequence.project, doc_type = %pool.sequence.doc_type,
+            period = pool.period.key(), refused = how_many,
+            "pool handed out numbers that were already issued; discarding the pool"
+        );
+        self.pools.invalidate(pool, "stale_list").await;
     }
 
     pub fn exhausted(&self, pool: &PoolRef, count: usize) -> IssueError {
@@ -208,8 +259,16 @@ impl Issuer {
     }
 }
 
+/// Where `POST /ids` records its numbers.
+enum LedgerTarget<'a> {
+    /// The shared writer: one statement and commit for concurrent requests.
+    Shared(&'a Ledger),
+    /// The caller's transaction.
+    Transaction(&'a mut PgConnection),
+}
+
 /// `seqs` minus one occurrence per entry of `refused`.
-fn without(seqs: Vec<i64>, refused: &[i64]) -> Vec<i64> {
+pub fn without(seqs: Vec<i64>, refused: &[i64]) -> Vec<i64> {
     if refused.is_empty() {
         return seqs;
     }

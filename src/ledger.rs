@@ -3,18 +3,21 @@
 //!
 //! Writes of concurrent requests share one statement and one commit, and
 //! numbers that follow each other become one range row, so a burst of 64
-//! single-ID requests on one sequence is usually one row. The table's
-//! exclusion constraint refuses any number issued before; such a number
-//! (a stale pool list) is reported back so the caller can take another.
+//! single-ID requests on one sequence is usually one row. Documents ride
+//! along: their outbox rows go into the same transaction as their numbers.
+//! The table's exclusion constraint refuses any number issued before; such a
+//! number (a stale pool list) is reported back so the caller takes another.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use sqlx::PgPool;
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
 use crate::batch::Batcher;
 use crate::counter::Via;
+use crate::documents::outbox::{self, OutboxRow};
 use crate::numbers::{SeqRange, runs, subtract};
 use crate::stats::Stats;
 
@@ -24,6 +27,35 @@ pub enum LedgerError {
     Db(String),
     #[error("the ledger writer has stopped")]
     Closed,
+    #[error("document ID {0} exists already")]
+    DocumentIdTaken(String),
+    #[error("the number carries a document already: {0}")]
+    AlreadyAttached(String),
+}
+
+impl From<sqlx::Error> for LedgerError {
+    fn from(e: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = &e {
+            match db.constraint() {
+                Some("id_outbox_document_id_key") => {
+                    return LedgerError::DocumentIdTaken(db.message().to_owned());
+                }
+                Some("id_outbox_sequence_id_period_seq_key") => {
+                    return LedgerError::AlreadyAttached(db.message().to_owned());
+                }
+                _ => {}
+            }
+        }
+        LedgerError::Db(e.to_string())
+    }
+}
+
+/// Which numbers the ledger took and which it refused; for documents, when
+/// their outbox rows were created.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    pub refused: Vec<i64>,
+    pub documents: HashMap<String, DateTime<Utc>>,
 }
 
 struct Write {
@@ -31,7 +63,8 @@ struct Write {
     period: String,
     seqs: Vec<i64>,
     via: Via,
-    reply: oneshot::Sender<Result<Vec<i64>, LedgerError>>,
+    documents: Vec<OutboxRow>,
+    reply: oneshot::Sender<Result<Recorded, LedgerError>>,
 }
 
 #[derive(Clone)]
@@ -51,31 +84,97 @@ impl Ledger {
         Self { writes }
     }
 
-    /// Records `seqs` as issued. Returns the numbers the ledger refused
-    /// because they were issued before; the rest are committed.
+    /// Records `seqs` as issued to `POST /ids`. Returns the numbers the
+    /// ledger refused because they were issued before; the rest committed.
     pub async fn record(
         &self,
         sequence_id: i64,
         period: &str,
         seqs: &[i64],
-        via: Via,
     ) -> Result<Vec<i64>, LedgerError> {
         if seqs.is_empty() {
             return Ok(Vec::new());
         }
+        let recorded = self
+            .submit(sequence_id, period, seqs.to_vec(), Via::Ids, Vec::new())
+            .await?;
+        Ok(recorded.refused)
+    }
+
+    /// Records the documents' numbers and writes their outbox rows in the
+    /// same transaction. Documents whose number was refused are not written.
+    pub async fn record_documents(
+        &self,
+        sequence_id: i64,
+        period: &str,
+        documents: Vec<OutboxRow>,
+    ) -> Result<Recorded, LedgerError> {
+        let seqs = documents.iter().map(|d| d.seq).collect();
+        self.submit(sequence_id, period, seqs, Via::Document, documents)
+            .await
+    }
+
+    async fn submit(
+        &self,
+        sequence_id: i64,
+        period: &str,
+        seqs: Vec<i64>,
+        via: Via,
+        documents: Vec<OutboxRow>,
+    ) -> Result<Recorded, LedgerError> {
         let (reply, answer) = oneshot::channel();
         self.writes
             .submit(Write {
                 sequence_id,
                 period: period.to_owned(),
-                seqs: seqs.to_vec(),
+                seqs,
                 via,
+                documents,
                 reply,
             })
             .await
             .map_err(|_| LedgerError::Closed)?;
         answer.await.map_err(|_| LedgerError::Closed)?
     }
+}
+
+/// Records `seqs` inside the caller's transaction (idempotent requests and
+/// batches, whose ledger rows must commit with the rest of their work).
+/// Returns the refused numbers.
+pub async fn record_in(
+    conn: &mut PgConnection,
+    stats: &Stats,
+    sequence_id: i64,
+    period: &str,
+    seqs: &[i64],
+    via: Via,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let groups = [Group {
+        sequence_id,
+        period: period.to_owned(),
+        via,
+    }];
+    let mut unique = seqs.to_vec();
+    unique.sort_unstable();
+    let repeats: Vec<i64> = unique
+        .windows(2)
+        .filter(|w| w[0] == w[1])
+        .map(|w| w[0])
+        .collect();
+    let rows = runs(&unique)
+        .into_iter()
+        .map(|range| Row { group: 0, range })
+        .collect();
+    let refused = insert_resolving_conflicts(conn, stats, &groups, rows).await?;
+    let mut refused_seqs = repeats;
+    if let Some(ranges) = refused.get(&0) {
+        refused_seqs.extend(
+            seqs.iter()
+                .copied()
+                .filter(|s| ranges.iter().any(|r| r.contains(*s))),
+        );
+    }
+    Ok(refused_seqs)
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -91,6 +190,57 @@ struct Row {
 }
 
 async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
+    let outcome = async {
+        let mut conn = db.acquire().await?;
+        if batch.iter().all(|w| w.documents.is_empty()) {
+            // A single INSERT commits by itself: one round trip.
+            write_together(&mut conn, &stats, &batch).await
+        } else {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let recorded = write_together(&mut tx, &stats, &batch).await?;
+            tx.commit().await?;
+            Ok(recorded)
+        }
+    }
+    .await;
+    match outcome {
+        Ok(recorded) => {
+            for (write, recorded) in batch.into_iter().zip(recorded) {
+                let _ = write.reply.send(Ok(recorded));
+            }
+        }
+        // One document may have spoilt the shared transaction (an ID taken
+        // by another sequence's format): write each on its own so only
+        // that one fails.
+        Err(LedgerError::DocumentIdTaken(_)) if batch.len() > 1 => {
+            for write in batch {
+                let single = write_alone(&db, &stats, &write).await;
+                let _ = write.reply.send(single);
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "ledger batch failed");
+            for write in batch {
+                let _ = write.reply.send(Err(LedgerError::Db(e.to_string())));
+            }
+        }
+    }
+}
+
+async fn write_alone(db: &PgPool, stats: &Stats, write: &Write) -> Result<Recorded, LedgerError> {
+    let mut tx = db.begin().await?;
+    let mut recorded = write_together(&mut tx, stats, std::slice::from_ref(write)).await?;
+    tx.commit().await?;
+    Ok(recorded.pop().unwrap_or_default())
+}
+
+/// Ledger rows for every write, then the outbox rows of documents whose
+/// numbers were taken. Answers per write, in order.
+async fn write_together(
+    conn: &mut PgConnection,
+    stats: &Stats,
+    batch: &[Write],
+) -> Result<Vec<Recorded>, LedgerError> {
     let mut groups: Vec<Group> = Vec::new();
     let mut group_index: HashMap<Group, usize> = HashMap::new();
     let mut claimed: Vec<HashSet<i64>> = Vec::new();
@@ -98,7 +248,7 @@ async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
     // twice, or two requests of this batch popping the same one), which it
     // must not get.
     let mut placed: Vec<(usize, Vec<i64>)> = Vec::with_capacity(batch.len());
-    for write in &batch {
+    for write in batch {
         let group = Group {
             sequence_id: write.sequence_id,
             period: write.period.clone(),
@@ -127,18 +277,11 @@ async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
                 .map(move |range| Row { group, range })
         })
         .collect();
+    let refused = insert_resolving_conflicts(conn, stats, &groups, rows).await?;
 
-    let refused = match insert_resolving_conflicts(&db, &stats, &groups, rows).await {
-        Ok(refused) => refused,
-        Err(e) => {
-            tracing::error!(error = %e, "ledger batch failed");
-            for write in batch {
-                let _ = write.reply.send(Err(LedgerError::Db(e.to_string())));
-            }
-            return;
-        }
-    };
-    for (write, (group, mut refused_here)) in batch.into_iter().zip(placed) {
+    let mut answers: Vec<Recorded> = Vec::with_capacity(batch.len());
+    let mut documents: Vec<(usize, &OutboxRow)> = Vec::new();
+    for (n, (write, (group, mut refused_here))) in batch.iter().zip(placed).enumerate() {
         if let Some(ranges) = refused.get(&group) {
             refused_here.extend(
                 write
@@ -148,14 +291,37 @@ async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
                     .filter(|s| ranges.iter().any(|r| r.contains(*s))),
             );
         }
-        let _ = write.reply.send(Ok(refused_here));
+        documents.extend(
+            write
+                .documents
+                .iter()
+                .filter(|d| !refused_here.contains(&d.seq))
+                .map(|d| (n, d)),
+        );
+        answers.push(Recorded {
+            refused: refused_here,
+            documents: HashMap::new(),
+        });
     }
+    if !documents.is_empty() {
+        let rows: Vec<(i64, &str, &OutboxRow)> = documents
+            .iter()
+            .map(|(n, d)| (batch[*n].sequence_id, batch[*n].period.as_str(), *d))
+            .collect();
+        let created = outbox::insert(conn, &rows).await?;
+        for ((n, document), created_at) in documents.iter().zip(created) {
+            answers[*n]
+                .documents
+                .insert(document.document_id.clone(), created_at);
+        }
+    }
+    Ok(answers)
 }
 
 /// Inserts the rows; for any that conflict, inserts what is still free and
 /// returns, per group, the ranges that were already issued.
 async fn insert_resolving_conflicts(
-    db: &PgPool,
+    conn: &mut PgConnection,
     stats: &Stats,
     groups: &[Group],
     mut rows: Vec<Row>,
@@ -165,7 +331,7 @@ async fn insert_resolving_conflicts(
         if rows.is_empty() {
             break;
         }
-        let conflicting = insert_rows(db, stats, groups, &rows).await?;
+        let conflicting = insert_rows(conn, stats, groups, &rows).await?;
         if conflicting.is_empty() {
             break;
         }
@@ -180,7 +346,7 @@ async fn insert_resolving_conflicts(
         rows = Vec::new();
         for row in conflicting {
             let group = &groups[row.group];
-            let taken = issued_within(db, group, row.range).await?;
+            let taken = issued_within(conn, group, row.range).await?;
             refused
                 .entry(row.group)
                 .or_default()
@@ -202,7 +368,7 @@ fn intersect(a: SeqRange, b: SeqRange) -> Option<SeqRange> {
 
 /// One statement for all rows; returns the rows the constraint refused.
 async fn insert_rows(
-    db: &PgPool,
+    conn: &mut PgConnection,
     stats: &Stats,
     groups: &[Group],
     rows: &[Row],
@@ -227,14 +393,14 @@ async fn insert_rows(
     .bind(&starts)
     .bind(&ends)
     .bind(&vias)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
     Stats::add(&stats.ledger_batches, 1);
     Stats::add(&stats.ledger_rows, inserted.len() as u64);
     if inserted.len() == rows.len() {
         return Ok(Vec::new());
     }
-    let done: std::collections::HashSet<(i64, &str, i64)> = inserted
+    let done: HashSet<(i64, &str, i64)> = inserted
         .iter()
         .map(|(s, p, start)| (*s, p.as_str(), *start))
         .collect();
@@ -251,9 +417,9 @@ async fn insert_rows(
         .collect())
 }
 
-/// Issued ranges overlapping `range`, clipped to it, sorted.
+/// Issued ranges overlapping `range`, sorted.
 async fn issued_within(
-    db: &PgPool,
+    conn: &mut PgConnection,
     group: &Group,
     range: SeqRange,
 ) -> Result<Vec<SeqRange>, sqlx::Error> {
@@ -265,7 +431,7 @@ async fn issued_within(
     .bind(&group.period)
     .bind(range.start)
     .bind(range.end)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
     Ok(rows.into_iter().map(|(s, e)| SeqRange::new(s, e)).collect())
 }

@@ -1,16 +1,25 @@
-//! Postgres notifications every instance acts on.
+//! Postgres notifications every instance acts on: definitions changed
+//! elsewhere, and new outbox rows to deliver.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::sequence::store::{CHANGED_CHANNEL, SequenceStore};
 
-/// Drops cached definitions when another instance changes one.
-pub async fn run(db: PgPool, sequences: Arc<SequenceStore>, stop: CancellationToken) {
+/// Channel the outbox trigger notifies on insert.
+pub const OUTBOX_CHANNEL: &str = "idpool_outbox";
+
+pub async fn run(
+    db: PgPool,
+    sequences: Arc<SequenceStore>,
+    outbox_wake: Arc<Notify>,
+    stop: CancellationToken,
+) {
     loop {
         let mut listener = match PgListener::connect_with(&db).await {
             Ok(listener) => listener,
@@ -22,16 +31,18 @@ pub async fn run(db: PgPool, sequences: Arc<SequenceStore>, stop: CancellationTo
                 }
             }
         };
-        if let Err(e) = listener.listen(CHANGED_CHANNEL).await {
+        if let Err(e) = listener.listen_all([CHANGED_CHANNEL, OUTBOX_CHANNEL]).await {
             tracing::warn!(error = %e, "LISTEN failed; retrying");
             continue;
         }
-        // Changes made while we were not listening were missed.
+        // What happened while we were not listening was missed.
         sequences.evict_all();
+        outbox_wake.notify_one();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 received = listener.try_recv() => match received {
+                    Ok(Some(notification)) if notification.channel() == OUTBOX_CHANNEL => outbox_wake.notify_one(),
                     Ok(Some(notification)) => sequences.evict(notification.payload()),
                     // The connection dropped: listen again on a new one.
                     Ok(None) => break,

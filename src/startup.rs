@@ -8,16 +8,21 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use tokio::sync::Notify;
+
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::counter::Counter;
+use crate::documents::Documents;
+use crate::documents::processor::Processor;
+use crate::documents::sink::Sink;
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
 use crate::ledger::Ledger;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence::store::SequenceStore;
 use crate::stats::Stats;
-use crate::{db, http, listen};
+use crate::{db, http, idempotency, listen};
 
 /// Parts tests replace.
 pub struct Overrides {
@@ -67,9 +72,14 @@ impl Application {
             config.refill_concurrency.clamp(1, 4) as u32,
         )
         .await?;
-        let counter = Arc::new(Counter::new(refill_db, config.instance_id()));
+        let instance_id = config.instance_id();
+        let counter = Arc::new(Counter::new(refill_db, instance_id.clone()));
+        let installation: uuid::Uuid = sqlx::query_scalar("SELECT id FROM installation")
+            .fetch_one(&db)
+            .await?;
         let pool_settings = PoolSettings {
             refill_concurrency: config.refill_concurrency,
+            installation: installation.to_string(),
             ..overrides.pool
         };
         let pools = PoolService::new(
@@ -80,7 +90,7 @@ impl Application {
             pool_settings,
         );
         let ledger = Ledger::spawn(db.clone(), stats.clone(), 4);
-        let issuer = Issuer {
+        let issuer = Arc::new(Issuer {
             sequences: sequences.clone(),
             pools: pools.clone(),
             ledger,
@@ -88,14 +98,36 @@ impl Application {
             clock: overrides.clock.clone(),
             stats: stats.clone(),
             db: db.clone(),
+        });
+        let documents = Documents {
+            issuer: issuer.clone(),
         };
         let stop = CancellationToken::new();
-        let background = vec![
+        let outbox_wake = Arc::new(Notify::new());
+        let mut background = vec![
             tokio::spawn(pools.clone().watch_redis(stop.clone())),
-            tokio::spawn(listen::run(db.clone(), sequences.clone(), stop.clone())),
+            tokio::spawn(listen::run(
+                db.clone(),
+                sequences.clone(),
+                outbox_wake.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(idempotency::prune_periodically(db.clone(), stop.clone())),
         ];
+        if config.outbox_processor.is_on() {
+            let sink = Sink::build(
+                &config.sink,
+                Duration::from_millis(config.webhook_timeout_ms),
+                config.webhook_concurrency,
+                &instance_id,
+            )?;
+            let processor =
+                Processor::new(db.clone(), sink, config.processor_settings(), outbox_wake);
+            background.push(tokio::spawn(processor.run(stop.clone())));
+        }
         let state = AppState(Arc::new(AppInner {
             issuer,
+            documents,
             sequences,
             pools,
             stats,

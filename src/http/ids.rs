@@ -1,6 +1,8 @@
 //! `POST /ids` and `POST /api/v1/ids`.
 
 use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -8,9 +10,9 @@ use utoipa_axum::routes;
 
 use super::AppState;
 use super::extract::Json;
-use super::problem::{ApiError, Problem};
-use crate::counter::Via;
-use crate::issuance::MAX_COUNT;
+use super::problem::{ApiError, Problem, db_error, key_reused};
+use crate::idempotency::{self, Caller, Claimed};
+use crate::issuance::{Issued, MAX_COUNT};
 use crate::sequence::{ProjectCode, TypeCode};
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -33,7 +35,7 @@ fn one() -> i64 {
     1
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, serde::Deserialize, ToSchema)]
 pub struct IssuedIds {
     #[schema(example = "PROJ")]
     pub project: String,
@@ -101,21 +103,100 @@ impl IdsInput {
     tag = "ids",
     operation_id = "issue_ids",
     request_body = IssueIdsRequest,
+    params(
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)"),
+    ),
     responses(
-        (status = 200, description = "IDs issued", body = IssuedIds),
+        (status = 200, description = "IDs issued", body = IssuedIds,
+         headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Sequence exhausted for this period", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_exhausted, or idempotency_key_in_use", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn issue_ids(
     State(state): State<AppState>,
+    headers: HeaderMap,
     Json(body): Json<IssueIdsRequest>,
-) -> Result<axum::Json<IssuedIds>, ApiError> {
+) -> Result<Response, ApiError> {
     let input = IdsInput::parse(&body)?;
-    issue(state, input).await.map(axum::Json)
+    let key = idempotency::key_from_headers(&headers)?;
+    let caller = Caller::from_headers(&headers);
+    // In a task of its own: a client hanging up must not cancel the issue
+    // between taking numbers and recording them.
+    tokio::spawn(async move {
+        match key {
+            None => {
+                let issued = state
+                    .issuer
+                    .issue(&input.project, &input.doc_type, input.count)
+                    .await?;
+                Ok(axum::Json(answer(&input, &issued)).into_response())
+            }
+            Some(key) => issue_once(state, caller, key, input).await,
+        }
+    })
+    .await
+    .map_err(ApiError::internal)?
+}
+
+fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {
+    IssuedIds {
+        project: input.project.to_string(),
+        doc_type: input.doc_type.to_string(),
+        ids: issued.ids(),
+        seqs: issued.numbers(),
+    }
+}
+
+/// Issues under an idempotency key: the ledger rows and the stored answer
+/// commit together, so a retry gets the same IDs and burns no numbers.
+async fn issue_once(
+    state: AppState,
+    caller: Caller,
+    key: String,
+    input: IdsInput,
+) -> Result<Response, ApiError> {
+    let canonical = serde_json::json!({
+        "project": input.project.as_str(),
+        "type": input.doc_type.as_str(),
+        "count": input.count,
+    });
+    let hash = idempotency::fingerprint("ids", &canonical);
+    let mut tx = state.db.begin().await.map_err(db_error)?;
+    idempotency::wait_for_twins_briefly(&mut tx)
+        .await
+        .map_err(db_error)?;
+    let claimed = idempotency::claim(&mut tx, &caller, &[(key.clone(), hash)]).await?;
+    match claimed.into_iter().next() {
+        Some(Claimed::Replay(stored)) => {
+            let mut response = (
+                StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK),
+                axum::Json(stored.response),
+            )
+                .into_response();
+            response
+                .headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(response)
+        }
+        Some(Claimed::Mismatch) => Err(key_reused()),
+        Some(Claimed::New) | None => {
+            let issued = state
+                .issuer
+                .issue_in(&mut tx, &input.project, &input.doc_type, input.count)
+                .await?;
+            let body = serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?;
+            idempotency::store(&mut tx, &caller, &[(key.as_str(), 200, body.clone())])
+                .await
+                .map_err(db_error)?;
+            tx.commit().await.map_err(db_error)?;
+            Ok(axum::Json(body).into_response())
+        }
+    }
 }
 
 /// Issue IDs (short path of `POST /api/v1/ids`).
@@ -125,37 +206,24 @@ pub async fn issue_ids(
     tag = "ids",
     operation_id = "issue_ids_short",
     request_body = IssueIdsRequest,
+    params(
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)"),
+    ),
     responses(
-        (status = 200, description = "IDs issued", body = IssuedIds),
+        (status = 200, description = "IDs issued", body = IssuedIds,
+         headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Sequence exhausted for this period", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_exhausted, or idempotency_key_in_use", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn issue_ids_short(
     state: State<AppState>,
+    headers: HeaderMap,
     body: Json<IssueIdsRequest>,
-) -> Result<axum::Json<IssuedIds>, ApiError> {
-    issue_ids(state, body).await
-}
-
-/// Runs the issue in its own task: a client hanging up mid-request must not
-/// cancel it between taking numbers and recording them.
-pub async fn issue(state: AppState, input: IdsInput) -> Result<IssuedIds, ApiError> {
-    tokio::spawn(async move {
-        let issued = state
-            .issuer
-            .issue(&input.project, &input.doc_type, input.count, Via::Ids)
-            .await?;
-        Ok(IssuedIds {
-            ids: issued.ids(),
-            seqs: issued.numbers(),
-            project: input.project.to_string(),
-            doc_type: input.doc_type.to_string(),
-        })
-    })
-    .await
-    .map_err(ApiError::internal)?
+) -> Result<Response, ApiError> {
+    issue_ids(state, headers, body).await
 }

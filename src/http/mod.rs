@@ -1,9 +1,11 @@
 //! The HTTP surface: routes, the OpenAPI document, and the layers every
 //! request passes (request id, tracing, timeout, panic guard).
 
+mod documents;
 pub mod extract;
 mod health;
 pub mod ids;
+mod outbox;
 pub mod problem;
 mod sequences;
 
@@ -24,6 +26,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_swagger_ui::SwaggerUi;
 
 use crate::clock::Clock;
+use crate::documents::Documents;
 use crate::issuance::Issuer;
 use crate::pool::PoolService;
 use crate::sequence::store::SequenceStore;
@@ -34,7 +37,8 @@ use problem::ApiError;
 pub const SMALL_BODY_LIMIT: usize = 64 * 1024;
 
 pub struct AppInner {
-    pub issuer: Issuer,
+    pub issuer: Arc<Issuer>,
+    pub documents: Documents,
     pub sequences: Arc<SequenceStore>,
     pub pools: Arc<PoolService>,
     pub stats: Arc<Stats>,
@@ -64,6 +68,8 @@ impl std::ops::Deref for AppState {
     ),
     tags(
         (name = "ids", description = "Issue IDs"),
+        (name = "documents", description = "Accept documents through the transactional outbox"),
+        (name = "outbox", description = "Outbox operations: dead letters"),
         (name = "sequences", description = "Sequence definitions"),
         (name = "operations", description = "Health, readiness, metrics"),
     ),
@@ -75,6 +81,8 @@ struct ApiDoc;
 pub fn api_router() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(ids::router())
+        .merge(documents::router())
+        .merge(outbox::router())
         .merge(sequences::router())
         .merge(health::router())
 }

@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::documents::{BatchError, DocumentError};
+use crate::idempotency::{ClaimError, KeyError};
 use crate::issuance::IssueError;
 use crate::sequence::store::{PutError, StoreError};
 
@@ -27,6 +29,9 @@ pub struct Problem {
     /// Stable machine-readable error code.
     #[schema(example = "invalid_count")]
     pub code: String,
+    /// For a batch: the index of the item at fault.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -34,6 +39,7 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     detail: String,
+    index: Option<usize>,
     headers: Vec<(header::HeaderName, HeaderValue)>,
 }
 
@@ -43,8 +49,16 @@ impl ApiError {
             status,
             code,
             detail: detail.into(),
+            index: None,
             headers: Vec::new(),
         }
+    }
+
+    /// Names the batch item at fault, in the detail and as `index`.
+    pub fn at_index(mut self, index: usize) -> Self {
+        self.detail = format!("documents[{index}]: {}", self.detail);
+        self.index = Some(index);
+        self
     }
 
     pub fn bad_request(code: &'static str, detail: impl Into<String>) -> Self {
@@ -102,6 +116,7 @@ impl IntoResponse for ApiError {
             status: self.status.as_u16(),
             detail: self.detail,
             code: self.code.to_owned(),
+            index: self.index,
         };
         let mut response = (self.status, Json(body)).into_response();
         response.headers_mut().insert(
@@ -188,4 +203,52 @@ pub fn db_error(e: sqlx::Error) -> ApiError {
         }
         other => ApiError::internal(other),
     }
+}
+
+impl From<DocumentError> for ApiError {
+    fn from(e: DocumentError) -> Self {
+        match e {
+            DocumentError::Issue(e) => e.into(),
+            DocumentError::NotAttachable { .. } => {
+                Self::conflict("id_not_attachable", e.to_string())
+            }
+            DocumentError::IdTaken(_) => Self::conflict("document_id_taken", e.to_string()),
+            DocumentError::Db(e) => db_error(e),
+        }
+    }
+}
+
+impl From<BatchError> for ApiError {
+    fn from(e: BatchError) -> Self {
+        let error: ApiError = e.error.into();
+        match e.index {
+            Some(index) => error.at_index(index),
+            None => error,
+        }
+    }
+}
+
+impl From<KeyError> for ApiError {
+    fn from(e: KeyError) -> Self {
+        Self::bad_request("invalid_idempotency_key", e.to_string())
+    }
+}
+
+impl From<ClaimError> for ApiError {
+    fn from(e: ClaimError) -> Self {
+        match e {
+            ClaimError::InUse => Self::conflict("idempotency_key_in_use", e.to_string())
+                .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            ClaimError::Db(e) => db_error(e),
+        }
+    }
+}
+
+/// The same key was sent with a different request.
+pub fn key_reused() -> ApiError {
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+        "this Idempotency-Key was used for a different request",
+    )
 }

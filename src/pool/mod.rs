@@ -51,6 +51,8 @@ pub struct PoolSettings {
     pub shrink_after: Duration,
     /// Largest target depth as a multiple of `pool_size`.
     pub max_growth: u32,
+    /// This database's installation id; the Redis key prefix must be its own.
+    pub installation: String,
 }
 
 impl Default for PoolSettings {
@@ -62,6 +64,7 @@ impl Default for PoolSettings {
             grow_within: Duration::from_secs(2),
             shrink_after: Duration::from_secs(60),
             max_growth: 64,
+            installation: String::new(),
         }
     }
 }
@@ -477,6 +480,7 @@ impl PoolService {
     /// and record its numbers, before a single number is popped again.
     pub async fn resync(&self) -> Result<usize, RedisFailure> {
         Stats::add(&self.stats.redis_resyncs, 1);
+        self.redis.claim_prefix(&self.settings.installation).await?;
         let run_id = self.redis.server_run_id().await?;
         let mut discarded_pools = 0;
         for key in self.redis.pool_keys(None).await? {
@@ -505,6 +509,7 @@ impl PoolService {
     /// Keeps the circuit honest: after a failure or reconnect, waits for
     /// Redis to answer, checks the pools, then lets requests use them again.
     pub async fn watch_redis(self: Arc<Self>, stop: CancellationToken) {
+        let mut last_complaint: Option<(String, std::time::Instant)> = None;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -528,7 +533,17 @@ impl PoolService {
                     }
                     self.redis.mark_up(failures_before);
                 }
-                Err(e) => tracing::warn!(error = %e, "pool check after reconnect failed"),
+                Err(e) => {
+                    // Say it when it changes, and once a minute while it lasts.
+                    let message = e.to_string();
+                    let repeat = last_complaint.as_ref().is_some_and(|(m, at)| {
+                        *m == message && at.elapsed() < Duration::from_secs(60)
+                    });
+                    if !repeat {
+                        tracing::error!(error = %message, "pools not in use");
+                        last_complaint = Some((message, std::time::Instant::now()));
+                    }
+                }
             }
         }
     }

@@ -52,6 +52,11 @@ pub enum RedisFailure {
     Command(#[from] fred::error::Error),
     #[error("Redis answered something unexpected: {0}")]
     Reply(String),
+    #[error(
+        "the Redis key prefix {prefix:?} belongs to another database (installation {owner}); \
+         give each database its own IDPOOL_REDIS_PREFIX. Serving from Postgres meanwhile"
+    )]
+    ForeignPrefix { prefix: String, owner: String },
 }
 
 /// What one pop returned.
@@ -76,6 +81,7 @@ struct Scripts {
     push: Script,
     release: Script,
     discard: Script,
+    claim_prefix: Script,
 }
 
 pub struct RedisLink {
@@ -136,6 +142,7 @@ impl RedisLink {
                 push: Script::from_lua(scripts::PUSH),
                 release: Script::from_lua(scripts::RELEASE),
                 discard: Script::from_lua(scripts::DISCARD),
+                claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
             },
             up: AtomicBool::new(false),
             failures: AtomicU64::new(0),
@@ -422,6 +429,30 @@ impl RedisLink {
             .find_map(|line| line.strip_prefix("run_id:"))
             .map(|id| id.trim().to_owned())
             .ok_or_else(|| RedisFailure::Reply("INFO has no run_id".into()))
+    }
+
+    /// Makes sure the key prefix is ours: the first database to use it owns it.
+    pub async fn claim_prefix(&self, installation: &str) -> Result<(), RedisFailure> {
+        let reply = self
+            .eval(
+                &self.scripts.claim_prefix,
+                vec![format!("{}:installation", self.prefix)],
+                vec![installation.to_owned()],
+            )
+            .await?;
+        let owner = match reply {
+            Value::String(s) => s.to_string(),
+            Value::Bytes(b) => String::from_utf8_lossy(&b).into_owned(),
+            other => return Err(RedisFailure::Reply(format!("prefix owner: {other:?}"))),
+        };
+        if owner == installation {
+            Ok(())
+        } else {
+            Err(RedisFailure::ForeignPrefix {
+                prefix: self.prefix.clone(),
+                owner,
+            })
+        }
     }
 
     /// Every pool key under our prefix, or of one sequence's periods.

@@ -82,3 +82,14 @@ if first then
 end
 return out
 "#;
+
+/// KEYS: installation. ARGV: our installation id.
+/// Claims the key prefix for one database; returns the id that owns it.
+pub const CLAIM_PREFIX: &str = r#"
+local owner = redis.call('GET', KEYS[1])
+if not owner then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return owner
+"#;

@@ -124,6 +124,67 @@ impl Template {
         TextShape { head, tail, width }
     }
 
+    /// Numbers an ID of this template could carry: every way `id` splits
+    /// into the template's parts, with dates matched loosely. The caller
+    /// confirms a candidate by formatting it again.
+    pub fn seq_candidates(&self, id: &str, project: &str, doc_type: &str) -> Vec<i64> {
+        let mut found = Vec::new();
+        self.match_from(0, id, project, doc_type, None, &mut found);
+        found.sort_unstable();
+        found.dedup();
+        found
+    }
+
+    fn match_from(
+        &self,
+        segment: usize,
+        rest: &str,
+        project: &str,
+        doc_type: &str,
+        seq: Option<i64>,
+        found: &mut Vec<i64>,
+    ) {
+        let Some(current) = self.segments.get(segment) else {
+            if rest.is_empty()
+                && let Some(seq) = seq
+            {
+                found.push(seq);
+            }
+            return;
+        };
+        let literal = match current {
+            Segment::Literal(text) => Some(text.as_str()),
+            Segment::Project => Some(project),
+            Segment::Type => Some(doc_type),
+            _ => None,
+        };
+        if let Some(literal) = literal {
+            if let Some(after) = rest.strip_prefix(literal) {
+                self.match_from(segment + 1, after, project, doc_type, seq, found);
+            }
+            return;
+        }
+        // A number or a date: try every split point.
+        for end in (1..=rest.len()).filter(|&end| rest.is_char_boundary(end)) {
+            let (part, after) = rest.split_at(end);
+            match current {
+                Segment::Seq { width } => {
+                    if !part.bytes().all(|b| b.is_ascii_digit()) {
+                        break;
+                    }
+                    // Padded to `width`, so never shorter; longer only without
+                    // leading zeros.
+                    let fits = part.len() == (*width).max(1)
+                        || (part.len() > *width && !part.starts_with('0'));
+                    if fits && let Ok(n) = part.parse::<i64>() {
+                        self.match_from(segment + 1, after, project, doc_type, Some(n), found);
+                    }
+                }
+                _ => self.match_from(segment + 1, after, project, doc_type, seq, found),
+            }
+        }
+    }
+
     /// The rendered date tokens alone, to check that they tell periods apart.
     pub fn date_part<Tz: TimeZone>(&self, at: &DateTime<Tz>) -> String
     where
@@ -261,7 +322,43 @@ mod tests {
         );
     }
 
+    #[test]
+    fn ids_parse_back_to_their_numbers() {
+        let t = Template::parse("{project}-{type}-{seq}").unwrap();
+        assert_eq!(
+            t.seq_candidates("PROJ-9012-1001", "PROJ", "9012"),
+            vec![1001]
+        );
+        assert!(
+            t.seq_candidates("PROJ-9012-01001", "PROJ", "9012")
+                .is_empty()
+        );
+        assert!(
+            t.seq_candidates("PROJ-9013-1001", "PROJ", "9012")
+                .is_empty()
+        );
+        assert!(t.seq_candidates("PROJ-9012-", "PROJ", "9012").is_empty());
+        let daily = Template::parse("{type}{date:%Y%m%d}{seq:4}").unwrap();
+        let candidates = daily.seq_candidates("IS202611220007", "P", "IS");
+        assert!(candidates.contains(&7), "{candidates:?}");
+        // The date part is matched loosely; formatting again decides.
+        let shape = daily.shape("P", "IS", &at("2026-11-22T10:00:00Z"));
+        let confirmed: Vec<i64> = candidates
+            .into_iter()
+            .filter(|&n| shape.format(n) == "IS202611220007")
+            .collect();
+        assert_eq!(confirmed, vec![7]);
+    }
+
     proptest! {
+        #[test]
+        fn formatted_ids_parse_back(seq in 0i64..10_000_000, width in 0usize..8) {
+            let source = if width == 0 { "{project}/{seq}".to_owned() } else { format!("{{project}}/{{seq:{width}}}") };
+            let t = Template::parse(&source).unwrap();
+            let id = t.shape("P", "T", &at("2026-01-01T00:00:00Z")).format(seq);
+            prop_assert_eq!(t.seq_candidates(&id, "P", "T"), vec![seq]);
+        }
+
         #[test]
         fn every_number_lands_between_head_and_tail(
             prefix in "[A-Z]{0,5}",

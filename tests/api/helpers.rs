@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use idpool::clock::{Clock, ManualClock, SystemClock};
 use idpool::config::{Config, Switch};
+use idpool::documents::sink::SinkConfig;
 use idpool::pool::PoolSettings;
 use idpool::startup::{Application, Overrides};
 use reqwest::StatusCode;
@@ -31,6 +32,12 @@ pub struct TestEnv {
     pub prefix: String,
     pub refill_concurrency: usize,
     pub redis_timeout_ms: u64,
+    pub sink: SinkConfig,
+    pub processor: bool,
+    pub outbox_poll_ms: u64,
+    pub outbox_max_retries: i32,
+    pub outbox_backoff_base_ms: u64,
+    pub outbox_batch: i64,
 }
 
 impl TestEnv {
@@ -44,7 +51,49 @@ impl TestEnv {
             prefix: format!("t{}", &tag[..12]),
             refill_concurrency: 8,
             redis_timeout_ms: 1000,
+            sink: SinkConfig::Postgres,
+            processor: true,
+            outbox_poll_ms: 2000,
+            outbox_max_retries: 5,
+            outbox_backoff_base_ms: 1000,
+            outbox_batch: 500,
         }
+    }
+
+    /// Environment variables that make a separate `idpool serve` process
+    /// join this test's database and Redis namespace.
+    pub fn process_env(&self, port: u16) -> Vec<(String, String)> {
+        let sink = match &self.sink {
+            SinkConfig::Postgres => "postgres".to_owned(),
+            SinkConfig::Dir(dir) => format!("dir:{}", dir.display()),
+            SinkConfig::Webhook(url) => format!("webhook:{url}"),
+        };
+        [
+            ("DATABASE_URL", self.database_url.clone()),
+            ("REDIS_URL", self.redis_url.clone()),
+            ("IDPOOL_LISTEN", format!("127.0.0.1:{port}")),
+            ("IDPOOL_REDIS_PREFIX", self.prefix.clone()),
+            ("IDPOOL_SINK", sink),
+            (
+                "IDPOOL_OUTBOX_PROCESSOR",
+                if self.processor { "on" } else { "off" }.to_owned(),
+            ),
+            ("IDPOOL_OUTBOX_POLL_MS", self.outbox_poll_ms.to_string()),
+            (
+                "IDPOOL_OUTBOX_MAX_RETRIES",
+                self.outbox_max_retries.to_string(),
+            ),
+            (
+                "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
+                self.outbox_backoff_base_ms.to_string(),
+            ),
+            ("IDPOOL_OUTBOX_BATCH", self.outbox_batch.to_string()),
+            ("IDPOOL_DB_POOL_SIZE", "8".to_owned()),
+            ("RUST_LOG", "warn".to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
     }
 
     pub fn with_redis(mut self, url: &str) -> Self {
@@ -65,6 +114,18 @@ impl TestEnv {
             refill_concurrency: self.refill_concurrency,
             request_timeout_s: 30,
             instance_id: Some(format!("test-{}", uuid::Uuid::new_v4().simple())),
+            sink: self.sink.clone(),
+            outbox_processor: if self.processor {
+                Switch::On
+            } else {
+                Switch::Off
+            },
+            outbox_poll_ms: self.outbox_poll_ms,
+            outbox_max_retries: self.outbox_max_retries,
+            outbox_backoff_base_ms: self.outbox_backoff_base_ms,
+            outbox_batch: self.outbox_batch,
+            webhook_timeout_ms: 5_000,
+            webhook_concurrency: 16,
         }
     }
 
@@ -173,6 +234,54 @@ impl TestApp {
             .map(|v| v.as_i64().expect("seq"))
             .collect();
         (ids, seqs)
+    }
+
+    pub async fn post_document(&self, body: &Value, key: Option<&str>) -> reqwest::Response {
+        let mut request = self.client.post(self.url("/documents")).json(body);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.send().await.expect("request")
+    }
+
+    pub async fn post_batch(&self, documents: Vec<Value>) -> reqwest::Response {
+        self.client
+            .post(self.url("/api/v1/documents/batch"))
+            .json(&json!({"documents": documents}))
+            .send()
+            .await
+            .expect("request")
+    }
+
+    /// The document's status, or panics if it does not exist.
+    pub async fn document(&self, id: &str) -> Value {
+        let (status, body) = self.get_json(&format!("/api/v1/documents/{id}")).await;
+        assert_eq!(status, StatusCode::OK, "GET document {id}: {body}");
+        body
+    }
+
+    /// Polls until the document has `status`; returns how long it took.
+    pub async fn wait_for_status(&self, id: &str, status: &str, limit: Duration) -> Duration {
+        let started = Instant::now();
+        loop {
+            let document = self.document(id).await;
+            if document["status"] == status {
+                return started.elapsed();
+            }
+            assert!(
+                started.elapsed() < limit,
+                "{id} not {status} within {limit:?}: {document}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    pub async fn outbox_count(&self, status: Option<&str>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM id_outbox WHERE ($1::text IS NULL OR status = $1)")
+            .bind(status)
+            .fetch_one(&self.db)
+            .await
+            .expect("outbox count")
     }
 
     pub async fn put_sequence(
@@ -295,4 +404,57 @@ pub fn assert_distinct(seqs: &[i64], what: &str) {
         "{what}: {} duplicates",
         before - sorted.len()
     );
+}
+
+/// An `idpool serve` process of the test's own, killed when dropped.
+pub struct ServeProcess {
+    pub child: std::process::Child,
+}
+
+impl ServeProcess {
+    /// Starts the binary on `env` and waits until it answers /readyz.
+    pub async fn start(env: &TestEnv) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_idpool"))
+            .arg("serve")
+            .envs(env.process_env(port))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("idpool binary starts");
+        let process = Self { child };
+        let client = reqwest::Client::new();
+        let started = Instant::now();
+        loop {
+            if let Ok(r) = client
+                .get(format!("http://127.0.0.1:{port}/readyz"))
+                .send()
+                .await
+                && r.status() == StatusCode::OK
+            {
+                return process;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "idpool process did not become ready"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL: no shutdown, no cleanup.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }

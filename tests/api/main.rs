@@ -1,5 +1,6 @@
 //! End-to-end tests against real Postgres and Redis.
 
+mod documents;
 mod helpers;
 mod ids;
 mod inputs;
@@ -7,3 +8,4 @@ mod operations;
 mod redis_server;
 mod resilience;
 mod sequences;
+mod webhook;

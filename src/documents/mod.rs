@@ -1,0 +1,361 @@
+//! Documents: accepted with their ID in one Postgres transaction (the
+//! transactional outbox), then delivered to the target store by the outbox
+//! processor.
+
+pub mod outbox;
+pub mod processor;
+pub mod sink;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+use utoipa::ToSchema;
+
+use crate::counter::Via;
+use crate::issuance::{IssueError, Issuer, Placement, without};
+use crate::ledger::{self, LedgerError};
+use crate::sequence::{Layout, ProjectCode, TypeCode};
+use outbox::{DocumentStatus, OutboxRow};
+
+/// Largest `metadata` object (SPEC).
+pub const MAX_METADATA_BYTES: usize = 256 * 1024;
+/// Most documents in one batch (SPEC).
+pub const MAX_BATCH: usize = 1000;
+
+/// A validated document to accept.
+#[derive(Debug, Clone)]
+pub struct DocumentInput {
+    pub project: ProjectCode,
+    pub doc_type: TypeCode,
+    /// The metadata object, as sent.
+    pub metadata: String,
+    /// An ID from `POST /ids` to attach instead of taking a new number.
+    pub id: Option<String>,
+}
+
+/// The answer to an accepted document (202).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AcceptedDocument {
+    #[schema(example = "PROJ-9012-1001")]
+    pub id: String,
+    #[schema(example = "PROJ")]
+    pub project: String,
+    #[serde(rename = "type")]
+    #[schema(example = "9012")]
+    pub doc_type: String,
+    #[schema(example = 1001)]
+    pub seq: i64,
+    pub status: DocumentStatus,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DocumentError {
+    #[error(transparent)]
+    Issue(#[from] IssueError),
+    #[error("{id} cannot be attached: {reason}")]
+    NotAttachable { id: String, reason: String },
+    #[error("a document with ID {0} exists already (another sequence formats IDs the same way)")]
+    IdTaken(String),
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+impl From<LedgerError> for DocumentError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::DocumentIdTaken(detail) => DocumentError::IdTaken(detail),
+            LedgerError::AlreadyAttached(detail) => DocumentError::NotAttachable {
+                id: String::new(),
+                reason: format!("attached by a concurrent request ({detail})"),
+            },
+            other => DocumentError::Issue(IssueError::Ledger(other)),
+        }
+    }
+}
+
+/// A failure in a batch; `index` names the item when one item caused it.
+#[derive(Debug)]
+pub struct BatchError {
+    pub index: Option<usize>,
+    pub error: DocumentError,
+}
+
+impl BatchError {
+    fn at(index: usize) -> impl FnOnce(DocumentError) -> BatchError {
+        move |error| BatchError {
+            index: Some(index),
+            error,
+        }
+    }
+
+    fn whole(error: impl Into<DocumentError>) -> BatchError {
+        BatchError {
+            index: None,
+            error: error.into(),
+        }
+    }
+}
+
+pub struct Documents {
+    pub issuer: Arc<Issuer>,
+}
+
+fn outbox_row(placement: &Placement, input: &DocumentInput, seq: i64) -> OutboxRow {
+    OutboxRow {
+        seq,
+        document_id: placement.shape.id(seq),
+        project: input.project.to_string(),
+        doc_type: input.doc_type.to_string(),
+        seq_number: placement.shape.number(seq),
+        payload: input.metadata.clone(),
+    }
+}
+
+fn accepted(row: &OutboxRow, created_at: DateTime<Utc>) -> AcceptedDocument {
+    AcceptedDocument {
+        id: row.document_id.clone(),
+        project: row.project.clone(),
+        doc_type: row.doc_type.clone(),
+        seq: row.seq_number,
+        status: DocumentStatus::Pending,
+        created_at,
+    }
+}
+
+impl Documents {
+    /// Accepts one document with a new number through the shared writer:
+    /// its ledger record and outbox row commit together with those of
+    /// concurrent requests.
+    pub async fn accept(&self, input: &DocumentInput) -> Result<AcceptedDocument, DocumentError> {
+        let issuer = &self.issuer;
+        let placement = issuer.place(&input.project, &input.doc_type).await?;
+        loop {
+            let seqs = issuer.obtain(&placement.pool, 1).await?;
+            let row = outbox_row(&placement, input, seqs[0]);
+            let recorded = issuer
+                .ledger
+                .record_documents(
+                    placement.sequence.id,
+                    placement.period.key(),
+                    vec![row.clone()],
+                )
+                .await?;
+            if let Some(created_at) = recorded.documents.get(&row.document_id) {
+                return Ok(accepted(&row, *created_at));
+            }
+            issuer
+                .refused(&placement.pool, recorded.refused.len().max(1))
+                .await;
+        }
+    }
+
+    /// Accepts documents inside the caller's transaction: all or none.
+    /// Numbers are taken with one pool call per sequence period; attached
+    /// IDs are checked before any number is taken.
+    pub async fn accept_in(
+        &self,
+        conn: &mut PgConnection,
+        inputs: &[DocumentInput],
+    ) -> Result<Vec<AcceptedDocument>, BatchError> {
+        let issuer = &self.issuer;
+        let mut placements: HashMap<(String, String), Placement> = HashMap::new();
+        for input in inputs {
+            let key = (input.project.to_string(), input.doc_type.to_string());
+            if let std::collections::hash_map::Entry::Vacant(slot) = placements.entry(key) {
+                let placement = issuer
+                    .place(&input.project, &input.doc_type)
+                    .await
+                    .map_err(BatchError::whole)?;
+                slot.insert(placement);
+            }
+        }
+        let placement_of = |input: &DocumentInput| {
+            &placements[&(input.project.to_string(), input.doc_type.to_string())]
+        };
+
+        // (sequence_id, period, row) per item, filled in below.
+        let mut rows: Vec<Option<(i64, String, OutboxRow)>> = vec![None; inputs.len()];
+        for (index, input) in inputs.iter().enumerate() {
+            if let Some(id) = &input.id {
+                let row = attachable(conn, placement_of(input), input, id)
+                    .await
+                    .map_err(BatchError::at(index))?;
+                rows[index] = Some(row);
+            }
+        }
+
+        // New numbers, grouped by sequence period, in request order.
+        let mut groups: Vec<(&Placement, Vec<usize>)> = Vec::new();
+        for (index, input) in inputs.iter().enumerate().filter(|(_, i)| i.id.is_none()) {
+            let placement = placement_of(input);
+            match groups
+                .iter_mut()
+                .find(|(p, _)| p.pool.keys == placement.pool.keys)
+            {
+                Some((_, members)) => members.push(index),
+                None => groups.push((placement, vec![index])),
+            }
+        }
+        for (placement, mut waiting) in groups {
+            let sequence_id = placement.sequence.id;
+            let period = placement.period.key();
+            while !waiting.is_empty() {
+                let seqs = issuer
+                    .obtain(&placement.pool, waiting.len())
+                    .await
+                    .map_err(|e| BatchError::whole(DocumentError::Issue(e)))?;
+                let refused = ledger::record_in(
+                    conn,
+                    &issuer.stats,
+                    sequence_id,
+                    period,
+                    &seqs,
+                    Via::Document,
+                )
+                .await
+                .map_err(BatchError::whole)?;
+                let taken = without(seqs.clone(), &refused);
+                let mut still_waiting = Vec::new();
+                let mut taken = taken.into_iter();
+                for index in waiting {
+                    match taken.next() {
+                        Some(seq) => {
+                            rows[index] = Some((
+                                sequence_id,
+                                period.to_owned(),
+                                outbox_row(placement, &inputs[index], seq),
+                            ));
+                        }
+                        None => still_waiting.push(index),
+                    }
+                }
+                if !refused.is_empty() {
+                    issuer.refused(&placement.pool, refused.len()).await;
+                }
+                waiting = still_waiting;
+            }
+        }
+
+        let rows: Vec<(i64, String, OutboxRow)> = rows.into_iter().flatten().collect();
+        if let Some(index) = first_taken_id(conn, &rows)
+            .await
+            .map_err(BatchError::whole)?
+        {
+            return Err(BatchError::at(index)(DocumentError::IdTaken(
+                rows[index].2.document_id.clone(),
+            )));
+        }
+        let refs: Vec<(i64, &str, &OutboxRow)> =
+            rows.iter().map(|(s, p, r)| (*s, p.as_str(), r)).collect();
+        let created = outbox::insert(conn, &refs).await.map_err(|e| {
+            let e: LedgerError = e.into();
+            BatchError::whole(e)
+        })?;
+        Ok(rows
+            .iter()
+            .zip(created)
+            .map(|((_, _, row), created_at)| accepted(row, created_at))
+            .collect())
+    }
+}
+
+/// The first row whose document ID another document already has.
+async fn first_taken_id(
+    conn: &mut PgConnection,
+    rows: &[(i64, String, OutboxRow)],
+) -> Result<Option<usize>, sqlx::Error> {
+    let ids: Vec<&str> = rows
+        .iter()
+        .map(|(_, _, r)| r.document_id.as_str())
+        .collect();
+    let taken: Vec<String> =
+        sqlx::query_scalar("SELECT document_id FROM id_outbox WHERE document_id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(ids.iter().position(|id| taken.iter().any(|t| t == id)))
+}
+
+/// Checks that `id` was issued by `POST /ids` for this sequence and carries
+/// no document yet; the outbox row that attaches it.
+async fn attachable(
+    conn: &mut PgConnection,
+    placement: &Placement,
+    input: &DocumentInput,
+    id: &str,
+) -> Result<(i64, String, OutboxRow), DocumentError> {
+    let not_attachable = |reason: &str| DocumentError::NotAttachable {
+        id: id.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let sequence = &placement.sequence;
+    let definition = &sequence.definition;
+    let candidates: Vec<i64> = match definition.layout {
+        Layout::Text => definition.format.seq_candidates(
+            id,
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+        ),
+        Layout::Int64 { .. } => id
+            .parse::<i64>()
+            .map(|n| vec![n & 0xFFFF_FFFF])
+            .unwrap_or_default(),
+    };
+    for seq in candidates {
+        let issued: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT period, issued_at FROM issuance_ledger \
+             WHERE sequence_id = $1 AND seqs @> $2::bigint AND via = 'ids'",
+        )
+        .bind(sequence.id)
+        .bind(seq)
+        .fetch_all(&mut *conn)
+        .await?;
+        for (period_key, issued_at) in issued {
+            let Some(period) = definition
+                .reset
+                .period_named(definition.timezone, &period_key)
+            else {
+                continue;
+            };
+            let Ok(shape) = definition.shape(
+                sequence.project.as_str(),
+                sequence.doc_type.as_str(),
+                &period,
+                issued_at,
+            ) else {
+                continue;
+            };
+            if shape.id(seq) != id {
+                continue;
+            }
+            let attached: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1 AND period = $2 AND seq = $3)",
+            )
+            .bind(sequence.id)
+            .bind(&period_key)
+            .bind(seq)
+            .fetch_one(&mut *conn)
+            .await?;
+            if attached {
+                return Err(not_attachable("it carries a document already"));
+            }
+            let row = OutboxRow {
+                seq,
+                document_id: id.to_owned(),
+                project: input.project.to_string(),
+                doc_type: input.doc_type.to_string(),
+                seq_number: shape.number(seq),
+                payload: input.metadata.clone(),
+            };
+            return Ok((sequence.id, period_key, row));
+        }
+    }
+    Err(not_attachable(&format!(
+        "it was not issued by POST /ids for {}/{}",
+        sequence.project, sequence.doc_type
+    )))
+}

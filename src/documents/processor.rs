@@ -1,0 +1,213 @@
+//! The outbox processor: claims due rows with `FOR UPDATE SKIP LOCKED`,
+//! delivers them to the sink, and records the outcome in the same
+//! transaction. Many processors (instances) can run at once: a row is only
+//! ever held by one, and a processor that dies releases its rows with its
+//! connection, so they are due again at once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::sink::{Delivery, Sink};
+
+#[derive(Debug, Clone)]
+pub struct ProcessorSettings {
+    /// Longest sleep when idle; new rows wake the processor at once.
+    pub poll: Duration,
+    /// Failed attempts after which a document is dead-lettered.
+    pub max_retries: i32,
+    /// Retry n waits base × 2^n.
+    pub backoff_base: Duration,
+    pub batch_size: i64,
+    /// How long a stopping processor may finish its batch before it lets
+    /// go of it (the rows are then due again).
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ProcessorSettings {
+    fn default() -> Self {
+        Self {
+            poll: Duration::from_millis(2000),
+            max_retries: 5,
+            backoff_base: Duration::from_millis(1000),
+            batch_size: 500,
+            shutdown_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Shortest idle sleep, so rows held by another processor are not polled in a spin.
+const MIN_IDLE_SLEEP: Duration = Duration::from_millis(20);
+
+/// What one step did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Step {
+    pub claimed: usize,
+    pub delivered: usize,
+    pub failed: usize,
+    pub dead_lettered: usize,
+}
+
+pub struct Processor {
+    db: PgPool,
+    sink: Sink,
+    settings: ProcessorSettings,
+    wake: Arc<Notify>,
+}
+
+impl Processor {
+    pub fn new(db: PgPool, sink: Sink, settings: ProcessorSettings, wake: Arc<Notify>) -> Self {
+        Self {
+            db,
+            sink,
+            settings,
+            wake,
+        }
+    }
+
+    /// Claims and delivers one batch of due rows.
+    pub async fn step(&self) -> Result<Step, sqlx::Error> {
+        let mut tx = self.db.begin().await?;
+        let payload = if self.sink.needs_payload() {
+            "payload::text"
+        } else {
+            "NULL::text"
+        };
+        let sql = format!(
+            "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
+                    seq_number AS seq, created_at, {payload} AS payload \
+             FROM id_outbox WHERE status = 'pending' AND next_retry_at <= now() \
+             ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+        );
+        let claimed: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(self.settings.batch_size)
+            .fetch_all(&mut *tx)
+            .await?;
+        if claimed.is_empty() {
+            return Ok(Step::default());
+        }
+        let outcomes = self.sink.deliver(&mut tx, &claimed).await;
+        let mut delivered = Vec::new();
+        let mut failed_ids = Vec::new();
+        let mut errors = Vec::new();
+        for (delivery, outcome) in claimed.iter().zip(outcomes) {
+            match outcome {
+                Ok(()) => delivered.push(delivery.row_id),
+                Err(error) => {
+                    failed_ids.push(delivery.row_id);
+                    errors.push(error);
+                }
+            }
+        }
+        if !delivered.is_empty() {
+            sqlx::query("UPDATE id_outbox SET status = 'committed', processed_at = clock_timestamp() WHERE id = ANY($1)")
+                .bind(&delivered)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let mut dead_lettered = 0;
+        if !failed_ids.is_empty() {
+            let dead: Vec<bool> = sqlx::query_scalar(
+                "UPDATE id_outbox o SET \
+                     retry_count = o.retry_count + 1, \
+                     last_error = f.error, \
+                     status = CASE WHEN o.retry_count + 1 >= $3 THEN 'dead_letter' ELSE 'pending' END, \
+                     processed_at = CASE WHEN o.retry_count + 1 >= $3 THEN clock_timestamp() END, \
+                     next_retry_at = clock_timestamp() + make_interval(secs => $4 * power(2, o.retry_count + 1)) \
+                 FROM UNNEST($1::bigint[], $2::text[]) AS f(id, error) \
+                 WHERE o.id = f.id \
+                 RETURNING o.status = 'dead_letter'",
+            )
+            .bind(&failed_ids)
+            .bind(&errors)
+            .bind(self.settings.max_retries)
+            .bind(self.settings.backoff_base.as_secs_f64())
+            .fetch_all(&mut *tx)
+            .await?;
+            dead_lettered = dead.iter().filter(|d| **d).count();
+        }
+        tx.commit().await?;
+        if !failed_ids.is_empty() {
+            tracing::warn!(
+                failed = failed_ids.len(),
+                dead_lettered,
+                first_error = errors.first().map(String::as_str).unwrap_or(""),
+                "outbox deliveries failed"
+            );
+        }
+        Ok(Step {
+            claimed: claimed.len(),
+            delivered: delivered.len(),
+            failed: failed_ids.len(),
+            dead_lettered,
+        })
+    }
+
+    /// When the next pending row is due, if any.
+    async fn next_due(&self) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+        sqlx::query_scalar("SELECT min(next_retry_at) FROM id_outbox WHERE status = 'pending'")
+            .fetch_one(&self.db)
+            .await
+    }
+
+    /// Runs until `stop`: a full batch goes straight on to the next; else it
+    /// sleeps until woken by a new row, the next retry falls due, or the
+    /// poll interval passes.
+    pub async fn run(self, stop: CancellationToken) {
+        let mut backoff_on_error = Duration::from_millis(100);
+        loop {
+            if stop.is_cancelled() {
+                return;
+            }
+            let step = self.step();
+            tokio::pin!(step);
+            let result = tokio::select! {
+                result = &mut step => result,
+                _ = stop.cancelled() => {
+                    // Finish the batch if it is quick; else drop it, which
+                    // rolls back and leaves its rows due for another processor.
+                    match tokio::time::timeout(self.settings.shutdown_grace, &mut step).await {
+                        Ok(result) => { let _ = result; }
+                        Err(_) => tracing::warn!("outbox batch released unfinished at shutdown"),
+                    }
+                    return;
+                }
+            };
+            let claimed = match result {
+                Ok(step) if step.claimed as i64 >= self.settings.batch_size => continue,
+                Ok(step) => {
+                    backoff_on_error = Duration::from_millis(100);
+                    step.claimed
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "outbox step failed");
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(backoff_on_error) => {}
+                    }
+                    backoff_on_error = (backoff_on_error * 2).min(self.settings.poll);
+                    continue;
+                }
+            };
+            let until_due = match self.next_due().await {
+                Ok(Some(due)) => (due - Utc::now()).to_std().unwrap_or(Duration::ZERO),
+                _ => self.settings.poll,
+            };
+            // A row that is due but was not claimed is held by another
+            // processor: look again shortly instead of spinning.
+            if until_due.is_zero() && claimed > 0 {
+                continue;
+            }
+            let sleep = until_due.max(MIN_IDLE_SLEEP).min(self.settings.poll);
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(sleep) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Outbox operations: list, retry dead letters, abandon.
+
+use axum::extract::State;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::extract::{Path, Query};
+use super::problem::{ApiError, Problem, db_error};
+use crate::documents::outbox::{self, DocumentStatus, DocumentView, ListFilter, TransitionError};
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct OutboxQuery {
+    /// Only documents with this status (all when left out).
+    pub status: Option<DocumentStatus>,
+    pub project: Option<String>,
+    #[serde(rename = "type")]
+    #[param(rename = "type")]
+    pub doc_type: Option<String>,
+    /// Page size, 1 to 1000 (default 100).
+    pub limit: Option<i64>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OutboxPage {
+    pub documents: Vec<DocumentView>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_outbox))
+        .routes(routes!(retry_document))
+        .routes(routes!(abandon_document))
+}
+
+/// List outbox entries (dead letters with `status=dead_letter`).
+#[utoipa::path(
+    get,
+    path = "/api/v1/outbox",
+    tag = "outbox",
+    params(OutboxQuery),
+    responses(
+        (status = 200, body = OutboxPage),
+        (status = 400, description = "Invalid filter, limit or cursor", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn list_outbox(
+    State(state): State<AppState>,
+    Query(query): Query<OutboxQuery>,
+) -> Result<axum::Json<OutboxPage>, ApiError> {
+    let limit = query.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            format!("limit must be between 1 and 1000, got {limit}"),
+        ));
+    }
+    let after_row = match &query.cursor {
+        None => 0,
+        Some(cursor) => cursor.parse::<i64>().map_err(|_| {
+            ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
+        })?,
+    };
+    let documents = outbox::list(
+        &state.db,
+        &ListFilter {
+            status: query.status,
+            project: query.project.as_deref(),
+            doc_type: query.doc_type.as_deref(),
+            after_row,
+            limit,
+        },
+    )
+    .await
+    .map_err(db_error)?;
+    let next_cursor = (documents.len() as i64 == limit)
+        .then(|| documents.last().map(|d| d.row_id.to_string()))
+        .flatten();
+    Ok(axum::Json(OutboxPage {
+        documents,
+        next_cursor,
+    }))
+}
+
+fn transition_error(e: TransitionError) -> ApiError {
+    match e {
+        TransitionError::NotFound(_) => ApiError::not_found("document_not_found", e.to_string()),
+        TransitionError::NotAllowed {
+            action: "retry", ..
+        } => ApiError::conflict("not_retryable", e.to_string()),
+        TransitionError::NotAllowed { .. } => ApiError::conflict("not_abandonable", e.to_string()),
+        TransitionError::Db(e) => db_error(e),
+    }
+}
+
+/// Put a dead letter back to `pending` with its retry count reset.
+#[utoipa::path(
+    post,
+    path = "/api/v1/outbox/{id}/retry",
+    tag = "outbox",
+    params(("id" = String, Path, description = "The document ID")),
+    responses(
+        (status = 200, body = DocumentView),
+        (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Not a dead letter (or abandoned)", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn retry_document(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<DocumentView>, ApiError> {
+    outbox::retry(&state.db, &id)
+        .await
+        .map(axum::Json)
+        .map_err(transition_error)
+}
+
+/// Give up on a document; its number becomes a gap with reason `abandoned`.
+#[utoipa::path(
+    post,
+    path = "/api/v1/outbox/{id}/abandon",
+    tag = "outbox",
+    params(("id" = String, Path, description = "The document ID")),
+    responses(
+        (status = 200, body = DocumentView),
+        (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Already committed", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn abandon_document(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<DocumentView>, ApiError> {
+    outbox::abandon(&state.db, &id)
+        .await
+        .map(axum::Json)
+        .map_err(transition_error)
+}

@@ -1,0 +1,277 @@
+//! `Idempotency-Key`: a request retried with its key gets the stored answer
+//! instead of new numbers.
+//!
+//! The key's row is inserted at the start of the request's transaction and
+//! its answer stored in the same commit as the work. A concurrent twin's
+//! insert waits on that row (up to 2 s, the transaction's lock timeout),
+//! then finds the answer committed and replays it, or times out: 409.
+
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+/// How long an answer is kept for replay (SPEC).
+pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
+/// How long a request waits for a twin holding its key before answering 409.
+pub const WAIT_FOR_TWIN: &str = "2s";
+
+/// Who is asking. Keys are scoped to the caller, so two tenants never collide.
+/// Authentication is not built yet: the caller is the bearer token's hash
+/// when one is sent, else "anonymous".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller(String);
+
+impl Caller {
+    pub fn from_headers(headers: &HeaderMap) -> Self {
+        let token = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        match token {
+            Some(token) => {
+                let digest = Sha256::digest(token.as_bytes());
+                Caller(format!("bearer:{}", hex::encode(&digest[..16])))
+            }
+            None => Caller("anonymous".into()),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KeyError {
+    #[error("Idempotency-Key must be 1 to 255 printable ASCII characters")]
+    Malformed,
+}
+
+/// 1–255 printable ASCII characters (SPEC).
+pub fn validate_key(key: &str) -> Result<(), KeyError> {
+    if (1..=255).contains(&key.len()) && key.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+        Ok(())
+    } else {
+        Err(KeyError::Malformed)
+    }
+}
+
+/// The `Idempotency-Key` header, if sent.
+pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+    match headers.get("idempotency-key") {
+        None => Ok(None),
+        Some(value) => {
+            let key = value.to_str().map_err(|_| KeyError::Malformed)?;
+            validate_key(key)?;
+            Ok(Some(key.to_owned()))
+        }
+    }
+}
+
+/// What a request is, for telling a retry from a different request under
+/// the same key: the route and the body with its keys in canonical order.
+pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
+    let mut hasher = Sha256::new();
+    hasher.update(route.as_bytes());
+    hasher.update([0]);
+    // serde_json's map is ordered by key, so equal objects print alike.
+    hasher.update(body.to_string().as_bytes());
+    hasher.finalize().to_vec()
+}
+
+/// A stored answer.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    pub status: u16,
+    pub response: Value,
+}
+
+#[derive(Debug)]
+pub enum Claimed {
+    /// First use: do the work and `store` its answer before committing.
+    New,
+    /// Same key, same request, finished: answer with this.
+    Replay(Stored),
+    /// Same key, another request.
+    Mismatch,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("a request with this Idempotency-Key is still running")]
+    InUse,
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("55P03") | Some("40P01")))
+}
+
+/// Makes lock waits of this transaction give up after [`WAIT_FOR_TWIN`].
+pub async fn wait_for_twins_briefly(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '{WAIT_FOR_TWIN}'"
+    )))
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Claims `keys` (key, fingerprint) for `caller` in one round trip (plus
+/// one to read the answers of keys used before). In key order, so two
+/// batches sharing keys cannot deadlock.
+pub async fn claim(
+    conn: &mut PgConnection,
+    caller: &Caller,
+    keys: &[(String, Vec<u8>)],
+) -> Result<Vec<Claimed>, ClaimError> {
+    let mut order: Vec<usize> = (0..keys.len()).collect();
+    order.sort_by(|a, b| keys[*a].0.cmp(&keys[*b].0));
+    let names: Vec<&str> = order.iter().map(|i| keys[*i].0.as_str()).collect();
+    let hashes: Vec<&[u8]> = order.iter().map(|i| keys[*i].1.as_slice()).collect();
+    let inserted: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO idempotency_keys (caller, key, request_hash, status_code, response) \
+         SELECT $1, k, h, 0, 'null'::jsonb FROM UNNEST($2::text[], $3::bytea[]) WITH ORDINALITY AS t(k, h, n) \
+         ORDER BY n \
+         ON CONFLICT (caller, key) DO NOTHING RETURNING key",
+    )
+    .bind(caller.as_str())
+    .bind(&names)
+    .bind(&hashes)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| if is_lock_timeout(&e) { ClaimError::InUse } else { ClaimError::Db(e) })?;
+    let used_before: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|k| !inserted.iter().any(|i| i == k))
+        .collect();
+    let mut stored: std::collections::HashMap<String, (Vec<u8>, i16, Value)> =
+        std::collections::HashMap::new();
+    if !used_before.is_empty() {
+        let rows: Vec<(String, Vec<u8>, i16, Value)> = sqlx::query_as(
+            "SELECT key, request_hash, status_code, response FROM idempotency_keys \
+             WHERE caller = $1 AND key = ANY($2)",
+        )
+        .bind(caller.as_str())
+        .bind(&used_before)
+        .fetch_all(&mut *conn)
+        .await?;
+        stored = rows
+            .into_iter()
+            .map(|(k, h, s, r)| (k, (h, s, r)))
+            .collect();
+    }
+    keys.iter()
+        .map(|(key, hash)| match stored.remove(key) {
+            None if inserted.iter().any(|i| i == key) => Ok(Claimed::New),
+            // Pruned between our insert and read: take it as new next time.
+            None => Err(ClaimError::InUse),
+            Some((stored_hash, _, _)) if &stored_hash != hash => Ok(Claimed::Mismatch),
+            Some((_, 0, _)) => Err(ClaimError::InUse),
+            Some((_, status, response)) => Ok(Claimed::Replay(Stored {
+                status: status as u16,
+                response,
+            })),
+        })
+        .collect()
+}
+
+/// Stores the answers of claimed keys; commits with the caller's work.
+pub async fn store(
+    conn: &mut PgConnection,
+    caller: &Caller,
+    answers: &[(&str, u16, Value)],
+) -> Result<(), sqlx::Error> {
+    if answers.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = answers.iter().map(|(k, _, _)| *k).collect();
+    let statuses: Vec<i16> = answers.iter().map(|(_, s, _)| *s as i16).collect();
+    let responses: Vec<&Value> = answers.iter().map(|(_, _, r)| r).collect();
+    sqlx::query(
+        "UPDATE idempotency_keys i SET status_code = a.s, response = a.r \
+         FROM UNNEST($2::text[], $3::smallint[], $4::jsonb[]) AS a(k, s, r) \
+         WHERE i.caller = $1 AND i.key = a.k",
+    )
+    .bind(caller.as_str())
+    .bind(&keys)
+    .bind(&statuses)
+    .bind(&responses)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Deletes answers older than `ttl`; returns how many.
+pub async fn prune(db: &PgPool, ttl: Duration) -> Result<u64, sqlx::Error> {
+    let result = sqlx::query(
+        "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)",
+    )
+    .bind(ttl.as_secs_f64())
+    .execute(db)
+    .await?;
+    Ok(result.rows_affected())
+}
+
+/// Prunes expired keys every ten minutes until `stop`.
+pub async fn prune_periodically(db: PgPool, stop: CancellationToken) {
+    loop {
+        match prune(&db, KEY_TTL).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(pruned = n, "expired idempotency keys deleted"),
+            Err(e) => tracing::warn!(error = %e, "idempotency key pruning failed"),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(600)) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_printable_ascii_up_to_255() {
+        assert!(validate_key("order-42").is_ok());
+        assert!(validate_key(&"k".repeat(255)).is_ok());
+        assert_eq!(validate_key(""), Err(KeyError::Malformed));
+        assert_eq!(validate_key(&"k".repeat(256)), Err(KeyError::Malformed));
+        assert_eq!(validate_key("tab\there"), Err(KeyError::Malformed));
+        assert_eq!(validate_key("ключ"), Err(KeyError::Malformed));
+    }
+
+    #[test]
+    fn fingerprints_ignore_key_order_but_not_values() {
+        let a: Value =
+            serde_json::from_str(r#"{"project":"P","type":"T","metadata":{"b":1,"a":2}}"#).unwrap();
+        let b: Value =
+            serde_json::from_str(r#"{"metadata":{"a":2,"b":1},"type":"T","project":"P"}"#).unwrap();
+        let c: Value =
+            serde_json::from_str(r#"{"project":"P","type":"T","metadata":{"b":1,"a":3}}"#).unwrap();
+        assert_eq!(fingerprint("document", &a), fingerprint("document", &b));
+        assert_ne!(fingerprint("document", &a), fingerprint("document", &c));
+        assert_ne!(fingerprint("document", &a), fingerprint("ids", &a));
+    }
+
+    #[test]
+    fn callers_are_told_apart_by_token() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(Caller::from_headers(&headers).as_str(), "anonymous");
+        headers.insert("authorization", "Bearer alpha".parse().unwrap());
+        let alpha = Caller::from_headers(&headers);
+        headers.insert("authorization", "Bearer beta".parse().unwrap());
+        let beta = Caller::from_headers(&headers);
+        assert_ne!(alpha, beta);
+        assert!(alpha.as_str().starts_with("bearer:") && !alpha.as_str().contains("alpha"));
+    }
+}

@@ -1,0 +1,758 @@
+//! POST /documents, batches, idempotency, sinks and the outbox processor.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idpool::documents::sink::SinkConfig;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::sync::Barrier;
+
+use crate::helpers::{ServeProcess, TestEnv, assert_problem, ledger_numbers};
+use crate::redis_server::RedisServer;
+use crate::webhook::{Behaviour, Webhook};
+
+fn doc(project: &str, doc_type: &str, metadata: Value) -> Value {
+    json!({"project": project, "type": doc_type, "metadata": metadata})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_document_is_committed_in_the_default_sink_within_a_second() {
+    let app = TestEnv::new().spawn().await;
+    // Let the processor settle into its idle wait first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let response = app
+        .post_document(
+            &doc("PROJ", "9012", json!({"title": "Level 3", "rev": 2})),
+            None,
+        )
+        .await;
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let location = response.headers()["location"].to_str().unwrap().to_owned();
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["status"], "pending");
+    assert_eq!(body["project"], "PROJ");
+    assert_eq!(body["type"], "9012");
+    let id = body["id"].as_str().unwrap();
+    assert_eq!(id, format!("PROJ-9012-{}", body["seq"]));
+    assert_eq!(location, format!("/api/v1/documents/{id}"));
+
+    let took = app
+        .wait_for_status(id, "committed", Duration::from_secs(1))
+        .await;
+    println!("202 -> committed in {took:?}");
+    let stored: (String, Value, i64) =
+        sqlx::query_as("SELECT project, metadata, seq FROM documents WHERE document_id = $1")
+            .bind(id)
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        stored,
+        (
+            "PROJ".into(),
+            json!({"title": "Level 3", "rev": 2}),
+            body["seq"].as_i64().unwrap()
+        )
+    );
+    let view = app.document(id).await;
+    assert_eq!(view["retry_count"], 0);
+    assert!(view["processed_at"].is_string());
+    assert_eq!(view["next_retry_at"], Value::Null);
+    // The number is in the ledger, attached.
+    assert!(
+        ledger_numbers(&app.db, "PROJ", "9012", "")
+            .await
+            .contains(&body["seq"].as_i64().unwrap())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_failing_three_times_is_delivered_after_three_retries_at_the_backoff() {
+    let webhook = Webhook::start(Behaviour::FailFirst(3)).await;
+    let mut env = TestEnv::new();
+    env.sink = SinkConfig::Webhook(webhook.url.clone());
+    env.outbox_backoff_base_ms = 50;
+    env.outbox_poll_ms = 50;
+    let app = env.spawn().await;
+    let body: Value = app
+        .post_document(&doc("HOOK", "1", json!({"n": 1})), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = body["id"].as_str().unwrap();
+    app.wait_for_status(id, "committed", Duration::from_secs(10))
+        .await;
+    let view = app.document(id).await;
+    assert_eq!(view["retry_count"], 3);
+    assert!(view["last_error"].as_str().unwrap().contains("500"));
+
+    let attempts: Vec<_> = webhook
+        .received()
+        .into_iter()
+        .filter(|r| r.document_id == id)
+        .collect();
+    assert_eq!(attempts.len(), 4, "three failures and one success");
+    for (n, pair) in attempts.windows(2).enumerate() {
+        let waited = pair[1].at - pair[0].at;
+        let backoff = Duration::from_millis(50 * 2u64.pow(n as u32 + 1));
+        assert!(
+            waited >= backoff.mul_f64(0.9),
+            "retry {} came after {waited:?}, backoff {backoff:?}",
+            n + 1
+        );
+    }
+    let delivered = attempts.last().unwrap();
+    assert_eq!(delivered.idempotency_key.as_deref(), Some(id));
+    assert_eq!(delivered.body["metadata"], json!({"n": 1}));
+    assert_eq!(delivered.body["id"], id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_can_be_listed_retried_and_abandoned() {
+    let webhook = Webhook::start(Behaviour::AlwaysFail).await;
+    let mut env = TestEnv::new();
+    env.sink = SinkConfig::Webhook(webhook.url.clone());
+    env.outbox_backoff_base_ms = 20;
+    env.outbox_poll_ms = 50;
+    env.outbox_max_retries = 3;
+    let app = env.spawn().await;
+    let mut ids = Vec::new();
+    for n in 0..2 {
+        let body: Value = app
+            .post_document(&doc("DLQ", "1", json!({"n": n})), None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        ids.push(body["id"].as_str().unwrap().to_owned());
+    }
+    for id in &ids {
+        app.wait_for_status(id, "dead_letter", Duration::from_secs(10))
+            .await;
+        let view = app.document(id).await;
+        assert_eq!(view["retry_count"], 3);
+        assert!(
+            view["last_error"].as_str().unwrap().contains("500"),
+            "{view}"
+        );
+        assert_eq!(view["next_retry_at"], Value::Null);
+    }
+    let (_, page) = app
+        .get_json("/api/v1/outbox?status=dead_letter&project=DLQ&type=1")
+        .await;
+    let listed: Vec<&str> = page["documents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ids.iter().map(String::as_str).collect::<Vec<_>>());
+    let (_, first_page) = app
+        .get_json("/api/v1/outbox?status=dead_letter&limit=1")
+        .await;
+    let cursor = first_page["next_cursor"].as_str().unwrap();
+    let (_, second_page) = app
+        .get_json(&format!(
+            "/api/v1/outbox?status=dead_letter&limit=1&cursor={cursor}"
+        ))
+        .await;
+    assert_eq!(second_page["documents"][0]["id"], ids[1].as_str());
+
+    // The target recovers: a retried dead letter is delivered.
+    webhook.set(Behaviour::Succeed);
+    let retried = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{}/retry", ids[0])))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retried.status(), StatusCode::OK);
+    let retried: Value = retried.json().await.unwrap();
+    assert_eq!(
+        (retried["status"].as_str(), retried["retry_count"].as_i64()),
+        (Some("pending"), Some(0))
+    );
+    app.wait_for_status(&ids[0], "committed", Duration::from_secs(5))
+        .await;
+
+    let abandoned = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{}/abandon", ids[1])))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(abandoned.status(), StatusCode::OK);
+    assert_eq!(app.document(&ids[1]).await["status"], "abandoned");
+
+    let again = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{}/retry", ids[0])))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(again, StatusCode::CONFLICT, "not_retryable").await;
+    let late = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{}/abandon", ids[0])))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(late, StatusCode::CONFLICT, "not_abandonable").await;
+    let missing = app
+        .client
+        .post(app.url("/api/v1/outbox/NOPE-1-1/retry"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(missing, StatusCode::NOT_FOUND, "document_not_found").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_concurrent_requests_with_one_key_make_one_document() {
+    let app = Arc::new(TestEnv::new().spawn().await);
+    let barrier = Arc::new(Barrier::new(10));
+    let body = doc("IDEM", "1", json!({"title": "once"}));
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (app, barrier, body) = (app.clone(), barrier.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let response = app.post_document(&body, Some("order-7")).await;
+            let status = response.status();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            (status, replayed, response.json::<Value>().await.unwrap())
+        }));
+    }
+    let mut ids = HashSet::new();
+    let mut replays = 0;
+    for task in tasks {
+        let (status, replayed, body) = task.await.unwrap();
+        match status {
+            StatusCode::ACCEPTED => {
+                ids.insert(body["id"].as_str().unwrap().to_owned());
+                replays += usize::from(replayed);
+            }
+            StatusCode::CONFLICT => assert_eq!(body["code"], "idempotency_key_in_use"),
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert_eq!(
+        ids.len(),
+        1,
+        "every 2xx answer carries the same ID: {ids:?}"
+    );
+    assert!(replays >= 1, "twins were answered by replay");
+    assert_eq!(app.outbox_count(None).await, 1, "one outbox row");
+    assert_eq!(
+        ledger_numbers(&app.db, "IDEM", "1", "").await.len(),
+        1,
+        "one number"
+    );
+
+    // A finished request replays with the header, same status and body.
+    let replay = app.post_document(&body, Some("order-7")).await;
+    assert_eq!(replay.status(), StatusCode::ACCEPTED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert!(replay.headers().contains_key("location"));
+    let replayed: Value = replay.json().await.unwrap();
+    assert_eq!(
+        replayed["id"].as_str(),
+        ids.iter().next().map(String::as_str)
+    );
+
+    // Same key, another body: 422, nothing written.
+    let other = app
+        .post_document(
+            &doc("IDEM", "1", json!({"title": "twice"})),
+            Some("order-7"),
+        )
+        .await;
+    assert_problem(
+        other,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+    )
+    .await;
+    assert_eq!(app.outbox_count(None).await, 1);
+
+    // Another caller's identical key is its own.
+    let other_caller = app
+        .client
+        .post(app.url("/documents"))
+        .bearer_auth("another-tenant")
+        .header("idempotency-key", "order-7")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other_caller.status(), StatusCode::ACCEPTED);
+    assert!(!other_caller.headers().contains_key("idempotent-replayed"));
+    let other_id: Value = other_caller.json().await.unwrap();
+    assert!(!ids.contains(other_id["id"].as_str().unwrap()));
+    assert_eq!(app.outbox_count(None).await, 2);
+
+    // Malformed keys are refused.
+    let bad = app.post_document(&body, Some(&"k".repeat(256))).await;
+    assert_problem(bad, StatusCode::BAD_REQUEST, "invalid_idempotency_key").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_retried_with_their_key_come_back_the_same_and_burn_nothing() {
+    let app = TestEnv::new().spawn().await;
+    let send = || {
+        app.client
+            .post(app.url("/ids"))
+            .header("idempotency-key", "migration-batch-1")
+            .json(&json!({"project": "KEYED", "type": "1", "count": 1000}))
+            .send()
+    };
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert!(!first.headers().contains_key("idempotent-replayed"));
+    let first: Value = first.json().await.unwrap();
+    let second = send().await.unwrap();
+    assert_eq!(second.headers()["idempotent-replayed"], "true");
+    let second: Value = second.json().await.unwrap();
+    assert_eq!(first["ids"], second["ids"]);
+    assert_eq!(first["ids"].as_array().unwrap().len(), 1000);
+    // The ledger holds the 1000 numbers once.
+    assert_eq!(ledger_numbers(&app.db, "KEYED", "1", "").await.len(), 1000);
+    let changed = app
+        .client
+        .post(app.url("/ids"))
+        .header("idempotency-key", "migration-batch-1")
+        .json(&json!({"project": "KEYED", "type": "1", "count": 999}))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(
+        changed,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_1000_is_one_transaction_and_a_bad_item_stops_it_all() {
+    let app = TestEnv::new().spawn().await;
+    let documents: Vec<Value> = (0..1000)
+        .map(|n| doc("BATCH", "1", json!({"n": n})))
+        .collect();
+    let started = Instant::now();
+    let response = app.post_batch(documents.clone()).await;
+    let took = started.elapsed();
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let body: Value = response.json().await.unwrap();
+    let results = body["documents"].as_array().unwrap();
+    assert_eq!(results.len(), 1000);
+    let seqs: Vec<i64> = results.iter().map(|r| r["seq"].as_i64().unwrap()).collect();
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "IDs ascending in request order"
+    );
+    assert_eq!(app.outbox_count(None).await, 1000);
+    let metadata: Vec<(String, Value)> =
+        sqlx::query_as("SELECT document_id, payload FROM id_outbox ORDER BY seq")
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    for (n, (id, payload)) in metadata.iter().enumerate() {
+        assert_eq!(id, results[n]["id"].as_str().unwrap());
+        assert_eq!(payload, &json!({"n": n}));
+    }
+    println!("batch of 1000 accepted in {took:?}");
+
+    // Item 500 is bad: 400 naming it, nothing written, no number taken.
+    let ledger_before = ledger_numbers(&app.db, "BATCH", "1", "").await.len();
+    let mut bad = documents.clone();
+    bad[500] = doc("BA-TCH", "1", json!({}));
+    let refused = app.post_batch(bad).await;
+    let problem = assert_problem(refused, StatusCode::BAD_REQUEST, "invalid_project").await;
+    assert_eq!(problem["index"], 500);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("documents[500]")
+    );
+    let mut not_object = documents.clone();
+    not_object[7] = doc("BATCH", "1", json!([1, 2]));
+    let problem = assert_problem(
+        app.post_batch(not_object).await,
+        StatusCode::BAD_REQUEST,
+        "invalid_metadata",
+    )
+    .await;
+    assert_eq!(problem["index"], 7);
+    let mut unattachable = documents.clone();
+    unattachable[3] =
+        json!({"project": "BATCH", "type": "1", "metadata": {}, "id": "BATCH-1-999999"});
+    let problem = assert_problem(
+        app.post_batch(unattachable).await,
+        StatusCode::CONFLICT,
+        "id_not_attachable",
+    )
+    .await;
+    assert_eq!(problem["index"], 3);
+    assert_eq!(app.outbox_count(None).await, 1000, "nothing written");
+    assert_eq!(
+        ledger_numbers(&app.db, "BATCH", "1", "").await.len(),
+        ledger_before,
+        "no number consumed"
+    );
+
+    assert_problem(
+        app.post_batch(vec![]).await,
+        StatusCode::BAD_REQUEST,
+        "invalid_batch_size",
+    )
+    .await;
+    let too_many: Vec<Value> = (0..1001).map(|_| doc("BATCH", "1", json!({}))).collect();
+    assert_problem(
+        app.post_batch(too_many).await,
+        StatusCode::BAD_REQUEST,
+        "invalid_batch_size",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_items_with_keys_are_replayed_and_ids_from_post_ids_attach_once() {
+    let app = TestEnv::new().spawn().await;
+    let (ids, _) = app.issue("MIG", "1", 2).await;
+    let items = vec![
+        json!({"project": "MIG", "type": "1", "metadata": {"src": "a"}, "idempotency_key": "src-a"}),
+        json!({"project": "MIG", "type": "1", "metadata": {"src": "b"}, "id": ids[0]}),
+    ];
+    let first: Value = app.post_batch(items.clone()).await.json().await.unwrap();
+    assert_eq!(
+        first["documents"][1]["id"],
+        ids[0].as_str(),
+        "the pre-issued ID was attached"
+    );
+    assert_eq!(first["documents"][0]["replayed"], Value::Null);
+
+    // Resuming a migration: the keyed item comes back as it was.
+    let resumed = app
+        .post_batch(vec![
+            items[0].clone(),
+            json!({"project": "MIG", "type": "1", "metadata": {"src": "c"}, "idempotency_key": "src-c"}),
+        ])
+        .await;
+    assert_eq!(resumed.status(), StatusCode::ACCEPTED);
+    let resumed: Value = resumed.json().await.unwrap();
+    assert_eq!(resumed["documents"][0]["id"], first["documents"][0]["id"]);
+    assert_eq!(resumed["documents"][0]["replayed"], true);
+    assert_eq!(app.outbox_count(None).await, 3);
+
+    // An attached ID cannot be attached again; the other one still can.
+    let twice = app
+        .post_document(
+            &json!({"project": "MIG", "type": "1", "metadata": {}, "id": ids[0]}),
+            None,
+        )
+        .await;
+    assert_problem(twice, StatusCode::CONFLICT, "id_not_attachable").await;
+    let other_project = app
+        .post_document(
+            &json!({"project": "OTHER", "type": "1", "metadata": {}, "id": ids[1]}),
+            None,
+        )
+        .await;
+    assert_problem(other_project, StatusCode::CONFLICT, "id_not_attachable").await;
+    let attached = app
+        .post_document(
+            &json!({"project": "MIG", "type": "1", "metadata": {}, "id": ids[1]}),
+            None,
+        )
+        .await;
+    assert_eq!(attached.status(), StatusCode::ACCEPTED);
+
+    // One key, two different items in one batch: 422 at the second.
+    let clash = app
+        .post_batch(vec![
+            json!({"project": "MIG", "type": "1", "metadata": {"v": 1}, "idempotency_key": "dup"}),
+            json!({"project": "MIG", "type": "1", "metadata": {"v": 2}, "idempotency_key": "dup"}),
+        ])
+        .await;
+    let problem = assert_problem(
+        clash,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+    )
+    .await;
+    assert_eq!(problem["index"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_documents_get_their_problems_and_change_nothing() {
+    let app = TestEnv::new().spawn().await;
+    let cases = vec![
+        (
+            json!({"project": "P-", "type": "1", "metadata": {}}),
+            StatusCode::BAD_REQUEST,
+            "invalid_project",
+        ),
+        (
+            json!({"project": "P", "type": "1", "metadata": "text"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_metadata",
+        ),
+        (
+            json!({"project": "P", "type": "1", "metadata": null}),
+            StatusCode::BAD_REQUEST,
+            "invalid_metadata",
+        ),
+        (
+            json!({"project": "P", "type": "1"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            json!({"project": "P", "type": "1", "metadata": {}, "extra": 1}),
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            json!({"project": "P", "type": "1", "metadata": {}, "id": ""}),
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        (
+            json!({"project": "P", "type": "1", "metadata": {"big": "x".repeat(256 * 1024)}}),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "metadata_too_large",
+        ),
+        (
+            json!({"project": "P", "type": "1", "metadata": {"big": "x".repeat(400 * 1024)}}),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+        ),
+    ];
+    for (body, status, code) in cases {
+        assert_problem(app.post_document(&body, None).await, status, code).await;
+    }
+    let missing = app
+        .client
+        .get(app.url("/api/v1/documents/P-1-1"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(missing, StatusCode::NOT_FOUND, "document_not_found").await;
+    let header_on_batch = app
+        .client
+        .post(app.url("/api/v1/documents/batch"))
+        .header("idempotency-key", "k")
+        .json(&json!({"documents": [doc("P", "1", json!({}))]}))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(
+        header_on_batch,
+        StatusCode::BAD_REQUEST,
+        "idempotency_key_unsupported",
+    )
+    .await;
+    assert_eq!(app.outbox_count(None).await, 0);
+    let issued: i64 = sqlx::query_scalar("SELECT count(*) FROM issuance_ledger")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(issued, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_down_documents_are_accepted_with_numbers_from_postgres() {
+    let mut redis = RedisServer::start();
+    let app = TestEnv::new().with_redis(&redis.url()).spawn().await;
+    redis.kill();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    let response = app
+        .post_document(&doc("NORED", "1", json!({"a": 1})), None)
+        .await;
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let body: Value = response.json().await.unwrap();
+    app.wait_for_status(
+        body["id"].as_str().unwrap(),
+        "committed",
+        Duration::from_secs(5),
+    )
+    .await;
+    let batch = app
+        .post_batch(vec![
+            doc("NORED", "1", json!({"b": 1})),
+            doc("NORED", "1", json!({"b": 2})),
+        ])
+        .await;
+    assert_eq!(batch.status(), StatusCode::ACCEPTED);
+    let metrics = app.metrics().await;
+    assert_eq!(metrics["idpool_ids_issued_total{source=\"direct\"}"], 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_idempotency_keys_are_pruned() {
+    let app = TestEnv::new().spawn().await;
+    let body = doc("PRUNE", "1", json!({}));
+    let first: Value = app
+        .post_document(&body, Some("old-key"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    sqlx::query("UPDATE idempotency_keys SET created_at = now() - interval '25 hours'")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let pruned = idpool::idempotency::prune(&app.db, idpool::idempotency::KEY_TTL)
+        .await
+        .unwrap();
+    assert_eq!(pruned, 1);
+    let later = app.post_document(&body, Some("old-key")).await;
+    assert!(!later.headers().contains_key("idempotent-replayed"));
+    let later: Value = later.json().await.unwrap();
+    assert_ne!(
+        later["id"], first["id"],
+        "a key older than 24 h is new again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processors_deliver_5000_rows_each_once_and_never_twice_at_a_time() {
+    let webhook = Webhook::start(Behaviour::Succeed).await;
+    webhook.slow_down(Duration::from_millis(1));
+    let mut env = TestEnv::new();
+    env.sink = SinkConfig::Webhook(webhook.url.clone());
+    env.processor = false;
+    let ingest = env.spawn().await;
+    for chunk in 0..5 {
+        let documents = (0..1000)
+            .map(|n| doc("TWO", "1", json!({"n": chunk * 1000 + n})))
+            .collect();
+        assert_eq!(
+            ingest.post_batch(documents).await.status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    env.processor = true;
+    env.outbox_batch = 100;
+    env.outbox_poll_ms = 100;
+    let (a, b) = (env.spawn().await, env.spawn().await);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ingest.outbox_count(Some("committed")).await < 5000 {
+        assert!(Instant::now() < deadline, "not all delivered within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let received = webhook.received();
+    let mut per_document: HashMap<String, usize> = HashMap::new();
+    for r in &received {
+        *per_document.entry(r.document_id.clone()).or_default() += 1;
+    }
+    assert_eq!(per_document.len(), 5000, "every row delivered");
+    assert!(
+        per_document.values().all(|&n| n == 1),
+        "each delivered exactly once"
+    );
+    assert_eq!(
+        webhook.most_at_once_per_document(),
+        1,
+        "never two deliveries of one row at once"
+    );
+    let instances: HashSet<_> = received.iter().filter_map(|r| r.instance.clone()).collect();
+    assert_eq!(instances.len(), 2, "both processors delivered");
+    drop((a, b));
+}
+
+fn json_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_processor_killed_mid_batch_loses_nothing_and_never_writes_other_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut env = TestEnv::new();
+    env.sink = SinkConfig::Dir(dir.path().to_owned());
+    env.processor = false;
+    let ingest = env.spawn().await;
+    let filler = "x".repeat(2048);
+    let mut accepted: HashMap<String, Value> = HashMap::new();
+    for chunk in 0..5 {
+        let documents = (0..1000)
+            .map(|n| {
+                doc(
+                    "KILL",
+                    "1",
+                    json!({"n": chunk * 1000 + n, "filler": filler}),
+                )
+            })
+            .collect();
+        let body: Value = ingest.post_batch(documents).await.json().await.unwrap();
+        for (n, result) in body["documents"].as_array().unwrap().iter().enumerate() {
+            accepted.insert(
+                result["id"].as_str().unwrap().to_owned(),
+                json!({"n": chunk * 1000 + n as i64, "filler": filler}),
+            );
+        }
+    }
+    assert_eq!(accepted.len(), 5000);
+
+    // One processor claims all 5000 rows in one transaction and dies while
+    // writing files.
+    env.processor = true;
+    env.outbox_batch = 10_000;
+    let mut first = ServeProcess::start(&env).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while json_files(dir.path()).len() < 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the processor never started writing"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    first.kill();
+    let written_before_kill = json_files(dir.path()).len();
+    let still_pending = ingest.outbox_count(Some("pending")).await;
+    println!("killed after {written_before_kill} files; {still_pending} rows still pending");
+    assert!(
+        still_pending > 0,
+        "the kill landed before the batch committed"
+    );
+    assert_eq!(
+        ingest.outbox_count(Some("committed")).await,
+        0,
+        "a killed batch commits nothing"
+    );
+
+    // Restarted, everything that got a 202 ends committed.
+    let _second = ServeProcess::start(&env).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ingest.outbox_count(Some("committed")).await < 5000 {
+        assert!(
+            Instant::now() < deadline,
+            "not all committed after the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let files = json_files(dir.path());
+    assert_eq!(files.len(), 5000);
+    for file in files {
+        let content: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        let id = content["id"].as_str().unwrap();
+        assert_eq!(
+            file.file_name().unwrap().to_str().unwrap(),
+            format!("{id}.json")
+        );
+        assert_eq!(
+            &content["metadata"], &accepted[id],
+            "{id} was written with other content"
+        );
+        assert_eq!(content["project"], "KILL");
+    }
+}
