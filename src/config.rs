@@ -186,6 +186,35 @@ pub struct Config {
     )]
     pub webhook_concurrency: usize,
 
+    /// Run the reconciliation job in this process.
+    #[arg(
+        long = "idpool-reconcile",
+        env = "IDPOOL_RECONCILE",
+        value_enum,
+        default_value = "on",
+        global = true
+    )]
+    pub reconcile: Switch,
+
+    /// Seconds between reconciliation runs.
+    #[arg(
+        long = "idpool-reconcile-interval-s",
+        env = "IDPOOL_RECONCILE_INTERVAL_S",
+        default_value_t = 60,
+        global = true
+    )]
+    pub reconcile_interval_s: u64,
+
+    /// Seconds a number must have left its pool before it is judged; never
+    /// less than the request timeout (no request can hold a number longer).
+    #[arg(
+        long = "idpool-reconcile-settle-s",
+        env = "IDPOOL_RECONCILE_SETTLE_S",
+        default_value_t = 60,
+        global = true
+    )]
+    pub reconcile_settle_s: u64,
+
     /// Name of this instance in block records and logs (default: host-pid).
     #[arg(long = "idpool-instance-id", env = "IDPOOL_INSTANCE_ID", global = true)]
     pub instance_id: Option<String>,
@@ -198,6 +227,17 @@ impl Config {
             max_retries: self.outbox_max_retries.max(1),
             backoff_base: Duration::from_millis(self.outbox_backoff_base_ms),
             batch_size: self.outbox_batch.clamp(1, 10_000),
+            ..Default::default()
+        }
+    }
+
+    pub fn reconcile_settings(&self) -> crate::gaps::reconcile::ReconcileSettings {
+        crate::gaps::reconcile::ReconcileSettings {
+            interval: Duration::from_secs(self.reconcile_interval_s.max(1)),
+            settle: Duration::from_secs(
+                self.reconcile_settle_s
+                    .max(self.request_timeout().as_secs()),
+            ),
             ..Default::default()
         }
     }

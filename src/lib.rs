@@ -8,6 +8,7 @@ pub mod config;
 pub mod counter;
 pub mod db;
 pub mod documents;
+pub mod gaps;
 pub mod http;
 pub mod idempotency;
 pub mod issuance;

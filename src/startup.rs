@@ -16,6 +16,7 @@ use crate::counter::Counter;
 use crate::documents::Documents;
 use crate::documents::processor::Processor;
 use crate::documents::sink::Sink;
+use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
 use crate::ledger::Ledger;
@@ -28,6 +29,8 @@ use crate::{db, http, idempotency, listen};
 pub struct Overrides {
     pub clock: Arc<dyn Clock>,
     pub pool: PoolSettings,
+    /// Replaces the configured reconciliation timing (tests settle in seconds).
+    pub reconcile: Option<ReconcileSettings>,
 }
 
 impl Default for Overrides {
@@ -35,6 +38,7 @@ impl Default for Overrides {
         Self {
             clock: Arc::new(SystemClock),
             pool: PoolSettings::default(),
+            reconcile: None,
         }
     }
 }
@@ -102,6 +106,18 @@ impl Application {
         let documents = Documents {
             issuer: issuer.clone(),
         };
+        let reconciler = Arc::new(Reconciler {
+            db: db.clone(),
+            redis: pools.redis().clone(),
+            pools: pools.clone(),
+            sequences: sequences.clone(),
+            clock: overrides.clock.clone(),
+            stats: stats.clone(),
+            settings: overrides
+                .reconcile
+                .unwrap_or_else(|| config.reconcile_settings()),
+            instance_id: instance_id.clone(),
+        });
         let stop = CancellationToken::new();
         let outbox_wake = Arc::new(Notify::new());
         let mut background = vec![
@@ -114,6 +130,11 @@ impl Application {
             )),
             tokio::spawn(idempotency::prune_periodically(db.clone(), stop.clone())),
         ];
+        if config.reconcile.is_on() {
+            background.push(tokio::spawn(
+                reconciler.clone().run_periodically(stop.clone()),
+            ));
+        }
         if config.outbox_processor.is_on() {
             let sink = Sink::build(
                 &config.sink,
@@ -128,6 +149,7 @@ impl Application {
         let state = AppState(Arc::new(AppInner {
             issuer,
             documents,
+            reconciler,
             sequences,
             pools,
             stats,

@@ -23,6 +23,10 @@ pub struct Stats {
     pub redis_resyncs: AtomicU64,
     pub ledger_batches: AtomicU64,
     pub ledger_rows: AtomicU64,
+    pub reconcile_runs: AtomicU64,
+    pub reconcile_last_ms: AtomicU64,
+    /// Numbers in open gaps by reason, as of the last reconciliation.
+    pub gaps_open: std::sync::Mutex<std::collections::BTreeMap<String, i64>>,
 }
 
 /// Holds one refill slot in the in-flight gauge while alive.
@@ -134,6 +138,34 @@ impl Stats {
             "counter",
             "Ledger ranges written by those statements.",
             &[("", get(&self.ledger_rows))],
+        );
+        metric(
+            "idpool_reconcile_runs_total",
+            "counter",
+            "Reconciliation runs of this instance.",
+            &[("", get(&self.reconcile_runs))],
+        );
+        metric(
+            "idpool_reconcile_last_duration_ms",
+            "gauge",
+            "Duration of this instance's last reconciliation run.",
+            &[("", get(&self.reconcile_last_ms))],
+        );
+        let open: Vec<(String, u64)> = self
+            .gaps_open
+            .lock()
+            .map(|g| {
+                g.iter()
+                    .map(|(r, n)| (format!("{{reason=\"{r}\"}}"), *n as u64))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let open: Vec<(&str, u64)> = open.iter().map(|(l, n)| (l.as_str(), *n)).collect();
+        metric(
+            "idpool_gaps_open",
+            "gauge",
+            "Numbers in open gaps by reason, as of the last reconciliation run here.",
+            &open,
         );
         metric(
             "idpool_mode_pool",

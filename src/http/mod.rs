@@ -3,6 +3,7 @@
 
 mod documents;
 pub mod extract;
+mod gaps;
 mod health;
 pub mod ids;
 mod outbox;
@@ -27,6 +28,7 @@ use utoipa_swagger_ui::SwaggerUi;
 
 use crate::clock::Clock;
 use crate::documents::Documents;
+use crate::gaps::reconcile::Reconciler;
 use crate::issuance::Issuer;
 use crate::pool::PoolService;
 use crate::sequence::store::SequenceStore;
@@ -39,6 +41,7 @@ pub const SMALL_BODY_LIMIT: usize = 64 * 1024;
 pub struct AppInner {
     pub issuer: Arc<Issuer>,
     pub documents: Documents,
+    pub reconciler: Arc<Reconciler>,
     pub sequences: Arc<SequenceStore>,
     pub pools: Arc<PoolService>,
     pub stats: Arc<Stats>,
@@ -70,6 +73,7 @@ impl std::ops::Deref for AppState {
         (name = "ids", description = "Issue IDs"),
         (name = "documents", description = "Accept documents through the transactional outbox"),
         (name = "outbox", description = "Outbox operations: dead letters"),
+        (name = "gaps", description = "Every number that carries no document, and why"),
         (name = "sequences", description = "Sequence definitions"),
         (name = "operations", description = "Health, readiness, metrics"),
     ),
@@ -83,6 +87,7 @@ pub fn api_router() -> OpenApiRouter<AppState> {
         .merge(ids::router())
         .merge(documents::router())
         .merge(outbox::router())
+        .merge(gaps::router())
         .merge(sequences::router())
         .merge(health::router())
 }

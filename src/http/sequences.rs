@@ -54,6 +54,8 @@ pub struct LiveFigures {
     pub last_issued_id: Option<String>,
     /// Blocks reserved for pools, all periods.
     pub refills: i64,
+    /// Numbers in open gaps, all periods (as of the last reconciliation).
+    pub gaps: i64,
 }
 
 impl SequenceView {
@@ -200,6 +202,9 @@ async fn live_figures(
     .fetch_one(&state.db)
     .await
     .map_err(db_error)?;
+    let gaps = crate::gaps::open_numbers(&state.db, sequence.id)
+        .await
+        .map_err(db_error)?;
     let shape = sequence
         .definition
         .shape(
@@ -215,6 +220,7 @@ async fn live_figures(
         last_issued: last_seq.map(|s| shape.as_ref().map_or(s, |sh| sh.number(s))),
         last_issued_id: last_seq.and_then(|s| shape.as_ref().map(|sh| sh.id(s))),
         refills,
+        gaps,
     })
 }
 

@@ -396,6 +396,16 @@ impl RedisLink {
         .await
     }
 
+    /// The lowest number waiting in the pool, if any.
+    pub async fn head(&self, keys: &PoolKeys) -> Result<Option<i64>, RedisFailure> {
+        self.guarded(async {
+            let client = self.clients.next().with_options(&self.options);
+            let head: Option<String> = client.lindex(keys.pool.as_str(), 0).await?;
+            Ok(head.and_then(|h| h.parse().ok()))
+        })
+        .await
+    }
+
     pub async fn depth(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
         self.guarded(async {
             let client = self.clients.next().with_options(&self.options);

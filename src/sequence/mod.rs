@@ -222,6 +222,22 @@ impl Definition {
             || self.timezone != next.timezone
     }
 
+    /// The instant to print a number of `period` at, given when it was
+    /// recorded: the recorded time, kept inside the period, so `{date}`
+    /// tokens always name the number's own period even when the recording
+    /// clock and the issuing clock straddle a boundary.
+    pub fn time_within(&self, period: &Period, recorded: DateTime<Utc>) -> DateTime<Utc> {
+        let Some(start) = period.starts_at() else {
+            return recorded;
+        };
+        let end = self
+            .reset
+            .next_start(self.timezone, period)
+            .map(|next| next - chrono::Duration::microseconds(1))
+            .unwrap_or(recorded);
+        recorded.clamp(start, end.max(start))
+    }
+
     /// How the IDs of numbers issued at `at` in `period` read.
     pub fn shape(
         &self,

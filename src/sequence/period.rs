@@ -64,6 +64,18 @@ impl Reset {
         })
     }
 
+    /// When the period after `period` starts; `None` for `never`.
+    pub fn next_start(self, tz: Tz, period: &Period) -> Option<DateTime<Utc>> {
+        let start = period.starts_at()?.with_timezone(&tz).date_naive();
+        let next = match self {
+            Reset::Never => return None,
+            Reset::Daily => start.succ_opt()?,
+            Reset::Monthly => start.checked_add_months(chrono::Months::new(1))?,
+            Reset::Yearly => start.checked_add_months(chrono::Months::new(12))?,
+        };
+        Some(start_of_day(tz, next))
+    }
+
     fn key_of(self, day: NaiveDate) -> String {
         match self {
             Reset::Never => String::new(),

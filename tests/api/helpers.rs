@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use idpool::clock::{Clock, ManualClock, SystemClock};
 use idpool::config::{Config, Switch};
 use idpool::documents::sink::SinkConfig;
+use idpool::gaps::reconcile::ReconcileSettings;
 use idpool::pool::PoolSettings;
 use idpool::startup::{Application, Overrides};
 use reqwest::StatusCode;
@@ -38,6 +39,8 @@ pub struct TestEnv {
     pub outbox_max_retries: i32,
     pub outbox_backoff_base_ms: u64,
     pub outbox_batch: i64,
+    /// Reconciliation timing; tests run it on demand.
+    pub settle: Duration,
 }
 
 impl TestEnv {
@@ -57,6 +60,7 @@ impl TestEnv {
             outbox_max_retries: 5,
             outbox_backoff_base_ms: 1000,
             outbox_batch: 500,
+            settle: Duration::from_secs(2),
         }
     }
 
@@ -89,6 +93,7 @@ impl TestEnv {
             ),
             ("IDPOOL_OUTBOX_BATCH", self.outbox_batch.to_string()),
             ("IDPOOL_DB_POOL_SIZE", "8".to_owned()),
+            ("IDPOOL_RECONCILE", "off".to_owned()),
             ("RUST_LOG", "warn".to_owned()),
         ]
         .into_iter()
@@ -126,6 +131,9 @@ impl TestEnv {
             outbox_batch: self.outbox_batch,
             webhook_timeout_ms: 5_000,
             webhook_concurrency: 16,
+            reconcile: Switch::Off,
+            reconcile_interval_s: 60,
+            reconcile_settle_s: 60,
         }
     }
 
@@ -140,9 +148,21 @@ impl TestEnv {
 
     pub async fn spawn_with(&self, clock: Arc<dyn Clock>, pool: PoolSettings) -> TestApp {
         let config = self.config();
-        let app = Application::build_with(&config, Overrides { clock, pool })
-            .await
-            .expect("application builds");
+        let reconcile = Some(ReconcileSettings {
+            interval: Duration::from_secs(3600),
+            settle: self.settle,
+            lookback: Duration::from_secs(600),
+        });
+        let app = Application::build_with(
+            &config,
+            Overrides {
+                clock,
+                pool,
+                reconcile,
+            },
+        )
+        .await
+        .expect("application builds");
         let address = format!("http://127.0.0.1:{}", app.port());
         let stop = app.stop_token();
         tokio::spawn(async move {
@@ -284,6 +304,45 @@ impl TestApp {
             .expect("outbox count")
     }
 
+    /// Runs reconciliation now; its summary.
+    pub async fn reconcile(&self) -> Value {
+        let response = self
+            .client
+            .post(self.url("/api/v1/ids/gaps/reconcile"))
+            .send()
+            .await
+            .expect("reconcile");
+        assert_eq!(response.status(), StatusCode::OK, "reconcile");
+        response.json().await.expect("summary")
+    }
+
+    /// A run to note where the pools are, the settle time, and a run that
+    /// judges everything that left them before the first.
+    pub async fn settle_and_reconcile(&self) -> Value {
+        self.reconcile().await;
+        tokio::time::sleep(self.env.settle + Duration::from_millis(200)).await;
+        self.reconcile().await
+    }
+
+    /// Every open gap of a sequence (all pages).
+    pub async fn gaps(&self, project: &str, doc_type: &str) -> Vec<Value> {
+        let mut gaps = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut path = format!("/api/v1/ids/gaps?project={project}&type={doc_type}&limit=1000");
+            if let Some(c) = &cursor {
+                path.push_str(&format!("&cursor={c}"));
+            }
+            let (status, page) = self.get_json(&path).await;
+            assert_eq!(status, StatusCode::OK, "gaps: {page}");
+            gaps.extend(page["gaps"].as_array().unwrap().clone());
+            match page["next_cursor"].as_str() {
+                Some(c) => cursor = Some(c.to_owned()),
+                None => return gaps,
+            }
+        }
+    }
+
     pub async fn put_sequence(
         &self,
         project: &str,
@@ -409,6 +468,7 @@ pub fn assert_distinct(seqs: &[i64], what: &str) {
 /// An `idpool serve` process of the test's own, killed when dropped.
 pub struct ServeProcess {
     pub child: std::process::Child,
+    pub port: u16,
 }
 
 impl ServeProcess {
@@ -426,7 +486,7 @@ impl ServeProcess {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("idpool binary starts");
-        let process = Self { child };
+        let process = Self { child, port };
         let client = reqwest::Client::new();
         let started = Instant::now();
         loop {

@@ -1,6 +1,7 @@
 //! End-to-end tests against real Postgres and Redis.
 
 mod documents;
+mod gaps;
 mod helpers;
 mod ids;
 mod inputs;

@@ -17,6 +17,8 @@ pub enum Behaviour {
     /// Fail the first `n` deliveries of each document.
     FailFirst(usize),
     AlwaysFail,
+    /// Fail documents whose metadata says `"fail": true`; take the rest.
+    FailFlagged,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +101,10 @@ async fn receive(State(webhook): State<Webhook>, headers: HeaderMap, body: Bytes
             Behaviour::FailFirst(n) if attempt <= n => StatusCode::INTERNAL_SERVER_ERROR,
             Behaviour::FailFirst(_) => StatusCode::OK,
             Behaviour::AlwaysFail => StatusCode::INTERNAL_SERVER_ERROR,
+            Behaviour::FailFlagged if body["metadata"]["fail"] == true => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Behaviour::FailFlagged => StatusCode::OK,
         };
         (inner.delay, answer)
     };

@@ -1,0 +1,183 @@
+//! `GET /api/v1/ids/gaps` and `POST /api/v1/ids/gaps/reconcile`.
+
+use axum::extract::State;
+use axum::http::{HeaderValue, header};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::extract::Query;
+use super::ids::parse_codes;
+use super::problem::{ApiError, Problem, db_error};
+use crate::gaps::reconcile::{ReconcileError, Summary};
+use crate::gaps::{self, Gap, GapQuery, Reason};
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct GapsQuery {
+    /// Project code (required).
+    pub project: Option<String>,
+    /// Document type code (required).
+    #[serde(rename = "type")]
+    #[param(rename = "type")]
+    pub doc_type: Option<String>,
+    /// Only this period, e.g. `20261122` for a daily sequence (`""` never resets).
+    pub period: Option<String>,
+    /// Only this reason: issued_unattached, outbox_dlq, abandoned, pool_discarded, untracked_loss.
+    pub reason: Option<String>,
+    /// Page size, 1 to 1000 (default 100).
+    pub limit: Option<i64>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct GapList {
+    #[schema(example = "PROJ")]
+    pub project: String,
+    #[serde(rename = "type")]
+    #[schema(example = "9012")]
+    pub doc_type: String,
+    /// Contiguous numbers with one reason are one range.
+    pub gaps: Vec<Gap>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_gaps))
+        .routes(routes!(reconcile_now))
+}
+
+/// Numbers of a sequence that carry no document, and why.
+///
+/// Answered from the `id_gaps` index kept by the reconciliation job. A
+/// number whose request may still be running is not listed yet; one that
+/// later gets its document leaves the list.
+#[utoipa::path(
+    get,
+    path = "/api/v1/ids/gaps",
+    tag = "gaps",
+    params(GapsQuery),
+    responses(
+        (status = 200, body = GapList),
+        (status = 400, description = "Missing or invalid project, type, period, reason, limit or cursor", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn list_gaps(
+    State(state): State<AppState>,
+    Query(query): Query<GapsQuery>,
+) -> Result<axum::Json<GapList>, ApiError> {
+    let (Some(project), Some(doc_type)) = (query.project.as_deref(), query.doc_type.as_deref())
+    else {
+        return Err(ApiError::bad_request(
+            "missing_parameter",
+            "project and type are required",
+        ));
+    };
+    let (project, doc_type) = parse_codes(project, doc_type)?;
+    let reason = match query.reason.as_deref() {
+        None => None,
+        Some(text) => Some(Reason::parse(text).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_reason",
+                format!("reason {text:?} is not one of issued_unattached, outbox_dlq, abandoned, pool_discarded, untracked_loss"),
+            )
+        })?),
+    };
+    let limit = query.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            format!("limit must be between 1 and 1000, got {limit}"),
+        ));
+    }
+    let after = match &query.cursor {
+        None => None,
+        Some(cursor) => {
+            let invalid =
+                || ApiError::bad_request("invalid_cursor", "cursor is not one this API returned");
+            let (period, seq) = cursor.rsplit_once(':').ok_or_else(invalid)?;
+            Some((
+                period.to_owned(),
+                seq.parse::<i64>().map_err(|_| invalid())?,
+            ))
+        }
+    };
+    if let Some(period) = &query.period
+        && let Some(sequence) = state
+            .sequences
+            .get(project.as_str(), doc_type.as_str())
+            .await?
+    {
+        let definition = &sequence.definition;
+        if definition
+            .reset
+            .period_named(definition.timezone, period)
+            .is_none()
+        {
+            return Err(ApiError::bad_request(
+                "invalid_period",
+                format!(
+                    "{period:?} is not a period of a {} sequence",
+                    definition.reset.as_str()
+                ),
+            ));
+        }
+    }
+    let gaps = gaps::list(
+        &state.db,
+        &GapQuery {
+            project: project.as_str(),
+            doc_type: doc_type.as_str(),
+            period: query.period.as_deref(),
+            reason,
+            after,
+            limit,
+        },
+    )
+    .await
+    .map_err(db_error)?;
+    let next_cursor = (gaps.len() as i64 == limit)
+        .then(|| gaps.last().map(|g| format!("{}:{}", g.period, g.from_seq)))
+        .flatten();
+    Ok(axum::Json(GapList {
+        project: project.to_string(),
+        doc_type: doc_type.to_string(),
+        gaps,
+        next_cursor,
+    }))
+}
+
+/// Run reconciliation now and return its summary (admin).
+#[utoipa::path(
+    post,
+    path = "/api/v1/ids/gaps/reconcile",
+    tag = "gaps",
+    responses(
+        (status = 200, body = Summary),
+        (status = 409, description = "Another instance is reconciling", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn reconcile_now(State(state): State<AppState>) -> Result<axum::Json<Summary>, ApiError> {
+    let reconciler = state.reconciler.clone();
+    let summary = tokio::spawn(async move { reconciler.run_once().await })
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(|e| match e {
+            ReconcileError::Db(e) => db_error(e),
+            other => ApiError::internal(other),
+        })?;
+    if summary.skipped {
+        return Err(ApiError::conflict(
+            "reconcile_running",
+            "another instance is reconciling right now",
+        )
+        .with_header(header::RETRY_AFTER, HeaderValue::from_static("5")));
+    }
+    Ok(axum::Json(summary))
+}

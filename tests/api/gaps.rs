@@ -1,0 +1,634 @@
+//! Gap reconciliation: every number of every period explained.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use fred::prelude::*;
+use idpool::clock::ManualClock;
+use idpool::documents::sink::SinkConfig;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::{ServeProcess, TestApp, TestEnv, assert_problem};
+use crate::redis_server::RedisServer;
+use crate::webhook::{Behaviour, Webhook};
+
+async fn redis_client(url: &str) -> Client {
+    let client = Builder::from_config(Config::from_url(url).unwrap())
+        .build()
+        .unwrap();
+    client.init().await.unwrap();
+    client
+}
+
+/// Gap ranges by reason: reason -> [(from, to)].
+fn by_reason(gaps: &[Value]) -> BTreeMap<String, Vec<(i64, i64)>> {
+    let mut out: BTreeMap<String, Vec<(i64, i64)>> = BTreeMap::new();
+    for gap in gaps {
+        out.entry(gap["reason"].as_str().unwrap().to_owned())
+            .or_default()
+            .push((
+                gap["from_seq"].as_i64().unwrap(),
+                gap["to_seq"].as_i64().unwrap(),
+            ));
+    }
+    out
+}
+
+async fn post_doc(app: &TestApp, metadata: Value) -> (String, i64) {
+    let body: Value = app
+        .post_document(
+            &json!({"project": "GAP", "type": "1", "metadata": metadata}),
+            None,
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    (
+        body["id"].as_str().unwrap().to_owned(),
+        body["seq"].as_i64().unwrap(),
+    )
+}
+
+fn failing_webhook_env(webhook: &Webhook) -> TestEnv {
+    let mut env = TestEnv::new();
+    env.sink = SinkConfig::Webhook(webhook.url.clone());
+    env.outbox_max_retries = 2;
+    env.outbox_backoff_base_ms = 20;
+    env.outbox_poll_ms = 50;
+    env
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_reason_is_reported_as_such_and_resolved_numbers_leave_the_list() {
+    let webhook = Webhook::start(Behaviour::FailFlagged).await;
+    let mut redis = RedisServer::start();
+    let app = failing_webhook_env(&webhook)
+        .with_redis(&redis.url())
+        .spawn()
+        .await;
+
+    let (ids, unattached) = app.issue("GAP", "1", 3).await;
+    let (_, attached) = post_doc(&app, json!({"ok": 1})).await;
+    let (dlq_id, dlq) = post_doc(&app, json!({"fail": true})).await;
+    let (abandoned_id, abandoned) = post_doc(&app, json!({"fail": true})).await;
+    // A number popped straight from the pool key and never written anywhere.
+    let client = redis_client(&redis.url()).await;
+    let popped: Option<String> = client
+        .lpop(app.redis_pool_key("GAP", "1", ""), None)
+        .await
+        .unwrap();
+    let lost: i64 = popped.unwrap().parse().unwrap();
+    app.wait_for_status(&dlq_id, "dead_letter", Duration::from_secs(10))
+        .await;
+    app.wait_for_status(&abandoned_id, "dead_letter", Duration::from_secs(10))
+        .await;
+    let abandon = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{abandoned_id}/abandon")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(abandon.status(), StatusCode::OK);
+    // The same data on a new server (a failover): the pool is discarded.
+    redis.restart_with_data();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    app.wait_for_mode("pool", Duration::from_secs(10)).await;
+    let discarded: (i64, i64) = sqlx::query_as(
+        "SELECT lower(seqs), upper(seqs) - 1 FROM pool_discards WHERE cause = 'redis_reconnect'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+
+    let summary = app.settle_and_reconcile().await;
+    println!("reconcile summary: {summary}");
+    let gaps = app.gaps("GAP", "1").await;
+    let reasons = by_reason(&gaps);
+    assert_eq!(
+        reasons["issued_unattached"],
+        vec![(unattached[0], unattached[2])]
+    );
+    assert_eq!(reasons["outbox_dlq"], vec![(dlq, dlq)]);
+    assert_eq!(reasons["abandoned"], vec![(abandoned, abandoned)]);
+    assert_eq!(reasons["untracked_loss"], vec![(lost, lost)]);
+    assert_eq!(reasons["pool_discarded"], vec![discarded]);
+    assert!(
+        gaps.iter()
+            .all(|g| g["from_seq"].as_i64() != Some(attached)),
+        "an attached number is no gap"
+    );
+    let unattached_gap = gaps
+        .iter()
+        .find(|g| g["reason"] == "issued_unattached")
+        .unwrap();
+    assert_eq!(unattached_gap["from_id"], ids[0].as_str());
+    assert_eq!(unattached_gap["to_id"], ids[2].as_str());
+    assert_eq!(unattached_gap["count"], 3);
+    assert_eq!(unattached_gap["period"], "");
+    let dlq_gap = gaps.iter().find(|g| g["reason"] == "outbox_dlq").unwrap();
+    assert_eq!(dlq_gap["from_id"], dlq_id.as_str());
+    assert!(DateTime::parse_from_rfc3339(dlq_gap["detected_at"].as_str().unwrap()).is_ok());
+
+    // Filters.
+    let (_, only_dlq) = app
+        .get_json("/api/v1/ids/gaps?project=GAP&type=1&reason=outbox_dlq")
+        .await;
+    assert_eq!(only_dlq["gaps"].as_array().unwrap().len(), 1);
+    let (_, page) = app
+        .get_json("/api/v1/ids/gaps?project=GAP&type=1&limit=2")
+        .await;
+    assert_eq!(page["gaps"].as_array().unwrap().len(), 2);
+    let cursor = page["next_cursor"].as_str().unwrap();
+    let (_, rest) = app
+        .get_json(&format!(
+            "/api/v1/ids/gaps?project=GAP&type=1&cursor={cursor}"
+        ))
+        .await;
+    assert_eq!(rest["gaps"].as_array().unwrap().len(), gaps.len() - 2);
+    let (_, view) = app.get_json("/api/v1/sequences/GAP/1").await;
+    let open: i64 = gaps.iter().map(|g| g["count"].as_i64().unwrap()).sum();
+    assert_eq!(view["live"]["gaps"], open);
+
+    // The dead letter is retried and delivered; a document is attached to
+    // the middle number issued by POST /ids.
+    webhook.set(Behaviour::Succeed);
+    let retry = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{dlq_id}/retry")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    app.wait_for_status(&dlq_id, "committed", Duration::from_secs(10))
+        .await;
+    let attach = app
+        .post_document(
+            &json!({"project": "GAP", "type": "1", "metadata": {}, "id": ids[1]}),
+            None,
+        )
+        .await;
+    assert_eq!(attach.status(), StatusCode::ACCEPTED);
+    let summary = app.reconcile().await;
+    assert_eq!(summary["gaps_resolved"]["outbox_dlq"], 1, "{summary}");
+    assert_eq!(
+        summary["gaps_resolved"]["issued_unattached"], 1,
+        "{summary}"
+    );
+    let reasons = by_reason(&app.gaps("GAP", "1").await);
+    assert!(!reasons.contains_key("outbox_dlq"));
+    assert_eq!(
+        reasons["issued_unattached"],
+        vec![
+            (unattached[0], unattached[0]),
+            (unattached[2], unattached[2])
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_held_by_a_running_request_are_not_reported() {
+    let mut env = TestEnv::new();
+    env.settle = Duration::from_secs(3);
+    let app = env.spawn().await;
+    let (_, early) = app.issue("HOLD", "1", 5).await;
+    app.reconcile().await;
+    tokio::time::sleep(env.settle + Duration::from_millis(200)).await;
+
+    // The next number goes to a batch whose transaction we keep waiting:
+    // our uncommitted row already has the document ID it will want.
+    let next = early[4] + 1;
+    let sequence_id: i64 = sqlx::query_scalar("SELECT id FROM sequences WHERE project = 'HOLD'")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    let mut blocker = app.db.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number) \
+         VALUES ($1, 'HOLD', '1', '{}', $2, 'blocker', 1, 1)",
+    )
+    .bind(format!("HOLD-1-{next}"))
+    .bind(sequence_id)
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    let held = {
+        let url = app.url("/api/v1/documents/batch");
+        let client = app.client.clone();
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .json(&json!({"documents": [{"project": "HOLD", "type": "1", "metadata": {}}]}))
+                .send()
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!held.is_finished(), "the request is being held");
+
+    // A run while it is held judges the settled numbers, not the held one.
+    let summary = app.reconcile().await;
+    assert!(
+        summary["numbers_checked"].as_i64().unwrap() >= 5,
+        "{summary}"
+    );
+    let gaps = app.gaps("HOLD", "1").await;
+    assert_eq!(
+        by_reason(&gaps)["issued_unattached"],
+        vec![(early[0], early[4])]
+    );
+    assert!(
+        gaps.iter().all(|g| g["to_seq"].as_i64().unwrap() < next),
+        "the held number was reported: {gaps:?}"
+    );
+
+    // Released, it gets its document and never becomes a gap.
+    blocker.rollback().await.unwrap();
+    let response = held.await.unwrap();
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["documents"][0]["seq"], next);
+    app.settle_and_reconcile().await;
+    let gaps = app.gaps("HOLD", "1").await;
+    assert!(gaps.iter().all(|g| {
+        !(g["from_seq"].as_i64().unwrap()..=g["to_seq"].as_i64().unwrap()).contains(&next)
+    }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_after_a_million_numbers_costs_what_was_issued_since() {
+    let app = TestEnv::new().spawn().await;
+    app.put_sequence("BIG", "1", json!({})).await;
+    let sequence_id: i64 = sqlx::query_scalar("SELECT id FROM sequences WHERE project = 'BIG'")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    // A million numbers issued by POST /ids in 100 batches of 10,000, as the
+    // counter, blocks and ledger record them.
+    sqlx::query(
+        "WITH c AS (INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, '', 1000001)), \
+              b AS (INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
+                    SELECT $1, '', int8range(g, g + 10000), 'direct', 'seed' FROM generate_series(1, 1000000, 10000) g) \
+         INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
+         SELECT $1, '', int8range(g, g + 10000), 'ids' FROM generate_series(1, 1000000, 10000) g",
+    )
+    .bind(sequence_id)
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let first = app.settle_and_reconcile().await;
+    assert_eq!(first["numbers_checked"], 1_000_000, "{first}");
+    let reasons = by_reason(&app.gaps("BIG", "1").await);
+    assert_eq!(reasons["issued_unattached"], vec![(1, 1_000_000)]);
+
+    for _ in 0..10 {
+        app.issue("BIG", "1", 100).await;
+    }
+    app.reconcile().await;
+    tokio::time::sleep(app.env.settle + Duration::from_millis(200)).await;
+    let later = app.reconcile().await;
+    println!("after 1000 more: {later}");
+    assert_eq!(later["numbers_checked"], 1000, "{later}");
+    assert!(later["rows_read"].as_i64().unwrap() < 20, "{later}");
+    let checkpoint: i64 =
+        sqlx::query_scalar("SELECT checkpoint FROM reconcile_periods WHERE sequence_id = $1")
+            .bind(sequence_id)
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(checkpoint, 1_001_001);
+    let reasons = by_reason(&app.gaps("BIG", "1").await);
+    assert_eq!(
+        reasons["issued_unattached"],
+        vec![(1, 1_001_000)],
+        "one range, extended"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_day_gives_up_its_pool() {
+    let clock = Arc::new(ManualClock::new(
+        "2026-11-22T10:00:00Z".parse::<DateTime<Utc>>().unwrap(),
+    ));
+    let app = TestEnv::new().spawn_with_clock(clock.clone()).await;
+    app.put_sequence(
+        "DAY",
+        "1",
+        json!({"format": "{type}{date:%Y%m%d}{seq:4}", "reset": "daily"}),
+    )
+    .await;
+    let (ids, _) = app.issue("DAY", "1", 5).await;
+    assert_eq!(ids[0], "120261122".to_owned() + "0001");
+    clock.set("2026-11-23T00:00:05Z".parse::<DateTime<Utc>>().unwrap());
+    let closing = app.settle_and_reconcile().await;
+    assert_eq!(
+        closing["pools_closed"], 0,
+        "the first run above closed it: {closing}"
+    );
+    let reasons = by_reason(&app.gaps("DAY", "1").await);
+    assert_eq!(reasons["issued_unattached"], vec![(1, 5)]);
+    let (discarded_from, discarded_to) = reasons["pool_discarded"][0];
+    assert_eq!(discarded_from, 6);
+    let next_seq: i64 =
+        sqlx::query_scalar("SELECT next_seq FROM counters WHERE period = '20261122'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        discarded_to,
+        next_seq - 1,
+        "the whole rest of the day's pool"
+    );
+    let (_, day) = app
+        .get_json("/api/v1/ids/gaps?project=DAY&type=1&period=20261122")
+        .await;
+    assert_eq!(day["gaps"].as_array().unwrap().len(), 2);
+    assert_eq!(day["gaps"][1]["from_id"], "120261122".to_owned() + "0006");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gap_queries_are_validated_and_one_reconciliation_runs_at_a_time() {
+    let app = TestEnv::new().spawn().await;
+    let (_, empty) = app.get_json("/api/v1/ids/gaps?project=NONE&type=1").await;
+    assert_eq!(empty["gaps"], json!([]));
+    assert_eq!(empty["next_cursor"], Value::Null);
+    let missing = app
+        .client
+        .get(app.url("/api/v1/ids/gaps?project=P"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(missing, StatusCode::BAD_REQUEST, "missing_parameter").await;
+    let bad_reason = app
+        .client
+        .get(app.url("/api/v1/ids/gaps?project=P&type=1&reason=lost"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_reason, StatusCode::BAD_REQUEST, "invalid_reason").await;
+    let bad_code = app
+        .client
+        .get(app.url("/api/v1/ids/gaps?project=P-&type=1"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_code, StatusCode::BAD_REQUEST, "invalid_project").await;
+    app.put_sequence(
+        "DAILY",
+        "1",
+        json!({"format": "{date:%Y%m%d}-{seq}", "reset": "daily"}),
+    )
+    .await;
+    let bad_period = app
+        .client
+        .get(app.url("/api/v1/ids/gaps?project=DAILY&type=1&period=2026"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_period, StatusCode::BAD_REQUEST, "invalid_period").await;
+    let bad_cursor = app
+        .client
+        .get(app.url("/api/v1/ids/gaps?project=P&type=1&cursor=x"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_cursor, StatusCode::BAD_REQUEST, "invalid_cursor").await;
+
+    // Another instance holding the lock: this one answers 409.
+    let mut holder = app.db.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(0x1d_9001_9a95_i64)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let busy = app
+        .client
+        .post(app.url("/api/v1/ids/gaps/reconcile"))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(busy, StatusCode::CONFLICT, "reconcile_running").await;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(0x1d_9001_9a95_i64)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let summary = app.reconcile().await;
+    assert_eq!(summary["skipped"], false);
+}
+
+/// One client request and what came back.
+#[derive(Default)]
+struct Outcomes {
+    issued: Vec<(String, i64)>,
+    documents: Vec<(String, String, i64)>,
+    server_errors: Vec<u16>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
+    let webhook = Webhook::start(Behaviour::FailFlagged).await;
+    let mut redis = RedisServer::start();
+    let mut env = failing_webhook_env(&webhook).with_redis(&redis.url());
+    env.settle = Duration::from_secs(2);
+    let a = Arc::new(env.spawn().await);
+    let mut b = ServeProcess::start(&env).await;
+    let b_url = format!("http://127.0.0.1:{}", b.port);
+
+    let running = Arc::new(AtomicBool::new(true));
+    let b_alive = Arc::new(AtomicBool::new(true));
+    let mut workers = Vec::new();
+    for w in 0..12usize {
+        let (a, running, b_alive, b_url) =
+            (a.clone(), running.clone(), b_alive.clone(), b_url.clone());
+        workers.push(tokio::spawn(async move {
+            let mut out = Outcomes::default();
+            let mut i = 0usize;
+            while running.load(Ordering::Relaxed) {
+                i += 1;
+                let sequence = if (w + i).is_multiple_of(2) { "CHA" } else { "CHB" };
+                let base = if (w + i).is_multiple_of(3) && b_alive.load(Ordering::Relaxed) { b_url.clone() } else { a.address.clone() };
+                let request = if i.is_multiple_of(2) {
+                    a.client
+                        .post(format!("{base}/ids"))
+                        .json(&json!({"project": sequence, "type": "1", "count": 1 + i % 4}))
+                } else {
+                    a.client
+                        .post(format!("{base}/documents"))
+                        .json(&json!({"project": sequence, "type": "1", "metadata": {"w": w, "i": i, "fail": i % 10 == 1}}))
+                };
+                let Ok(response) = request.send().await else {
+                    continue; // the killed instance
+                };
+                let status = response.status();
+                if status.is_server_error() {
+                    out.server_errors.push(status.as_u16());
+                    continue;
+                }
+                let body: Value = response.json().await.unwrap_or(Value::Null);
+                if status == StatusCode::OK {
+                    for seq in body["seqs"].as_array().unwrap() {
+                        out.issued.push((sequence.to_owned(), seq.as_i64().unwrap()));
+                    }
+                } else if status == StatusCode::ACCEPTED {
+                    out.documents.push((sequence.to_owned(), body["id"].as_str().unwrap().to_owned(), body["seq"].as_i64().unwrap()));
+                }
+            }
+            out
+        }));
+    }
+    let pause = |ms| tokio::time::sleep(Duration::from_millis(ms));
+    pause(800).await;
+    redis.kill();
+    pause(600).await;
+    redis.restart_empty();
+    pause(800).await;
+    b_alive.store(false, Ordering::Relaxed);
+    b.kill();
+    pause(600).await;
+    redis.kill();
+    pause(600).await;
+    redis.restart_empty();
+    a.wait_for_mode("pool", Duration::from_secs(10)).await;
+    pause(800).await;
+    running.store(false, Ordering::Relaxed);
+    let mut outcomes = Outcomes::default();
+    for worker in workers {
+        let out = worker.await.unwrap();
+        outcomes.issued.extend(out.issued);
+        outcomes.documents.extend(out.documents);
+        outcomes.server_errors.extend(out.server_errors);
+    }
+    assert!(
+        outcomes.server_errors.is_empty(),
+        "5xx answers: {:?}",
+        outcomes.server_errors
+    );
+
+    // No number handed out twice.
+    let mut handed: HashSet<(String, i64)> = HashSet::new();
+    for (sequence, seq) in outcomes
+        .issued
+        .iter()
+        .cloned()
+        .chain(outcomes.documents.iter().map(|(s, _, n)| (s.clone(), *n)))
+    {
+        assert!(
+            handed.insert((sequence.clone(), seq)),
+            "{sequence} {seq} handed out twice"
+        );
+    }
+    // Every document that got a 202 ends committed or dead-lettered.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while a.outbox_count(Some("pending")).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "documents still pending after 60 s"
+        );
+        pause(100).await;
+    }
+    for (_, id, _) in &outcomes.documents {
+        let status = a.document(id).await["status"].clone();
+        assert!(
+            status == "committed" || status == "dead_letter",
+            "{id} is {status}"
+        );
+    }
+
+    let summary = a.settle_and_reconcile().await;
+    let summary_again = a.settle_and_reconcile().await;
+    println!("chaos reconcile summaries: {summary} {summary_again}");
+    for sequence in ["CHA", "CHB"] {
+        let gaps = a.gaps(sequence, "1").await;
+        println!(
+            "{sequence} gap report: {}",
+            json!({"project": sequence, "type": "1", "gaps": gaps})
+        );
+        let (sequence_id, checkpoint, first): (i64, i64, i64) = sqlx::query_as(
+            "SELECT r.sequence_id, r.checkpoint, (SELECT min(lower(seqs)) FROM blocks b WHERE b.sequence_id = r.sequence_id) \
+             FROM reconcile_periods r JOIN sequences s ON s.id = r.sequence_id WHERE s.project = $1",
+        )
+        .bind(sequence)
+        .fetch_one(&a.db)
+        .await
+        .unwrap();
+        // Judged up to the numbers still waiting in the pool.
+        let head: Option<String> = redis_client(&redis.url())
+            .await
+            .lindex(a.redis_pool_key(sequence, "1", ""), 0)
+            .await
+            .unwrap();
+        let next_seq: i64 =
+            sqlx::query_scalar("SELECT next_seq FROM counters WHERE sequence_id = $1")
+                .bind(sequence_id)
+                .fetch_one(&a.db)
+                .await
+                .unwrap();
+        let expected_checkpoint = head
+            .map(|h| h.parse::<i64>().unwrap())
+            .unwrap_or(next_seq)
+            .min(next_seq);
+        assert_eq!(
+            checkpoint, expected_checkpoint,
+            "{sequence}: settled range ends at the pool head"
+        );
+
+        let attached: HashMap<i64, String> = sqlx::query_as::<_, (i64, String)>(
+            "SELECT seq, status::text FROM id_outbox WHERE sequence_id = $1",
+        )
+        .bind(sequence_id)
+        .fetch_all(&a.db)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+        let mut explained: HashMap<i64, Vec<String>> = HashMap::new();
+        for gap in &gaps {
+            for n in gap["from_seq"].as_i64().unwrap()..=gap["to_seq"].as_i64().unwrap() {
+                explained
+                    .entry(n)
+                    .or_default()
+                    .push(gap["reason"].as_str().unwrap().to_owned());
+            }
+        }
+        let mut unexplained = Vec::new();
+        for n in first..checkpoint {
+            let live_document = matches!(
+                attached.get(&n).map(String::as_str),
+                Some("pending" | "committed")
+            );
+            let reasons = explained.get(&n).map(Vec::len).unwrap_or(0);
+            match (live_document, reasons) {
+                (true, 0) | (false, 1) => {}
+                _ => unexplained.push((n, attached.get(&n).cloned(), explained.get(&n).cloned())),
+            }
+        }
+        assert!(
+            unexplained.is_empty(),
+            "{sequence}: unexplained numbers {unexplained:?}"
+        );
+        for (n, status) in &attached {
+            if status == "dead_letter" && *n < checkpoint {
+                assert_eq!(
+                    explained.get(n),
+                    Some(&vec!["outbox_dlq".to_owned()]),
+                    "{sequence} {n}"
+                );
+            }
+        }
+        for (s, n) in &outcomes.issued {
+            if s == sequence && *n < checkpoint && !attached.contains_key(n) {
+                assert_eq!(
+                    explained.get(n),
+                    Some(&vec!["issued_unattached".to_owned()]),
+                    "{sequence} {n}"
+                );
+            }
+        }
+    }
+}
