@@ -23,9 +23,14 @@ impl<T> Clone for Batcher<T> {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("the batch worker has stopped")]
-pub struct BatcherClosed;
+/// The batch worker has stopped; the item comes back.
+pub struct BatcherClosed<T>(pub T);
+
+impl<T> std::fmt::Debug for BatcherClosed<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BatcherClosed")
+    }
+}
 
 impl<T: Send + 'static> Batcher<T> {
     /// Starts the collector. It stops once every `Batcher` handle is dropped
@@ -55,6 +60,12 @@ impl<T: Send + 'static> Batcher<T> {
                         Err(_) => break,
                     }
                 }
+                if max_in_flight == 1 {
+                    // One batch at a time: no task of its own to spawn and wake.
+                    handler(batch).await;
+                    drop(slot);
+                    continue;
+                }
                 let handler = handler.clone();
                 tokio::spawn(async move {
                     handler(batch).await;
@@ -67,8 +78,8 @@ impl<T: Send + 'static> Batcher<T> {
         (Self { tx }, collector)
     }
 
-    pub async fn submit(&self, item: T) -> Result<(), BatcherClosed> {
-        self.tx.send(item).await.map_err(|_| BatcherClosed)
+    pub async fn submit(&self, item: T) -> Result<(), BatcherClosed<T>> {
+        self.tx.send(item).await.map_err(|e| BatcherClosed(e.0))
     }
 }
 

@@ -10,6 +10,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::clock::Clock;
 use crate::counter::{Counter, Via};
 use crate::ledger::{self, Ledger, LedgerError};
+use crate::pipeline::{Demand, Pipeline};
 use crate::pool::{PoolRef, PoolService};
 use crate::sequence::store::{SequenceStore, StoreError};
 use crate::sequence::{IdShape, LayoutRangeError, Period, ProjectCode, Sequence, TypeCode};
@@ -52,7 +53,7 @@ pub struct Placement {
 
 /// Numbers issued to one caller, ascending.
 pub struct Issued {
-    pub placement: Placement,
+    pub placement: Arc<Placement>,
     pub seqs: Vec<i64>,
 }
 
@@ -73,6 +74,7 @@ impl Issued {
 }
 
 pub struct Issuer {
+    pub pipeline: Pipeline,
     pub sequences: Arc<SequenceStore>,
     pub pools: Arc<PoolService>,
     pub ledger: Ledger,
@@ -89,7 +91,7 @@ impl Issuer {
         &self,
         project: &ProjectCode,
         doc_type: &TypeCode,
-    ) -> Result<Placement, IssueError> {
+    ) -> Result<Arc<Placement>, IssueError> {
         let sequence = self.sequences.get_or_create(project, doc_type).await?;
         let at = self.clock.now();
         let period = sequence.definition.period_at(at);
@@ -97,27 +99,49 @@ impl Issuer {
             .definition
             .shape(project.as_str(), doc_type.as_str(), &period, at)?;
         let pool = self.pools.pool_ref(sequence.clone(), period.clone());
-        Ok(Placement {
+        Ok(Arc::new(Placement {
             sequence,
             period,
             pool,
             shape,
             at,
-        })
+        }))
     }
 
     /// Issues `count` numbers to `POST /ids`; they are recorded in the
-    /// shared ledger writer before this returns.
+    /// ledger before this returns. Once numbers are taken, the work runs
+    /// in tasks of its own: a caller that goes away cannot leave a number
+    /// taken but unrecorded.
     pub async fn issue(
-        &self,
+        self: &Arc<Self>,
         project: &ProjectCode,
         doc_type: &TypeCode,
         count: usize,
     ) -> Result<Issued, IssueError> {
         let placement = self.place(project, doc_type).await?;
-        let seqs = self
-            .issue_with(&placement, count, LedgerTarget::Shared(&self.ledger))
+        let served = self
+            .pipeline
+            .submit(placement.clone(), Demand::Ids { count })
             .await?;
+        let mut seqs = served.issued;
+        if !served.refused.is_empty() || seqs.len() < count {
+            // The pool ran short, was stale, or Redis is down.
+            let issuer = self.clone();
+            let slow = placement.clone();
+            let missing = count - seqs.len();
+            let more = tokio::spawn(async move {
+                if !served.refused.is_empty() {
+                    issuer.refused(&slow.pool, served.refused.len()).await;
+                }
+                issuer
+                    .issue_with(&slow, missing, LedgerTarget::Shared(&issuer.ledger))
+                    .await
+            })
+            .await
+            .map_err(|e| IssueError::Ledger(LedgerError::Db(e.to_string())))??;
+            seqs.extend(more);
+            seqs.sort_unstable();
+        }
         Ok(Issued { placement, seqs })
     }
 

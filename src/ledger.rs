@@ -58,12 +58,18 @@ pub struct Recorded {
     pub documents: HashMap<String, DateTime<Utc>>,
 }
 
+/// Numbers of one sequence period to record, and the documents they carry.
+#[derive(Debug, Clone)]
+pub struct LedgerWrite {
+    pub sequence_id: i64,
+    pub period: String,
+    pub seqs: Vec<i64>,
+    pub via: Via,
+    pub documents: Vec<OutboxRow>,
+}
+
 struct Write {
-    sequence_id: i64,
-    period: String,
-    seqs: Vec<i64>,
-    via: Via,
-    documents: Vec<OutboxRow>,
+    write: LedgerWrite,
     reply: oneshot::Sender<Result<Recorded, LedgerError>>,
 }
 
@@ -125,11 +131,13 @@ impl Ledger {
         let (reply, answer) = oneshot::channel();
         self.writes
             .submit(Write {
-                sequence_id,
-                period: period.to_owned(),
-                seqs,
-                via,
-                documents,
+                write: LedgerWrite {
+                    sequence_id,
+                    period: period.to_owned(),
+                    seqs,
+                    via,
+                    documents,
+                },
                 reply,
             })
             .await
@@ -190,44 +198,61 @@ struct Row {
 }
 
 async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
+    let (writes, replies): (Vec<LedgerWrite>, Vec<_>) =
+        batch.into_iter().map(|w| (w.write, w.reply)).unzip();
+    let outcomes = write_shared(&db, &stats, &writes).await;
+    for (reply, outcome) in replies.into_iter().zip(outcomes) {
+        let _ = reply.send(outcome);
+    }
+}
+
+/// Writes all `writes` with one statement and one commit (a transaction
+/// when documents are among them). One outcome per write, in order.
+pub async fn write_shared(
+    db: &PgPool,
+    stats: &Stats,
+    writes: &[LedgerWrite],
+) -> Vec<Result<Recorded, LedgerError>> {
     let outcome = async {
         let mut conn = db.acquire().await?;
-        if batch.iter().all(|w| w.documents.is_empty()) {
+        if writes.iter().all(|w| w.documents.is_empty()) {
             // A single INSERT commits by itself: one round trip.
-            write_together(&mut conn, &stats, &batch).await
+            write_together(&mut conn, stats, writes).await
         } else {
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let recorded = write_together(&mut tx, &stats, &batch).await?;
+            let recorded = write_together(&mut tx, stats, writes).await?;
             tx.commit().await?;
             Ok(recorded)
         }
     }
     .await;
     match outcome {
-        Ok(recorded) => {
-            for (write, recorded) in batch.into_iter().zip(recorded) {
-                let _ = write.reply.send(Ok(recorded));
-            }
-        }
+        Ok(recorded) => recorded.into_iter().map(Ok).collect(),
         // One document may have spoilt the shared transaction (an ID taken
         // by another sequence's format): write each on its own so only
         // that one fails.
-        Err(LedgerError::DocumentIdTaken(_)) if batch.len() > 1 => {
-            for write in batch {
-                let single = write_alone(&db, &stats, &write).await;
-                let _ = write.reply.send(single);
+        Err(LedgerError::DocumentIdTaken(_)) if writes.len() > 1 => {
+            let mut outcomes = Vec::with_capacity(writes.len());
+            for write in writes {
+                outcomes.push(write_alone(db, stats, write).await);
             }
+            outcomes
         }
         Err(e) => {
             tracing::error!(error = %e, "ledger batch failed");
-            for write in batch {
-                let _ = write.reply.send(Err(LedgerError::Db(e.to_string())));
-            }
+            writes
+                .iter()
+                .map(|_| Err(LedgerError::Db(e.to_string())))
+                .collect()
         }
     }
 }
 
-async fn write_alone(db: &PgPool, stats: &Stats, write: &Write) -> Result<Recorded, LedgerError> {
+async fn write_alone(
+    db: &PgPool,
+    stats: &Stats,
+    write: &LedgerWrite,
+) -> Result<Recorded, LedgerError> {
     let mut tx = db.begin().await?;
     let mut recorded = write_together(&mut tx, stats, std::slice::from_ref(write)).await?;
     tx.commit().await?;
@@ -239,7 +264,7 @@ async fn write_alone(db: &PgPool, stats: &Stats, write: &Write) -> Result<Record
 async fn write_together(
     conn: &mut PgConnection,
     stats: &Stats,
-    batch: &[Write],
+    batch: &[LedgerWrite],
 ) -> Result<Vec<Recorded>, LedgerError> {
     let mut groups: Vec<Group> = Vec::new();
     let mut group_index: HashMap<Group, usize> = HashMap::new();

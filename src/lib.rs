@@ -15,6 +15,7 @@ pub mod issuance;
 pub mod ledger;
 mod listen;
 pub mod numbers;
+pub mod pipeline;
 pub mod pool;
 pub mod sequence;
 pub mod startup;

@@ -93,8 +93,10 @@ impl Application {
             stats.clone(),
             pool_settings,
         );
-        let ledger = Ledger::spawn(db.clone(), stats.clone(), 4);
+        let ledger = Ledger::spawn(db.clone(), stats.clone(), 2);
+        let pipeline = crate::pipeline::Pipeline::spawn(db.clone(), pools.clone(), stats.clone());
         let issuer = Arc::new(Issuer {
+            pipeline,
             sequences: sequences.clone(),
             pools: pools.clone(),
             ledger,
@@ -190,8 +192,15 @@ impl Application {
         } = self;
         tracing::info!(address = %listener.local_addr()?, "idpool serving");
         let redis = state.pools.redis().clone();
-        let router = http::router(state);
-        let served = axum::serve(listener, router)
+        let app = axum::ServiceExt::<axum::extract::Request>::into_make_service(http::app(state));
+        // Answers go out as soon as they are written, not after the
+        // client's ACK of the previous one (Nagle).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "could not set TCP_NODELAY");
+            }
+        });
+        let served = axum::serve(listener, app)
             .with_graceful_shutdown(stop.clone().cancelled_owned())
             .await;
         stop.cancel();

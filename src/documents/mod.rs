@@ -17,6 +17,7 @@ use utoipa::ToSchema;
 use crate::counter::Via;
 use crate::issuance::{IssueError, Issuer, Placement, without};
 use crate::ledger::{self, LedgerError};
+use crate::pipeline::Demand;
 use crate::sequence::{Layout, ProjectCode, TypeCode};
 use outbox::{DocumentStatus, OutboxRow};
 
@@ -104,7 +105,7 @@ pub struct Documents {
     pub issuer: Arc<Issuer>,
 }
 
-fn outbox_row(placement: &Placement, input: &DocumentInput, seq: i64) -> OutboxRow {
+pub fn outbox_row(placement: &Placement, input: &DocumentInput, seq: i64) -> OutboxRow {
     OutboxRow {
         seq,
         document_id: placement.shape.id(seq),
@@ -130,27 +131,32 @@ impl Documents {
     /// Accepts one document with a new number through the shared writer:
     /// its ledger record and outbox row commit together with those of
     /// concurrent requests.
-    pub async fn accept(&self, input: &DocumentInput) -> Result<AcceptedDocument, DocumentError> {
+    pub async fn accept(
+        &self,
+        input: Arc<DocumentInput>,
+    ) -> Result<AcceptedDocument, DocumentError> {
         let issuer = &self.issuer;
         let placement = issuer.place(&input.project, &input.doc_type).await?;
-        loop {
-            let seqs = issuer.obtain(&placement.pool, 1).await?;
-            let row = outbox_row(&placement, input, seqs[0]);
-            let recorded = issuer
-                .ledger
-                .record_documents(
-                    placement.sequence.id,
-                    placement.period.key(),
-                    vec![row.clone()],
-                )
-                .await?;
-            if let Some(created_at) = recorded.documents.get(&row.document_id) {
-                return Ok(accepted(&row, *created_at));
-            }
-            issuer
-                .refused(&placement.pool, recorded.refused.len().max(1))
-                .await;
+        let served = issuer
+            .pipeline
+            .submit(
+                placement.clone(),
+                Demand::Document {
+                    input: input.clone(),
+                },
+            )
+            .await?;
+        if let Some((row, created_at)) = &served.document {
+            return Ok(accepted(row, *created_at));
         }
+        // The pool could not give a number at once. In a task of its own:
+        // a caller that goes away cannot leave a number taken but
+        // unrecorded.
+        let issuer = issuer.clone();
+        let refused = served.refused.len();
+        tokio::spawn(async move { accept_slowly(&issuer, &placement, &input, refused).await })
+            .await
+            .map_err(|e| DocumentError::Issue(IssueError::Ledger(LedgerError::Db(e.to_string()))))?
     }
 
     /// Accepts documents inside the caller's transaction: all or none.
@@ -162,7 +168,7 @@ impl Documents {
         inputs: &[DocumentInput],
     ) -> Result<Vec<AcceptedDocument>, BatchError> {
         let issuer = &self.issuer;
-        let mut placements: HashMap<(String, String), Placement> = HashMap::new();
+        let mut placements: HashMap<(String, String), Arc<Placement>> = HashMap::new();
         for input in inputs {
             let key = (input.project.to_string(), input.doc_type.to_string());
             if let std::collections::hash_map::Entry::Vacant(slot) = placements.entry(key) {
@@ -260,6 +266,37 @@ impl Documents {
             .zip(created)
             .map(|((_, _, row), created_at)| accepted(row, created_at))
             .collect())
+    }
+}
+
+/// A document whose number the shared batch could not give at once: from
+/// the pool after a refill, or straight from the counter.
+async fn accept_slowly(
+    issuer: &Issuer,
+    placement: &Placement,
+    input: &DocumentInput,
+    refused: usize,
+) -> Result<AcceptedDocument, DocumentError> {
+    if refused > 0 {
+        issuer.refused(&placement.pool, refused).await;
+    }
+    loop {
+        let seqs = issuer.obtain(&placement.pool, 1).await?;
+        let row = outbox_row(placement, input, seqs[0]);
+        let recorded = issuer
+            .ledger
+            .record_documents(
+                placement.sequence.id,
+                placement.period.key(),
+                vec![row.clone()],
+            )
+            .await?;
+        if let Some(created_at) = recorded.documents.get(&row.document_id) {
+            return Ok(accepted(&row, *created_at));
+        }
+        issuer
+            .refused(&placement.pool, recorded.refused.len().max(1))
+            .await;
     }
 }
 

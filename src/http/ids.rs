@@ -123,24 +123,21 @@ pub async fn issue_ids(
     Json(body): Json<IssueIdsRequest>,
 ) -> Result<Response, ApiError> {
     let input = IdsInput::parse(&body)?;
-    let key = idempotency::key_from_headers(&headers)?;
+    let Some(key) = idempotency::key_from_headers(&headers)? else {
+        // The hot path: numbers are popped and recorded inside the shared
+        // batch, so a client hanging up cannot leave one half-taken.
+        let issued = state
+            .issuer
+            .issue(&input.project, &input.doc_type, input.count)
+            .await?;
+        return Ok(axum::Json(answer(&input, &issued)).into_response());
+    };
     let caller = Caller::from_headers(&headers);
-    // In a task of its own: a client hanging up must not cancel the issue
-    // between taking numbers and recording them.
-    tokio::spawn(async move {
-        match key {
-            None => {
-                let issued = state
-                    .issuer
-                    .issue(&input.project, &input.doc_type, input.count)
-                    .await?;
-                Ok(axum::Json(answer(&input, &issued)).into_response())
-            }
-            Some(key) => issue_once(state, caller, key, input).await,
-        }
-    })
-    .await
-    .map_err(ApiError::internal)?
+    // In a task of its own: a client hanging up must not cancel the
+    // transaction between taking numbers and recording them.
+    tokio::spawn(issue_once(state, caller, key, input))
+        .await
+        .map_err(ApiError::internal)?
 }
 
 fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {

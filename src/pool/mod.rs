@@ -104,6 +104,8 @@ pub struct PoolService {
     refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
     /// Numbers requests of this instance are waiting for, per pool.
     demand: Mutex<HashMap<Arc<PoolKeys>, i64>>,
+    /// The current pool of each sequence seen, by sequence id and period.
+    pool_refs: Mutex<HashMap<i64, HashMap<String, PoolRef>>>,
     refill_slots: Arc<Semaphore>,
 }
 
@@ -117,7 +119,7 @@ impl PoolService {
     ) -> Arc<Self> {
         let pop_link = redis.clone();
         let (pops, _collector) =
-            Batcher::spawn(1024, 4, move |batch| pop_batch(pop_link.clone(), batch));
+            Batcher::spawn(1024, 1, move |batch| pop_batch(pop_link.clone(), batch));
         Arc::new(Self {
             refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
             redis,
@@ -128,6 +130,7 @@ impl PoolService {
             pops,
             refills_in_flight: Mutex::new(HashMap::new()),
             demand: Mutex::new(HashMap::new()),
+            pool_refs: Mutex::new(HashMap::new()),
         })
     }
 
@@ -135,17 +138,30 @@ impl PoolService {
         &self.redis
     }
 
+    /// The pool of `sequence` in `period`; kept between requests, since
+    /// building its keys is most of the work.
     pub fn pool_ref(&self, sequence: Arc<Sequence>, period: Period) -> PoolRef {
+        let mut known = self.pool_refs.lock().unwrap_or_else(|e| e.into_inner());
+        let periods = known.entry(sequence.id).or_default();
+        if let Some(pool) = periods.get(period.key())
+            && Arc::ptr_eq(&pool.sequence, &sequence)
+        {
+            return pool.clone();
+        }
         let keys = Arc::new(self.redis.keys(
             sequence.project.as_str(),
             sequence.doc_type.as_str(),
             period.key(),
         ));
-        PoolRef {
+        let pool = PoolRef {
             sequence,
             period,
             keys,
-        }
+        };
+        // One period at a time is current; older ones are not needed here.
+        periods.clear();
+        periods.insert(pool.period.key().to_owned(), pool.clone());
+        pool
     }
 
     /// Pops up to `count` numbers. A pool that runs short gets the refill it
@@ -186,6 +202,23 @@ impl PoolService {
             }
         }
         Ok(seqs)
+    }
+
+    /// One pop straight to Redis (for a caller that already batches), and
+    /// a background refill if the pool runs low.
+    pub async fn pop_now(
+        self: &Arc<Self>,
+        pool: &PoolRef,
+        count: usize,
+    ) -> Result<Vec<i64>, RedisFailure> {
+        let popped = self.redis.pop(&pool.keys, count).await?;
+        if popped.seqs.len() < count {
+            // The callers come back through `take` for the rest: the refill
+            // brings it along with the pool's own depth.
+            self.add_demand(pool, count - popped.seqs.len());
+        }
+        self.refill_if_low(pool, &popped);
+        Ok(popped.seqs)
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {

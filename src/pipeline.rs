@@ -1,0 +1,199 @@
+//! The hot path of `POST /ids` and `POST /documents`: concurrent requests
+//! are served together, in two stages that overlap.
+//!
+//! The pop stage takes every request waiting, pops each pool once for all
+//! of them (one Redis call per pool) and hands the numbers on. The write
+//! stage records everything handed to it since its last write (ledger rows
+//! and documents' outbox rows) in one statement and commit, and only then
+//! answers. So while one batch waits for its commit, the next one is
+//! already being popped, and a commit serves every request that arrived
+//! meanwhile.
+//!
+//! Both stages run in tasks of their own, so a client that hangs up cannot
+//! leave a number popped but unrecorded. Whatever a batch cannot finish (a
+//! pool that ran short, Redis down, a stale number) is left to the caller's
+//! slower path in `issuance`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use crate::batch::Batcher;
+use crate::counter::Via;
+use crate::documents::DocumentInput;
+use crate::documents::outbox::OutboxRow;
+use crate::issuance::Placement;
+use crate::ledger::{self, LedgerError, LedgerWrite};
+use crate::pool::{PoolKeys, PoolService};
+use crate::stats::Stats;
+
+/// What a request wants from a batch.
+pub enum Demand {
+    Ids { count: usize },
+    Document { input: Arc<DocumentInput> },
+}
+
+impl Demand {
+    fn numbers(&self) -> usize {
+        match self {
+            Demand::Ids { count } => *count,
+            Demand::Document { .. } => 1,
+        }
+    }
+}
+
+/// What a batch did for one request: numbers recorded as issued to it,
+/// numbers the ledger refused (a stale pool), and the document written.
+#[derive(Debug, Default)]
+pub struct Served {
+    pub issued: Vec<i64>,
+    pub refused: Vec<i64>,
+    pub document: Option<(OutboxRow, DateTime<Utc>)>,
+}
+
+type Reply = oneshot::Sender<Result<Served, LedgerError>>;
+
+struct Job {
+    placement: Arc<Placement>,
+    demand: Demand,
+    reply: Reply,
+}
+
+/// A job whose numbers were popped, on its way to the write stage.
+struct Popped {
+    job: Job,
+    seqs: Vec<i64>,
+}
+
+#[derive(Clone)]
+pub struct Pipeline {
+    jobs: Batcher<Job>,
+}
+
+impl Pipeline {
+    pub fn spawn(db: PgPool, pools: Arc<PoolService>, stats: Arc<Stats>) -> Self {
+        let write_stats = stats.clone();
+        // One commit at a time: a commit costs Postgres far more than the
+        // rows it carries, so everything popped while one runs waits for
+        // the next (two at a time measured slower: smaller commits).
+        let (writes, _writer) = Batcher::spawn(4096, 1, move |batches: Vec<Vec<Popped>>| {
+            write(db.clone(), write_stats.clone(), batches)
+        });
+        // One pop at a time: everyone who arrives meanwhile shares the next
+        // call, and numbers leave each pool in the order requests came.
+        let (jobs, _popper) = Batcher::spawn(4096, 1, move |batch| {
+            pop(pools.clone(), stats.clone(), writes.clone(), batch)
+        });
+        Self { jobs }
+    }
+
+    pub async fn submit(
+        &self,
+        placement: Arc<Placement>,
+        demand: Demand,
+    ) -> Result<Served, LedgerError> {
+        let (reply, answer) = oneshot::channel();
+        self.jobs
+            .submit(Job {
+                placement,
+                demand,
+                reply,
+            })
+            .await
+            .map_err(|_| LedgerError::Closed)?;
+        answer.await.map_err(|_| LedgerError::Closed)?
+    }
+}
+
+/// The pop stage: one pop per pool for everyone waiting on it.
+async fn pop(
+    pools: Arc<PoolService>,
+    stats: Arc<Stats>,
+    writes: Batcher<Vec<Popped>>,
+    batch: Vec<Job>,
+) {
+    let mut by_pool: HashMap<Arc<PoolKeys>, Vec<Job>> = HashMap::new();
+    for job in batch {
+        by_pool
+            .entry(job.placement.pool.keys.clone())
+            .or_default()
+            .push(job);
+    }
+    let pops = by_pool.into_values().map(|jobs| {
+        let pools = pools.clone();
+        async move {
+            let pool = &jobs[0].placement.pool;
+            let need: usize = jobs.iter().map(|job| job.demand.numbers()).sum();
+            let popped = pools.pop_now(pool, need).await.unwrap_or_default();
+            (jobs, popped)
+        }
+    });
+    let mut popped_jobs = Vec::new();
+    for (jobs, popped) in futures::future::join_all(pops).await {
+        Stats::add(&stats.ids_from_pool, popped.len() as u64);
+        let mut popped = popped.into_iter();
+        for job in jobs {
+            let seqs: Vec<i64> = popped.by_ref().take(job.demand.numbers()).collect();
+            if seqs.is_empty() {
+                // Nothing to record: the caller takes the slower path.
+                let _ = job.reply.send(Ok(Served::default()));
+            } else {
+                popped_jobs.push(Popped { job, seqs });
+            }
+        }
+    }
+    if popped_jobs.is_empty() {
+        return;
+    }
+    if let Err(closed) = writes.submit(popped_jobs).await {
+        // Shutting down: popped numbers that were never recorded stay
+        // unissued (reconciliation reports them as lost).
+        for popped in closed.0 {
+            let _ = popped.job.reply.send(Err(LedgerError::Closed));
+        }
+    }
+}
+
+/// The write stage: everything popped since the last write, recorded in one
+/// statement and commit, then answered.
+async fn write(db: PgPool, stats: Arc<Stats>, batches: Vec<Vec<Popped>>) {
+    let popped: Vec<Popped> = batches.into_iter().flatten().collect();
+    let writes: Vec<LedgerWrite> = popped
+        .iter()
+        .map(|Popped { job, seqs }| {
+            let placement = &job.placement;
+            let (via, documents) = match &job.demand {
+                Demand::Ids { .. } => (Via::Ids, Vec::new()),
+                Demand::Document { input } => (
+                    Via::Document,
+                    vec![crate::documents::outbox_row(placement, input, seqs[0])],
+                ),
+            };
+            LedgerWrite {
+                sequence_id: placement.sequence.id,
+                period: placement.period.key().to_owned(),
+                seqs: seqs.clone(),
+                via,
+                documents,
+            }
+        })
+        .collect();
+    let outcomes = ledger::write_shared(&db, &stats, &writes).await;
+    for ((popped, write), outcome) in popped.into_iter().zip(writes).zip(outcomes) {
+        let answer = outcome.map(|recorded| {
+            let document = write.documents.into_iter().next().and_then(|row| {
+                let created_at = *recorded.documents.get(&row.document_id)?;
+                Some((row, created_at))
+            });
+            Served {
+                issued: crate::issuance::without(popped.seqs, &recorded.refused),
+                refused: recorded.refused,
+                document,
+            }
+        });
+        let _ = popped.job.reply.send(answer);
+    }
+}
