@@ -20,7 +20,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use sqlx::PgPool;
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -97,18 +99,26 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     api_router().into_openapi()
 }
 
-pub fn router(state: AppState) -> Router {
-    let (api, document) = api_router().split_for_parts();
+/// The whole application: the routes, wrapped once in the layers every
+/// request passes. (Layers added with `Router::layer` wrap each route on
+/// its own and box the request's future once per layer.)
+pub fn app(
+    state: AppState,
+) -> impl tower::Service<
+    Request,
+    Response = Response,
+    Error = std::convert::Infallible,
+    Future = impl Future<Output = Result<Response, std::convert::Infallible>> + Send,
+> + Clone
++ Send
++ Sync
++ 'static {
     let request_id = HeaderName::from_static("x-request-id");
     let timeout = state.request_timeout;
-    api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
-        .merge(SwaggerUi::new("/docs").url("/openapi.json", document))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn(move |req, next| with_timeout(timeout, req, next)))
-        .layer(CatchPanicLayer::custom(|_| {
-            ApiError::internal("handler panicked").into_response()
-        }))
+    tower::ServiceBuilder::new()
+        .map_response(IntoResponse::into_response)
+        .layer(SetRequestIdLayer::new(request_id.clone(), RequestIds::new()))
+        .layer(PropagateRequestIdLayer::new(request_id))
         .layer(
             TraceLayer::new_for_http().make_span_with(|req: &Request| {
                 let id = req
@@ -119,9 +129,49 @@ pub fn router(state: AppState) -> Router {
                 tracing::info_span!("request", request_id = id, method = %req.method(), path = %req.uri().path())
             }),
         )
-        .layer(PropagateRequestIdLayer::new(request_id.clone()))
-        .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+        .layer(CatchPanicLayer::custom(|_| {
+            ApiError::internal("handler panicked").into_response()
+        }))
+        .layer(middleware::from_fn(move |req, next| {
+            with_timeout(timeout, req, next)
+        }))
+        .service(router(state))
+}
+
+/// The routes and their fallbacks, without the layers of [`app`].
+pub fn router(state: AppState) -> Router {
+    let (api, document) = api_router().split_for_parts();
+    api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
+        .merge(SwaggerUi::new("/docs").url("/openapi.json", document))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+/// Request ids unique across instances without a system call per request:
+/// a random prefix per process and a counter.
+#[derive(Clone)]
+struct RequestIds {
+    prefix: Arc<str>,
+    next: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RequestIds {
+    fn new() -> Self {
+        Self {
+            prefix: uuid::Uuid::new_v4().simple().to_string()[..12].into(),
+            next: Arc::new(std::sync::atomic::AtomicU64::new(1)),
+        }
+    }
+}
+
+impl MakeRequestId for RequestIds {
+    fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        axum::http::HeaderValue::from_str(&format!("{}-{n:x}", self.prefix))
+            .ok()
+            .map(RequestId::new)
+    }
 }
 
 async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {

@@ -121,6 +121,13 @@ impl RedisLink {
                 // A command is never replayed on a new connection: after a
                 // reconnect the pools must be checked before anything pops.
                 c.max_command_attempts = 1;
+                // Pops of concurrent batches share a connection; Nagle
+                // would hold each small command back until the reply to
+                // the one before it arrived.
+                c.tcp = fred::types::config::TcpConfig {
+                    nodelay: Some(true),
+                    ..Default::default()
+                };
             })
             .with_performance_config(|p| {
                 p.default_command_timeout = settings.command_timeout;
