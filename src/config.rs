@@ -123,6 +123,16 @@ pub struct Config {
     )]
     pub sink: SinkConfig,
 
+    /// Document batches one instance works on at once; more wait their
+    /// turn before their bodies are read, so memory stays bounded.
+    #[arg(
+        long = "idpool-batch-concurrency",
+        env = "IDPOOL_BATCH_CONCURRENCY",
+        default_value_t = 4,
+        global = true
+    )]
+    pub batch_concurrency: usize,
+
     /// Run the outbox processor in this process (`off` to run it elsewhere).
     #[arg(
         long = "idpool-outbox-processor",
@@ -159,6 +169,15 @@ pub struct Config {
         global = true
     )]
     pub outbox_backoff_base_ms: u64,
+
+    /// Processor loops this instance runs at once; each claims its own rows.
+    #[arg(
+        long = "idpool-outbox-workers",
+        env = "IDPOOL_OUTBOX_WORKERS",
+        default_value_t = 2,
+        global = true
+    )]
+    pub outbox_workers: usize,
 
     /// Rows one processor claims per transaction.
     #[arg(

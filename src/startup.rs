@@ -144,9 +144,17 @@ impl Application {
                 config.webhook_concurrency,
                 &instance_id,
             )?;
-            let processor =
-                Processor::new(db.clone(), sink, config.processor_settings(), outbox_wake);
-            background.push(tokio::spawn(processor.run(stop.clone())));
+            let processor = Arc::new(Processor::new(
+                db.clone(),
+                sink,
+                config.processor_settings(),
+                outbox_wake,
+            ));
+            // Several loops, so delivery can use more than one core of
+            // Postgres; SKIP LOCKED keeps them off each other's rows.
+            for _ in 0..config.outbox_workers.max(1) {
+                background.push(tokio::spawn(processor.clone().run(stop.clone())));
+            }
         }
         let state = AppState(Arc::new(AppInner {
             issuer,
@@ -158,6 +166,7 @@ impl Application {
             clock: overrides.clock,
             db,
             request_timeout: config.request_timeout(),
+            batch_slots: Arc::new(tokio::sync::Semaphore::new(config.batch_concurrency.max(1))),
         }));
         let listener = TcpListener::bind(&config.listen).await?;
         Ok(Self {

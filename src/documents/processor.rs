@@ -157,7 +157,7 @@ impl Processor {
     /// Runs until `stop`: a full batch goes straight on to the next; else it
     /// sleeps until woken by a new row, the next retry falls due, or the
     /// poll interval passes.
-    pub async fn run(self, stop: CancellationToken) {
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut backoff_on_error = Duration::from_millis(100);
         loop {
             if stop.is_cancelled() {
@@ -178,7 +178,11 @@ impl Processor {
                 }
             };
             let claimed = match result {
-                Ok(step) if step.claimed as i64 >= self.settings.batch_size => continue,
+                Ok(step) if step.claimed as i64 >= self.settings.batch_size => {
+                    // More is waiting: a sleeping loop of this instance can help.
+                    self.wake.notify_one();
+                    continue;
+                }
                 Ok(step) => {
                     backoff_on_error = Duration::from_millis(100);
                     step.claimed

@@ -335,6 +335,7 @@ fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
 pub async fn create_batch(
     State(state): State<AppState>,
     headers: HeaderMap,
+    _turn: BatchTurn,
     Json(body): Json<BatchRequest>,
 ) -> Result<(StatusCode, axum::Json<BatchAccepted>), ApiError> {
     if headers.contains_key("idempotency-key") {
@@ -373,6 +374,7 @@ pub async fn create_batch(
         inputs.push(input);
         keys.push(key);
     }
+    drop(body);
     let caller = Caller::from_headers(&headers);
     tokio::spawn(async move { accept_batch(state, caller, inputs, keys).await })
         .await
@@ -383,6 +385,28 @@ pub async fn create_batch(
                 axum::Json(BatchAccepted { documents }),
             )
         })
+}
+
+/// A turn to work on a document batch. Taken before the body is read (an
+/// extractor ahead of the body), so batches waiting for a turn cost no
+/// memory beyond their sockets' buffers.
+pub struct BatchTurn(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
+impl axum::extract::FromRequestParts<AppState> for BatchTurn {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        _parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Self, ApiError> {
+        state
+            .batch_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map(BatchTurn)
+            .map_err(ApiError::internal)
+    }
 }
 
 /// What becomes of each batch item.

@@ -50,6 +50,8 @@ pub struct AppInner {
     pub clock: Arc<dyn Clock>,
     pub db: PgPool,
     pub request_timeout: Duration,
+    /// Turns for document batches (`IDPOOL_BATCH_CONCURRENCY`).
+    pub batch_slots: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(Clone)]

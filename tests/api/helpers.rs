@@ -129,6 +129,8 @@ impl TestEnv {
             outbox_max_retries: self.outbox_max_retries,
             outbox_backoff_base_ms: self.outbox_backoff_base_ms,
             outbox_batch: self.outbox_batch,
+            outbox_workers: 2,
+            batch_concurrency: 4,
             webhook_timeout_ms: 5_000,
             webhook_concurrency: 16,
             reconcile: Switch::Off,
