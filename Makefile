@@ -3,11 +3,13 @@ SHELL := /bin/bash
 export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
 export REDIS_URL ?= redis://127.0.0.1:6379
 
-.PHONY: help run test lint openapi services services-down clean-test-dbs
+.PHONY: help run test lint openapi services services-down clean-test-dbs bench bench-quick bench-build
 
 help:
 	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080"
 	@echo "make test           start Postgres/Redis if needed, then the whole test suite"
+	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
+	@echo "make bench-quick    the same scenarios at about a tenth of the size"
 	@echo "make lint           rustfmt and clippy, warnings as errors"
 	@echo "make openapi        regenerate openapi/openapi.json"
 	@echo "make services-down  stop the Postgres/Redis that make started (never others)"
@@ -38,7 +40,19 @@ test: services clean-test-dbs
 
 lint:
 	cargo fmt --all -- --check
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --workspace --all-targets -- -D warnings
+
+# The bench starts its own Postgres, Redis and idpool on free ports and stops
+# them; it never touches servers it did not start. Results: target/bench/latest.json
+bench-build:
+	@scripts/dev-services.sh tools
+	cargo build --release --workspace
+
+bench: bench-build
+	target/release/idpool-bench
+
+bench-quick: bench-build
+	target/release/idpool-bench --quick
 
 openapi:
 	cargo run -q -- openapi > openapi/openapi.json

@@ -6,6 +6,9 @@
 #                                  .dev/, installing Debian packages if missing)
 #   scripts/dev-services.sh down   stop only the servers this script started
 #   scripts/dev-services.sh status
+#   scripts/dev-services.sh tools  install the server binaries (Postgres,
+#                                  pgbench, Redis) without starting anything,
+#                                  for make bench, which starts its own
 #
 # Servers this script did not start are never stopped or reconfigured.
 set -euo pipefail
@@ -134,12 +137,19 @@ down() {
   fi
 }
 
+tools() {
+  pg_bindir >/dev/null || apt_install postgresql postgresql-contrib
+  [[ -x $(pg_bindir)/pgbench ]] || command -v pgbench >/dev/null || apt_install postgresql-contrib
+  command -v redis-server >/dev/null || apt_install redis-server redis-tools
+}
+
 case ${1:-up} in
   up) postgres_up; redis_up ;;
+  tools) tools ;;
   down) down ;;
   status)
     pg_answers && say "postgres up at $pg_host:$pg_port" || say "postgres down at $pg_host:$pg_port"
     redis_answers && say "redis up at $redis_host:$redis_port" || say "redis down at $redis_host:$redis_port"
     ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|tools" >&2; exit 2 ;;
 esac

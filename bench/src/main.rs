@@ -1,0 +1,793 @@
+//! `make bench`: starts its own Postgres, Redis and idpool (release), runs
+//! every scenario of the performance issue, prints one table and writes it
+//! to `target/bench/latest.json`, then stops what it started.
+//!
+//! Absolute rates are noisy on a shared machine, so ratios are measured in
+//! alternating rounds (baseline, subject, baseline, subject, ...) and the
+//! median of the per-round ratios is reported: a slow phase of the machine
+//! hits both sides of a round alike.
+
+mod load;
+mod services;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Parser;
+use hyper::Method;
+use serde::Serialize;
+use serde_json::json;
+
+use load::{Call, Outcome, Until};
+use services::{Idpool, Postgres, Redis};
+
+const SCENARIOS: &[&str] = &[
+    "ratio",
+    "latency",
+    "fallback",
+    "id-batches",
+    "doc-batches",
+    "doc-single",
+    "drain",
+];
+
+#[derive(Parser)]
+#[command(about = "idpool benchmarks")]
+struct Args {
+    /// About a tenth of the full size, for a smoke run.
+    #[arg(long)]
+    quick: bool,
+    /// Run only these scenarios (comma separated): ratio, latency,
+    /// fallback, id-batches, doc-batches, doc-single, drain.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Extra environment for idpool, KEY=VALUE (repeatable).
+    #[arg(long = "idpool-env")]
+    idpool_env: Vec<String>,
+    /// The idpool binary to start (a release build).
+    #[arg(long, default_value = "target/release/idpool")]
+    binary: PathBuf,
+    /// Where the table goes as JSON.
+    #[arg(long, default_value = "target/bench/latest.json")]
+    out: PathBuf,
+    /// Working directory for the bench's own Postgres.
+    #[arg(long, default_value = "target/bench/postgres")]
+    pg_dir: PathBuf,
+}
+
+/// One row of the table.
+#[derive(Serialize, Clone)]
+struct Row {
+    figure: String,
+    value: f64,
+    unit: String,
+    goal: String,
+    /// None for figures shown for context, without a goal.
+    pass: Option<bool>,
+}
+
+struct Sizes {
+    /// Rounds of each alternating ratio measurement, and the length of
+    /// each side of a round.
+    rounds: usize,
+    slice: Duration,
+    /// How long the latency scenario runs.
+    latency_run: Duration,
+    ids_total: u64,
+    documents_total: u64,
+    drained_sequences: usize,
+    /// Goals in wall time scale with the size.
+    scale: f64,
+}
+
+struct Bench {
+    addr: SocketAddr,
+    db: sqlx::PgPool,
+    rows: Vec<Row>,
+    /// Every number answered, per sequence, for the duplicate check.
+    seen: HashMap<String, HashSet<i64>>,
+    duplicates: u64,
+    checked: u64,
+    peak_rss: Vec<(String, f64)>,
+}
+
+impl Bench {
+    fn row(&mut self, figure: &str, value: f64, unit: &str, goal: &str, pass: Option<bool>) {
+        let shown = if value.abs() >= 100.0 {
+            format!("{value:.0}")
+        } else {
+            format!("{value:.3}")
+        };
+        let verdict = match pass {
+            Some(true) => "pass",
+            Some(false) => "MISSED",
+            None => "",
+        };
+        println!("{figure:<72} {shown:>10} {unit:<8} {goal:<10} {verdict}");
+        self.rows.push(Row {
+            figure: figure.to_owned(),
+            value,
+            unit: unit.to_owned(),
+            goal: goal.to_owned(),
+            pass,
+        });
+    }
+
+    /// Adds the numbers of `outcome` to the duplicate check and fails the
+    /// run on any answer that was not a success.
+    fn check(&mut self, what: &str, outcome: &Outcome) -> anyhow::Result<()> {
+        for (sequence, n) in &outcome.numbers {
+            self.checked += 1;
+            if !self.seen.entry(sequence.clone()).or_default().insert(*n) {
+                self.duplicates += 1;
+            }
+        }
+        if outcome.failed > 0 {
+            bail!(
+                "{what}: {} of {} requests failed (statuses {:?})",
+                outcome.failed,
+                outcome.requests,
+                outcome.statuses
+            );
+        }
+        Ok(())
+    }
+
+    async fn count(&self, sql: &'static str, project: &str) -> anyhow::Result<i64> {
+        Ok(sqlx::query_scalar(sql)
+            .bind(project)
+            .fetch_one(&self.db)
+            .await?)
+    }
+
+    /// Waits until every outbox row of `project` is committed.
+    async fn all_committed(
+        &self,
+        project: &str,
+        expected: i64,
+        limit: Duration,
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        loop {
+            let committed = self
+                .count(
+                    "SELECT count(*) FROM id_outbox WHERE tenant_code = $1 AND status = 'committed'",
+                    project,
+                )
+                .await?;
+            if committed >= expected {
+                return Ok(());
+            }
+            if started.elapsed() > limit {
+                bail!("{project}: {committed} of {expected} committed after {limit:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn mode(&self) -> String {
+        match load::get(self.addr, "/readyz").await {
+            Ok((_, body)) => serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["mode"].as_str().map(str::to_owned))
+                .unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
+    async fn wait_for_mode(&self, mode: &str) -> anyhow::Result<()> {
+        let started = Instant::now();
+        while self.mode().await != mode {
+            if started.elapsed() > Duration::from_secs(30) {
+                bail!("idpool did not reach mode {mode}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+}
+
+fn ids_call(sequence: &'static str, count: u64) -> impl Fn(u64) -> Call + Send + Sync + 'static {
+    let body =
+        Bytes::from(json!({"project": "BENCH", "type": sequence, "count": count}).to_string());
+    move |_| Call {
+        method: Method::POST,
+        path: "/ids".into(),
+        body: body.clone(),
+        sequence: Some(format!("BENCH/{sequence}")),
+    }
+}
+
+fn healthz_call(_: u64) -> Call {
+    Call {
+        method: Method::GET,
+        path: "/healthz".into(),
+        body: Bytes::new(),
+        sequence: None,
+    }
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let outcome = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| runtime.block_on(run(args)));
+    if let Err(e) = outcome {
+        eprintln!("bench failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let sizes = if args.quick {
+        Sizes {
+            rounds: 3,
+            slice: Duration::from_millis(700),
+            latency_run: Duration::from_secs(2),
+            ids_total: 20_000,
+            documents_total: 20_000,
+            drained_sequences: 100,
+            scale: 0.1,
+        }
+    } else {
+        Sizes {
+            rounds: 5,
+            slice: Duration::from_secs(2),
+            latency_run: Duration::from_secs(10),
+            ids_total: 200_000,
+            documents_total: 200_000,
+            drained_sequences: 1000,
+            scale: 1.0,
+        }
+    };
+    for name in &args.only {
+        if !SCENARIOS.contains(&name.as_str()) {
+            bail!("unknown scenario {name:?}; known: {}", SCENARIOS.join(", "));
+        }
+    }
+    let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|n| n == name);
+    if !args.binary.exists() {
+        bail!(
+            "{} not found: build it with cargo build --release",
+            args.binary.display()
+        );
+    }
+    let mut extra_env = Vec::new();
+    for pair in &args.idpool_env {
+        let (key, value) = pair
+            .split_once('=')
+            .with_context(|| format!("--idpool-env {pair:?} is not KEY=VALUE"))?;
+        extra_env.push((key.to_owned(), value.to_owned()));
+    }
+
+    println!("starting Postgres, Redis and idpool of our own ...");
+    let postgres = Postgres::start(&args.pg_dir)?;
+    let mut redis = Redis::start()?;
+    let database = postgres.url("idpool_bench");
+    let mut env = vec![
+        ("DATABASE_URL".to_owned(), database.clone()),
+        ("REDIS_URL".to_owned(), redis.url()),
+    ];
+    env.extend(extra_env);
+    let idpool = Idpool::start(&args.binary, &env)?;
+    let addr: SocketAddr = format!("127.0.0.1:{}", idpool.port).parse()?;
+    let db = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&database)
+        .await
+        .context("bench connection to its Postgres")?;
+    let mut bench = Bench {
+        addr,
+        db,
+        rows: Vec::new(),
+        seen: HashMap::new(),
+        duplicates: 0,
+        checked: 0,
+        peak_rss: Vec::new(),
+    };
+    bench.wait_for_mode("pool").await?;
+    println!(
+        "machine: {} cores; idpool {}, Postgres and Redis of this run share them with this load generator",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        args.binary.display()
+    );
+    println!();
+    println!(
+        "{:<72} {:>10} {:<8} {:<10} result",
+        "figure", "value", "unit", "goal"
+    );
+
+    if wanted("ratio") {
+        ratio_to_healthz(&mut bench, &idpool, &sizes).await?;
+    }
+    if wanted("latency") {
+        light_load_latency(&mut bench, &idpool, &postgres, &sizes).await?;
+    }
+    if wanted("fallback") {
+        redis_up_versus_stopped(&mut bench, &idpool, &mut redis, &sizes).await?;
+    }
+    if wanted("id-batches") {
+        id_batches(&mut bench, &idpool, &sizes).await?;
+    }
+    if wanted("doc-batches") {
+        document_batches(&mut bench, &idpool, &sizes).await?;
+    }
+    if wanted("doc-single") {
+        single_documents(&mut bench, &idpool, &postgres, &sizes).await?;
+    }
+    if !bench.peak_rss.is_empty() {
+        let (worst, peak) =
+            bench
+                .peak_rss
+                .iter()
+                .cloned()
+                .fold((String::new(), 0.0_f64), |acc, (s, v)| {
+                    if v > acc.1 { (s, v) } else { acc }
+                });
+        bench.row(
+            &format!("peak RSS of idpool, any scenario (worst: {worst})"),
+            peak,
+            "MiB",
+            "<= 100",
+            Some(peak <= 100.0),
+        );
+    }
+    if wanted("drain") {
+        drained_pools(&mut bench, &idpool, &sizes).await?;
+    }
+    let checked = bench.checked;
+    let duplicates = bench.duplicates as f64;
+    bench.row(
+        &format!("duplicates seen by the load generator ({checked} numbers checked)"),
+        duplicates,
+        "IDs",
+        "0",
+        Some(duplicates == 0.0),
+    );
+
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&bench.rows)?)?;
+    println!("\nwritten to {}", args.out.display());
+    drop(idpool);
+    drop(redis);
+    drop(postgres);
+    let missed = bench.rows.iter().filter(|r| r.pass == Some(false)).count();
+    if missed > 0 {
+        println!("{missed} goal(s) missed");
+    }
+    Ok(())
+}
+
+/// `POST /ids` count 1 against `GET /healthz`, 64 connections, in
+/// alternating rounds.
+async fn ratio_to_healthz(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let addr = bench.addr;
+    // Warm up: the pool grows to its traffic before anything is measured.
+    let warm = load::run(
+        addr,
+        64,
+        Until::Elapsed(Duration::from_secs(1)),
+        ids_call("single", 1),
+    )
+    .await?;
+    bench.check("warm-up", &warm)?;
+    let (mut healthz, mut ids, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..sizes.rounds {
+        let base = load::run(addr, 64, Until::Elapsed(sizes.slice), healthz_call).await?;
+        let subject =
+            load::run(addr, 64, Until::Elapsed(sizes.slice), ids_call("single", 1)).await?;
+        bench.check("POST /ids count 1", &subject)?;
+        healthz.push(base.per_second());
+        ids.push(subject.per_second());
+        ratios.push(subject.per_second() / base.per_second());
+    }
+    let rounds = sizes.rounds;
+    bench.row(
+        &format!("GET /healthz, 64 connections (median of {rounds} rounds)"),
+        median(&mut healthz),
+        "req/s",
+        "",
+        None,
+    );
+    bench.row(
+        &format!("POST /ids count 1, 64 connections (median of {rounds} rounds)"),
+        median(&mut ids),
+        "req/s",
+        "",
+        None,
+    );
+    let ratio = median(&mut ratios);
+    bench.row(
+        "POST /ids count 1 ÷ GET /healthz (req/s, median of per-round ratios)",
+        ratio,
+        "ratio",
+        ">= 0.35",
+        Some(ratio >= 0.35),
+    );
+    bench
+        .peak_rss
+        .push(("ids and healthz".into(), idpool.peak_rss_mib()));
+    Ok(())
+}
+
+/// p99 of `POST /ids` count 1 at 8 connections, beside the p99 of a bare
+/// durable single-row INSERT at 8 clients on the same Postgres.
+async fn light_load_latency(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    postgres: &Postgres,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let warm = load::run(
+        bench.addr,
+        8,
+        Until::Elapsed(Duration::from_secs(1)),
+        ids_call("light", 1),
+    )
+    .await?;
+    bench.check("warm-up", &warm)?;
+    let light = load::run(
+        bench.addr,
+        8,
+        Until::Elapsed(sizes.latency_run),
+        ids_call("light", 1),
+    )
+    .await?;
+    bench.check("POST /ids count 1, 8 connections", &light)?;
+    bench.row(
+        "POST /ids count 1, 8 connections",
+        light.per_second(),
+        "req/s",
+        "",
+        None,
+    );
+    bench.row(
+        "POST /ids count 1, 8 connections: p50 latency",
+        light.quantile_ms(0.5),
+        "ms",
+        "",
+        None,
+    );
+    let p99 = light.quantile_ms(0.99);
+    bench.row(
+        "POST /ids count 1, 8 connections: p99 latency",
+        p99,
+        "ms",
+        "<= 2",
+        Some(p99 <= 2.0),
+    );
+    let floor = postgres.pgbench_insert(8, sizes.latency_run.as_secs().max(2))?;
+    bench.row(
+        "pgbench single-row INSERT, 8 clients, same Postgres: p99 latency",
+        floor.p99_ms,
+        "ms",
+        "",
+        None,
+    );
+    bench
+        .peak_rss
+        .push(("light load".into(), idpool.peak_rss_mib()));
+    Ok(())
+}
+
+/// `POST /ids` count 1 with Redis up against the same with Redis stopped
+/// (every ID from Postgres), 64 connections, in alternating rounds.
+async fn redis_up_versus_stopped(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    redis: &mut Redis,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let addr = bench.addr;
+    let (mut up, mut down, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..sizes.rounds {
+        bench.wait_for_mode("pool").await?;
+        let pooled = load::run(
+            addr,
+            64,
+            Until::Elapsed(sizes.slice),
+            ids_call("fallback", 1),
+        )
+        .await?;
+        bench.check("POST /ids, Redis up", &pooled)?;
+        redis.stop();
+        bench.wait_for_mode("fallback").await?;
+        let direct = load::run(
+            addr,
+            64,
+            Until::Elapsed(sizes.slice),
+            ids_call("fallback", 1),
+        )
+        .await?;
+        bench.check("POST /ids, Redis stopped", &direct)?;
+        redis.restart()?;
+        up.push(pooled.per_second());
+        down.push(direct.per_second());
+        ratios.push(pooled.per_second() / direct.per_second());
+    }
+    bench.wait_for_mode("pool").await?;
+    let rounds = sizes.rounds;
+    bench.row(
+        &format!("POST /ids count 1, Redis up, 64 connections (median of {rounds} rounds)"),
+        median(&mut up),
+        "req/s",
+        "",
+        None,
+    );
+    bench.row(
+        &format!("POST /ids count 1, Redis stopped, 64 connections (median of {rounds} rounds)"),
+        median(&mut down),
+        "req/s",
+        "",
+        None,
+    );
+    let ratio = median(&mut ratios);
+    bench.row(
+        "POST /ids count 1: Redis up ÷ Redis stopped (median of per-round ratios)",
+        ratio,
+        "ratio",
+        ">= 10",
+        Some(ratio >= 10.0),
+    );
+    bench
+        .peak_rss
+        .push(("redis stopped".into(), idpool.peak_rss_mib()));
+    Ok(())
+}
+
+/// IDs in batches of 1,000, 64 connections, wall time.
+async fn id_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let batches = load::run(
+        bench.addr,
+        64,
+        Until::Count(sizes.ids_total / 1000),
+        ids_call("batch", 1000),
+    )
+    .await?;
+    bench.check("POST /ids count 1000", &batches)?;
+    let goal = 1.0 * sizes.scale;
+    let took = batches.elapsed.as_secs_f64();
+    bench.row(
+        &format!("{} IDs with POST /ids count 1000 (wall)", sizes.ids_total),
+        took,
+        "s",
+        &format!("<= {goal}"),
+        Some(took <= goal),
+    );
+    bench
+        .peak_rss
+        .push(("id batches".into(), idpool.peak_rss_mib()));
+    Ok(())
+}
+
+fn metadata(i: u64) -> serde_json::Value {
+    json!({"title": format!("drawing {i}"), "rev": i % 7, "tags": ["bench", "migration"]})
+}
+
+/// Documents in batches of 1,000, 64 connections, until all committed.
+async fn document_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let started = Instant::now();
+    let total = sizes.documents_total;
+    let docs = load::run(bench.addr, 64, Until::Count(total / 1000), move |i| {
+        let documents: Vec<_> = (0..1000)
+            .map(|n| json!({"project": "DOCB", "type": "1", "metadata": metadata(i * 1000 + n)}))
+            .collect();
+        Call {
+            method: Method::POST,
+            path: "/api/v1/documents/batch".into(),
+            body: Bytes::from(json!({"documents": documents}).to_string()),
+            sequence: Some("DOCB/1".into()),
+        }
+    })
+    .await?;
+    bench.check("POST /api/v1/documents/batch", &docs)?;
+    let accepted = started.elapsed().as_secs_f64();
+    bench
+        .all_committed("DOCB", total as i64, Duration::from_secs(300))
+        .await?;
+    let took = started.elapsed().as_secs_f64();
+    bench.row(
+        "documents accepted/s, batches of 1000, 64 connections",
+        total as f64 / accepted,
+        "docs/s",
+        "",
+        None,
+    );
+    let goal = 20.0 * sizes.scale;
+    bench.row(
+        "document batches: all accepted (wall)",
+        accepted,
+        "s",
+        "",
+        None,
+    );
+    bench.row(
+        &format!("{total} documents, batches of 1000, until all committed (wall)"),
+        took,
+        "s",
+        &format!("<= {goal}"),
+        Some(took <= goal),
+    );
+    bench
+        .peak_rss
+        .push(("document batches".into(), idpool.peak_rss_mib()));
+    Ok(())
+}
+
+/// Single documents, 64 connections, until all committed; then pgbench on
+/// the same Postgres for the ratio.
+async fn single_documents(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    postgres: &Postgres,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let started = Instant::now();
+    let total = sizes.documents_total;
+    let docs = load::run(bench.addr, 64, Until::Count(total), move |i| Call {
+        method: Method::POST,
+        path: "/documents".into(),
+        body: Bytes::from(
+            json!({"project": "DOCS", "type": "1", "metadata": metadata(i)}).to_string(),
+        ),
+        sequence: Some("DOCS/1".into()),
+    })
+    .await?;
+    bench.check("POST /documents", &docs)?;
+    let accepted = started.elapsed().as_secs_f64();
+    bench
+        .all_committed("DOCS", total as i64, Duration::from_secs(600))
+        .await?;
+    bench.row(
+        "single documents: all accepted (wall)",
+        accepted,
+        "s",
+        "",
+        None,
+    );
+    let took = started.elapsed().as_secs_f64();
+    let goal = 60.0 * sizes.scale;
+    bench.row(
+        &format!("{total} documents, single POST /documents, until all committed (wall)"),
+        took,
+        "s",
+        &format!("<= {goal}"),
+        Some(took <= goal),
+    );
+    bench
+        .peak_rss
+        .push(("single documents".into(), idpool.peak_rss_mib()));
+    bench.row(
+        "POST /documents, 64 connections",
+        docs.per_second(),
+        "req/s",
+        "",
+        None,
+    );
+    let pgbench = postgres.pgbench_insert(32, sizes.latency_run.as_secs().max(2))?;
+    bench.row(
+        "pgbench single-row INSERT, 32 clients, same Postgres",
+        pgbench.tps,
+        "tps",
+        "",
+        None,
+    );
+    let ratio = docs.per_second() / pgbench.tps;
+    bench.row(
+        "POST /documents req/s ÷ pgbench INSERT tps",
+        ratio,
+        "ratio",
+        ">= 0.4",
+        Some(ratio >= 0.4),
+    );
+    Ok(())
+}
+
+/// Many small pools drained at once: refills per pool never overlap, and
+/// memory stays bounded.
+async fn drained_pools(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let addr = bench.addr;
+    let sequences = sizes.drained_sequences;
+    for s in 0..sequences {
+        let body = Bytes::from(json!({"pool_size": 100}).to_string());
+        let (status, _) = load::send(
+            addr,
+            Method::PUT,
+            &format!("/api/v1/sequences/DRAIN/{s}"),
+            body,
+        )
+        .await?;
+        if status >= 300 {
+            bail!("PUT sequence DRAIN/{s}: {status}");
+        }
+    }
+    let drain = load::run(addr, 64, Until::Count(3 * sequences as u64), move |i| {
+        let s = i % sequences as u64;
+        Call {
+            method: Method::POST,
+            path: "/ids".into(),
+            body: Bytes::from(
+                json!({"project": "DRAIN", "type": s.to_string(), "count": 100}).to_string(),
+            ),
+            sequence: Some(format!("DRAIN/{s}")),
+        }
+    })
+    .await?;
+    bench.check("drained pools", &drain)?;
+    // Let background refills started by the last requests finish.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let overlap = max_refills_in_flight_per_pool(&bench.db).await?;
+    bench.row(
+        &format!("{sequences} sequences drained at once: refills in flight per pool (max)"),
+        overlap as f64,
+        "refills",
+        "1",
+        Some(overlap == 1),
+    );
+    let peak = idpool.peak_rss_mib();
+    bench.row(
+        &format!("{sequences} sequences drained at once: peak RSS"),
+        peak,
+        "MiB",
+        "<= 150",
+        Some(peak <= 150.0),
+    );
+    Ok(())
+}
+
+/// Largest number of refills of one pool whose lock-to-push intervals overlap.
+async fn max_refills_in_flight_per_pool(db: &sqlx::PgPool) -> anyhow::Result<usize> {
+    type Refill = (
+        i64,
+        String,
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+    );
+    let refills: Vec<Refill> = sqlx::query_as(
+        "SELECT sequence_id, period, lock_acquired_at, pushed_at FROM blocks \
+         WHERE purpose = 'pool' AND pushed_at IS NOT NULL ORDER BY sequence_id, period, lock_acquired_at",
+    )
+    .fetch_all(db)
+    .await?;
+    let mut most = 0;
+    for pool in refills.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {
+        for (i, refill) in pool.iter().enumerate() {
+            let overlapping = pool[..i]
+                .iter()
+                .filter(|earlier| earlier.3 > refill.2)
+                .count();
+            most = most.max(overlapping + 1);
+        }
+    }
+    Ok(most)
+}

@@ -1,0 +1,352 @@
+//! The servers a bench run starts for itself, on free ports, and stops.
+//! Servers it did not start are never touched.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn wait_for_port(port: u16, what: &str, limit: Duration) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if started.elapsed() > limit {
+            bail!("{what} did not open port {port} within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn is_root() -> bool {
+    // SAFETY-free check: the effective user id from /proc.
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
+        })
+        .unwrap_or(false)
+}
+
+fn pg_bindir() -> anyhow::Result<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .context(
+            "Postgres server binaries not found under /usr/lib/postgresql (apt install postgresql)",
+        )?
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|p| p.join("initdb").exists())
+        .collect();
+    dirs.sort();
+    dirs.pop()
+        .context("no initdb under /usr/lib/postgresql/*/bin")
+}
+
+/// Runs a Postgres tool, as the `postgres` user when we are root (Postgres
+/// refuses to run as root).
+fn pg_command(tool: &Path) -> Command {
+    if is_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--"]).arg(tool);
+        command
+    } else {
+        Command::new(tool)
+    }
+}
+
+/// What one pgbench run measured.
+pub struct Pgbench {
+    pub tps: f64,
+    pub p99_ms: f64,
+}
+
+pub struct Postgres {
+    pub port: u16,
+    dir: PathBuf,
+    bindir: PathBuf,
+}
+
+impl Postgres {
+    /// initdb in `dir` (wiped first) and start with settings for a write-heavy run.
+    pub fn start(dir: &Path) -> anyhow::Result<Self> {
+        let bindir = pg_bindir()?;
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir)?;
+        let dir = &dir.canonicalize()?;
+        if is_root() {
+            let status = Command::new("chown")
+                .args(["-R", "postgres"])
+                .arg(dir)
+                .status()?;
+            if !status.success() {
+                bail!("chown of {} to postgres failed", dir.display());
+            }
+        }
+        let data = dir.join("data");
+        let status = pg_command(&bindir.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "--auth=trust", "-E", "UTF8"])
+            .stdout(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("initdb failed");
+        }
+        let port = free_port()?;
+        let options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c max_connections=300 -c shared_buffers=256MB \
+             -c max_wal_size=4GB -c checkpoint_timeout=30min -c wal_buffers=16MB",
+            dir.display()
+        );
+        let status = pg_command(&bindir.join("pg_ctl"))
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(dir.join("server.log"))
+            .args(["-w", "-t", "60", "-o", &options, "start"])
+            .stdout(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!(
+                "pg_ctl start failed; see {}",
+                dir.join("server.log").display()
+            );
+        }
+        Ok(Self {
+            port,
+            dir: dir.to_owned(),
+            bindir,
+        })
+    }
+
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// pgbench: durable single-row INSERT transactions with `clients` for
+    /// `seconds`: transactions per second and the p99 latency.
+    pub fn pgbench_insert(&self, clients: u32, seconds: u64) -> anyhow::Result<Pgbench> {
+        let psql = self.bindir.join("psql");
+        let port = self.port.to_string();
+        let _ = pg_command(&psql)
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-qc",
+                "CREATE DATABASE pgbench_insert",
+            ])
+            .stderr(Stdio::null())
+            .status()?;
+        let status = pg_command(&psql)
+            .args(["-h", "127.0.0.1", "-p", &port, "-U", "postgres", "-d", "pgbench_insert"])
+            .stderr(Stdio::null())
+            .args(["-qc", "CREATE TABLE IF NOT EXISTS bench_insert (id bigserial PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL DEFAULT now())"])
+            .status()?;
+        if !status.success() {
+            bail!("pgbench table setup failed");
+        }
+        let script = self.dir.join("insert.sql");
+        std::fs::write(&script, "INSERT INTO bench_insert (v) VALUES (1);\n")?;
+        let logs = self.dir.join("pgbench-logs");
+        let _ = std::fs::remove_dir_all(&logs);
+        std::fs::create_dir_all(&logs)?;
+        if is_root() {
+            let _ = Command::new("chown")
+                .arg("-R")
+                .arg("postgres")
+                .arg(&script)
+                .arg(&logs)
+                .status();
+        }
+        let pgbench = if self.bindir.join("pgbench").exists() {
+            self.bindir.join("pgbench")
+        } else {
+            PathBuf::from("pgbench")
+        };
+        let output = pg_command(&pgbench)
+            .current_dir(&logs)
+            .args(["-n", "-h", "127.0.0.1", "-p", &port, "-U", "postgres"])
+            .args([
+                "-c",
+                &clients.to_string(),
+                "-j",
+                "2",
+                "-T",
+                &seconds.to_string(),
+            ])
+            .args(["-l", "--log-prefix", "tx", "-f"])
+            .arg(&script)
+            .arg("pgbench_insert")
+            .output()?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        let tps = text
+            .lines()
+            .find_map(|l| l.strip_prefix("tps = "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("no tps in pgbench output: {text}"))?;
+        // Per-transaction log lines: client, transaction, latency (µs), ...
+        let mut latencies: Vec<u64> = Vec::new();
+        for entry in std::fs::read_dir(&logs)? {
+            let log = std::fs::read_to_string(entry?.path())?;
+            latencies.extend(
+                log.lines()
+                    .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u64>().ok()),
+            );
+        }
+        latencies.sort_unstable();
+        let p99_ms = latencies
+            .get((latencies.len() as f64 * 0.99) as usize)
+            .map(|us| *us as f64 / 1000.0)
+            .unwrap_or(f64::NAN);
+        Ok(Pgbench { tps, p99_ms })
+    }
+
+    pub fn stop(&self) {
+        let _ = pg_command(&self.bindir.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "fast", "stop"])
+            .stdout(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+pub struct Redis {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    pub fn start() -> anyhow::Result<Self> {
+        let mut redis = Self {
+            port: free_port()?,
+            child: None,
+        };
+        redis.launch()?;
+        Ok(redis)
+    }
+
+    fn launch(&mut self) -> anyhow::Result<()> {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .context("redis-server (apt install redis-server)")?;
+        self.child = Some(child);
+        wait_for_port(self.port, "redis-server", Duration::from_secs(10))
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop();
+        self.launch()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+pub struct Idpool {
+    pub port: u16,
+    child: Child,
+}
+
+impl Idpool {
+    pub fn start(binary: &Path, env: &[(String, String)]) -> anyhow::Result<Self> {
+        let port = free_port()?;
+        let child = Command::new(binary)
+            .arg("serve")
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("IDPOOL_LISTEN", format!("127.0.0.1:{port}"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        wait_for_port(port, "idpool", Duration::from_secs(60))?;
+        Ok(Self { port, child })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Peak resident memory since the last reset, in MiB (VmHWM).
+    pub fn peak_rss_mib(&self) -> f64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .and_then(|kb| kb.parse::<f64>().ok())
+                })
+            })
+            .map(|kb| kb / 1024.0)
+            .unwrap_or(f64::NAN)
+    }
+
+    /// Starts a new peak measurement (Linux: writing 5 to clear_refs).
+    pub fn reset_peak_rss(&self) {
+        let _ = std::fs::write(format!("/proc/{}/clear_refs", self.pid()), "5");
+    }
+
+    pub fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Idpool {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
