@@ -200,24 +200,38 @@ struct Row {
 async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
     let (writes, replies): (Vec<LedgerWrite>, Vec<_>) =
         batch.into_iter().map(|w| (w.write, w.reply)).unzip();
-    let outcomes = write_shared(&db, &stats, &writes).await;
+    let outcomes = match db.acquire().await {
+        Ok(mut conn) => write_shared(&mut conn, &stats, &writes).await,
+        Err(e) => failed_all(&writes, &e.into()),
+    };
     for (reply, outcome) in replies.into_iter().zip(outcomes) {
         let _ = reply.send(outcome);
     }
 }
 
-/// Writes all `writes` with one statement and one commit (a transaction
-/// when documents are among them). One outcome per write, in order.
+/// The same failure for every write.
+pub fn failed_all(
+    writes: &[LedgerWrite],
+    error: &LedgerError,
+) -> Vec<Result<Recorded, LedgerError>> {
+    writes
+        .iter()
+        .map(|_| Err(LedgerError::Db(error.to_string())))
+        .collect()
+}
+
+/// Writes all `writes` on `conn` with one statement and one commit (a
+/// transaction when documents are among them). One outcome per write, in
+/// order.
 pub async fn write_shared(
-    db: &PgPool,
+    conn: &mut PgConnection,
     stats: &Stats,
     writes: &[LedgerWrite],
 ) -> Vec<Result<Recorded, LedgerError>> {
     let outcome = async {
-        let mut conn = db.acquire().await?;
         if writes.iter().all(|w| w.documents.is_empty()) {
             // A single INSERT commits by itself: one round trip.
-            write_together(&mut conn, stats, writes).await
+            write_together(&mut *conn, stats, writes).await
         } else {
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             let recorded = write_together(&mut tx, stats, writes).await?;
@@ -234,26 +248,23 @@ pub async fn write_shared(
         Err(LedgerError::DocumentIdTaken(_)) if writes.len() > 1 => {
             let mut outcomes = Vec::with_capacity(writes.len());
             for write in writes {
-                outcomes.push(write_alone(db, stats, write).await);
+                outcomes.push(write_alone(&mut *conn, stats, write).await);
             }
             outcomes
         }
         Err(e) => {
             tracing::error!(error = %e, "ledger batch failed");
-            writes
-                .iter()
-                .map(|_| Err(LedgerError::Db(e.to_string())))
-                .collect()
+            failed_all(writes, &e)
         }
     }
 }
 
 async fn write_alone(
-    db: &PgPool,
+    conn: &mut PgConnection,
     stats: &Stats,
     write: &LedgerWrite,
 ) -> Result<Recorded, LedgerError> {
-    let mut tx = db.begin().await?;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let mut recorded = write_together(&mut tx, stats, std::slice::from_ref(write)).await?;
     tx.commit().await?;
     Ok(recorded.pop().unwrap_or_default())

@@ -18,7 +18,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 use tokio::sync::oneshot;
 
 use crate::batch::Batcher;
@@ -26,7 +27,7 @@ use crate::counter::Via;
 use crate::documents::DocumentInput;
 use crate::documents::outbox::OutboxRow;
 use crate::issuance::Placement;
-use crate::ledger::{self, LedgerError, LedgerWrite};
+use crate::ledger::{self, LedgerError, LedgerWrite, Recorded};
 use crate::pool::{PoolKeys, PoolService};
 use crate::stats::Stats;
 
@@ -75,12 +76,16 @@ pub struct Pipeline {
 
 impl Pipeline {
     pub fn spawn(db: PgPool, pools: Arc<PoolService>, stats: Arc<Stats>) -> Self {
-        let write_stats = stats.clone();
+        let writer = Arc::new(Writer {
+            db,
+            stats: stats.clone(),
+            conn: tokio::sync::Mutex::new(None),
+        });
         // One commit at a time: a commit costs Postgres far more than the
         // rows it carries, so everything popped while one runs waits for
         // the next (two at a time measured slower: smaller commits).
         let (writes, _writer) = Batcher::spawn(4096, 1, move |batches: Vec<Vec<Popped>>| {
-            write(db.clone(), write_stats.clone(), batches)
+            writer.clone().write(batches)
         });
         // One pop at a time: everyone who arrives meanwhile shares the next
         // call, and numbers leave each pool in the order requests came.
@@ -157,31 +162,70 @@ async fn pop(
     }
 }
 
-/// The write stage: everything popped since the last write, recorded in one
-/// statement and commit, then answered.
-async fn write(db: PgPool, stats: Arc<Stats>, batches: Vec<Vec<Popped>>) {
-    let popped: Vec<Popped> = batches.into_iter().flatten().collect();
-    let writes: Vec<LedgerWrite> = popped
-        .iter()
-        .map(|Popped { job, seqs }| {
-            let placement = &job.placement;
-            let (via, documents) = match &job.demand {
-                Demand::Ids { .. } => (Via::Ids, Vec::new()),
-                Demand::Document { input } => (
-                    Via::Document,
-                    vec![crate::documents::outbox_row(placement, input, seqs[0])],
-                ),
-            };
-            LedgerWrite {
-                sequence_id: placement.sequence.id,
-                period: placement.period.key().to_owned(),
-                seqs: seqs.clone(),
-                via,
-                documents,
-            }
-        })
-        .collect();
-    let outcomes = ledger::write_shared(&db, &stats, &writes).await;
+/// The write stage. It keeps one connection between batches (one batch at
+/// a time uses it), so a batch costs no pool checkout and return.
+struct Writer {
+    db: PgPool,
+    stats: Arc<Stats>,
+    conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
+}
+
+impl Writer {
+    /// Everything popped since the last write, recorded in one statement
+    /// and commit, then answered.
+    async fn write(self: Arc<Self>, batches: Vec<Vec<Popped>>) {
+        let popped: Vec<Popped> = batches.into_iter().flatten().collect();
+        let writes: Vec<LedgerWrite> = popped
+            .iter()
+            .map(|Popped { job, seqs }| {
+                let placement = &job.placement;
+                let (via, documents) = match &job.demand {
+                    Demand::Ids { .. } => (Via::Ids, Vec::new()),
+                    Demand::Document { input } => (
+                        Via::Document,
+                        vec![crate::documents::outbox_row(placement, input, seqs[0])],
+                    ),
+                };
+                LedgerWrite {
+                    sequence_id: placement.sequence.id,
+                    period: placement.period.key().to_owned(),
+                    seqs: seqs.clone(),
+                    via,
+                    documents,
+                }
+            })
+            .collect();
+        let outcomes = self.record(&writes).await;
+        answer(popped, writes, outcomes);
+    }
+
+    async fn record(&self, writes: &[LedgerWrite]) -> Vec<Result<Recorded, LedgerError>> {
+        let mut held = self.conn.lock().await;
+        let conn = match held.as_mut() {
+            Some(conn) => conn,
+            None => match self.db.acquire().await {
+                Ok(conn) => held.insert(conn),
+                Err(e) => return ledger::failed_all(writes, &e.into()),
+            },
+        };
+        let outcomes = ledger::write_shared(conn, &self.stats, writes).await;
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, Err(LedgerError::Db(_))))
+        {
+            // The connection may have broken: the next batch takes a fresh one.
+            *held = None;
+        }
+        outcomes
+    }
+}
+
+/// Each job's answer: what of its numbers the ledger took, its document.
+fn answer(
+    popped: Vec<Popped>,
+    writes: Vec<LedgerWrite>,
+    outcomes: Vec<Result<Recorded, LedgerError>>,
+) {
     for ((popped, write), outcome) in popped.into_iter().zip(writes).zip(outcomes) {
         let answer = outcome.map(|recorded| {
             let document = write.documents.into_iter().next().and_then(|row| {

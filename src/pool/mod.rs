@@ -172,17 +172,20 @@ impl PoolService {
         pool: &PoolRef,
         count: usize,
     ) -> Result<Vec<i64>, RedisFailure> {
-        let first = self.pop(pool, count).await?;
-        self.refill_if_low(pool, &first);
-        let mut seqs = first.seqs;
+        let mut popped = self.pop(pool, count).await?;
+        let mut seqs = std::mem::take(&mut popped.seqs);
         if seqs.len() < count {
             Stats::add(&self.stats.pool_short, 1);
+            // The refill also brings what waiting requests lack, so a big
+            // request is served from the pool, in order, rather than from
+            // the counter past numbers a refill just pushed. Registered
+            // before any refill can start, so the next one sees it.
+            self.add_demand(pool, count - seqs.len());
+        }
+        self.refill_if_low(pool, &popped);
+        if seqs.len() < count {
             let deadline = tokio::time::Instant::now() + self.settings.short_wait;
             while seqs.len() < count {
-                // The refill also brings what waiting requests lack, so a
-                // big request is served from the pool, in order, rather
-                // than from the counter past numbers a refill just pushed.
-                self.add_demand(pool, count - seqs.len());
                 let refill = tokio::time::timeout_at(deadline, self.refill_handle(pool)).await;
                 match refill {
                     Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded) => {}
@@ -196,28 +199,30 @@ impl PoolService {
                     }
                     Ok(RefillOutcome::Exhausted | RefillOutcome::Failed) | Err(_) => break,
                 }
-                let again = self.pop(pool, count - seqs.len()).await?;
+                let mut again = self.pop(pool, count - seqs.len()).await?;
+                seqs.append(&mut again.seqs);
+                if seqs.len() < count {
+                    self.add_demand(pool, count - seqs.len());
+                }
                 self.refill_if_low(pool, &again);
-                seqs.extend(again.seqs);
             }
         }
         Ok(seqs)
     }
 
-    /// One pop straight to Redis (for a caller that already batches), and
-    /// a background refill if the pool runs low.
+    /// One pop straight to Redis, for a caller that already batches. A pool
+    /// that runs low is refilled in the background; one that came up short
+    /// is left to the callers' `take` for the rest, whose refill brings
+    /// what they lack along with the pool's own depth.
     pub async fn pop_now(
         self: &Arc<Self>,
         pool: &PoolRef,
         count: usize,
     ) -> Result<Vec<i64>, RedisFailure> {
         let popped = self.redis.pop(&pool.keys, count).await?;
-        if popped.seqs.len() < count {
-            // The callers come back through `take` for the rest: the refill
-            // brings it along with the pool's own depth.
-            self.add_demand(pool, count - popped.seqs.len());
+        if popped.seqs.len() == count {
+            self.refill_if_low(pool, &popped);
         }
-        self.refill_if_low(pool, &popped);
         Ok(popped.seqs)
     }
 
