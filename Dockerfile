@@ -3,14 +3,18 @@
 
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
-# Dependencies first, so source edits do not rebuild them.
+# Dependencies first, so source edits do not rebuild them. The workspace
+# names the bench crate, so its manifest (and a stub) must be there too.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
-    && cargo build --release --locked \
+COPY bench/Cargo.toml bench/Cargo.toml
+RUN mkdir -p src bench/src \
+    && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+    && echo 'fn main() {}' > bench/src/main.rs \
+    && cargo build --release --locked -p idpool \
     && rm -rf src
 COPY src ./src
 COPY migrations ./migrations
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin idpool
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked -p idpool --bin idpool
 
 FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
