@@ -2,7 +2,7 @@
 //! next request as soon as the previous answer is read, latency into an
 //! HDR histogram, and every number answered collected for the duplicate check.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,12 +17,13 @@ use serde::Deserialize;
 use tokio::net::TcpStream;
 
 /// One request to send: method, path, JSON body, and the sequence its
-/// numbers belong to (for the duplicate check; None: do not check).
+/// numbers belong to (for the duplicate check; None: do not check). Cheap
+/// to build: the load generator shares the machine it measures.
 pub struct Call {
     pub method: hyper::Method,
-    pub path: String,
+    pub path: &'static str,
     pub body: Bytes,
-    pub sequence: Option<String>,
+    pub sequence: Option<Arc<str>>,
 }
 
 pub enum Until {
@@ -40,8 +41,8 @@ pub struct Outcome {
     pub elapsed: Duration,
     /// Microseconds.
     pub latency: Option<Histogram<u64>>,
-    /// (sequence, number) of every number answered.
-    pub numbers: Vec<(String, i64)>,
+    /// Every number answered, by sequence.
+    pub numbers: HashMap<Arc<str>, Vec<i64>>,
 }
 
 impl Outcome {
@@ -161,7 +162,7 @@ pub async fn run(
                                             .into_iter()
                                             .map(|d| d.seq),
                                     );
-                                out.numbers.extend(numbers.map(|n| (sequence.clone(), n)));
+                                out.numbers.entry(sequence).or_default().extend(numbers);
                             }
                         } else {
                             out.failed += 1;
@@ -190,7 +191,9 @@ pub async fn run(
         if let (Some(all), Some(one)) = (total.latency.as_mut(), out.latency.as_ref()) {
             all.add(one)?;
         }
-        total.numbers.extend(out.numbers);
+        for (sequence, numbers) in out.numbers {
+            total.numbers.entry(sequence).or_default().extend(numbers);
+        }
     }
     total.elapsed = started.elapsed();
     Ok(total)

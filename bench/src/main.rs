@@ -13,6 +13,7 @@ mod services;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -92,7 +93,7 @@ struct Bench {
     db: sqlx::PgPool,
     rows: Vec<Row>,
     /// Every number answered, per sequence, for the duplicate check.
-    seen: HashMap<String, HashSet<i64>>,
+    seen: HashMap<Arc<str>, HashSet<i64>>,
     duplicates: u64,
     checked: u64,
     peak_rss: Vec<(String, f64)>,
@@ -123,10 +124,13 @@ impl Bench {
     /// Adds the numbers of `outcome` to the duplicate check and fails the
     /// run on any answer that was not a success.
     fn check(&mut self, what: &str, outcome: &Outcome) -> anyhow::Result<()> {
-        for (sequence, n) in &outcome.numbers {
-            self.checked += 1;
-            if !self.seen.entry(sequence.clone()).or_default().insert(*n) {
-                self.duplicates += 1;
+        for (sequence, numbers) in &outcome.numbers {
+            let seen = self.seen.entry(sequence.clone()).or_default();
+            for n in numbers {
+                self.checked += 1;
+                if !seen.insert(*n) {
+                    self.duplicates += 1;
+                }
             }
         }
         if outcome.failed > 0 {
@@ -197,18 +201,19 @@ impl Bench {
 fn ids_call(sequence: &'static str, count: u64) -> impl Fn(u64) -> Call + Send + Sync + 'static {
     let body =
         Bytes::from(json!({"project": "BENCH", "type": sequence, "count": count}).to_string());
+    let name: Arc<str> = format!("BENCH/{sequence}").into();
     move |_| Call {
         method: Method::POST,
-        path: "/ids".into(),
+        path: "/ids",
         body: body.clone(),
-        sequence: Some(format!("BENCH/{sequence}")),
+        sequence: Some(name.clone()),
     }
 }
 
 fn healthz_call(_: u64) -> Call {
     Call {
         method: Method::GET,
-        path: "/healthz".into(),
+        path: "/healthz",
         body: Bytes::new(),
         sequence: None,
     }
@@ -662,9 +667,9 @@ async fn document_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> 
             .collect();
         Call {
             method: Method::POST,
-            path: "/api/v1/documents/batch".into(),
+            path: "/api/v1/documents/batch",
             body: Bytes::from(json!({"documents": documents}).to_string()),
-            sequence: Some("DOCB/1".into()),
+            sequence: Some(Arc::from("DOCB/1")),
         }
     })
     .await?;
@@ -715,11 +720,11 @@ async fn single_documents(
     let total = sizes.documents_total;
     let docs = load::run(bench.addr, 64, Until::Count(total), move |i| Call {
         method: Method::POST,
-        path: "/documents".into(),
+        path: "/documents",
         body: Bytes::from(
             json!({"project": "DOCS", "type": "1", "metadata": metadata(i)}).to_string(),
         ),
-        sequence: Some("DOCS/1".into()),
+        sequence: Some(Arc::from("DOCS/1")),
     })
     .await?;
     bench.check("POST /documents", &docs)?;
@@ -795,11 +800,11 @@ async fn drained_pools(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> any
         let s = i % sequences as u64;
         Call {
             method: Method::POST,
-            path: "/ids".into(),
+            path: "/ids",
             body: Bytes::from(
                 json!({"project": "DRAIN", "type": s.to_string(), "count": 100}).to_string(),
             ),
-            sequence: Some(format!("DRAIN/{s}")),
+            sequence: Some(Arc::from(format!("DRAIN/{s}").as_str())),
         }
     })
     .await?;
