@@ -6,6 +6,7 @@ mod helpers;
 mod ids;
 mod inputs;
 mod operations;
+mod pools;
 mod redis_server;
 mod resilience;
 mod sequences;
