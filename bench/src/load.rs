@@ -82,6 +82,15 @@ async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
     Ok(sender)
 }
 
+fn request(method: hyper::Method, path: &str, body: Bytes) -> anyhow::Result<Request<Full<Bytes>>> {
+    Ok(Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .body(Full::new(body))?)
+}
+
 /// Drives `connections` connections until `until`; `call(i)` builds the
 /// i-th request (i counts across all connections).
 pub async fn run(
@@ -124,12 +133,7 @@ pub async fn run(
                     body,
                     sequence,
                 } = call(i);
-                let request = Request::builder()
-                    .method(method)
-                    .uri(path)
-                    .header("host", "bench")
-                    .header("content-type", "application/json")
-                    .body(Full::new(body))?;
+                let request = request(method, path, body)?;
                 let sent = Instant::now();
                 let answer = async {
                     sender.ready().await?;
@@ -211,14 +215,8 @@ pub async fn send(
     body: Bytes,
 ) -> anyhow::Result<(u16, Bytes)> {
     let mut sender = connect(addr).await?;
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "bench")
-        .header("content-type", "application/json")
-        .body(Full::new(body))?;
     sender.ready().await?;
-    let response = sender.send_request(request).await?;
+    let response = sender.send_request(request(method, path, body)?).await?;
     let status = response.status().as_u16();
     Ok((status, response.into_body().collect().await?.to_bytes()))
 }

@@ -121,6 +121,22 @@ impl Bench {
         });
     }
 
+    /// A figure shown for context, without a goal.
+    fn context(&mut self, figure: &str, value: f64, unit: &str) {
+        self.row(figure, value, unit, "", None);
+    }
+
+    /// A figure whose goal is an upper bound.
+    fn at_most(&mut self, figure: &str, value: f64, unit: &str, goal: f64) {
+        self.row(
+            figure,
+            value,
+            unit,
+            &format!("<= {goal}"),
+            Some(value <= goal),
+        );
+    }
+
     /// Adds the numbers of `outcome` to the duplicate check and fails the
     /// run on any answer that was not a success.
     fn check(&mut self, what: &str, outcome: &Outcome) -> anyhow::Result<()> {
@@ -228,6 +244,48 @@ fn median(values: &mut [f64]) -> f64 {
         values[n / 2]
     } else {
         (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// Rates of a subject and its baseline measured in alternating rounds.
+#[derive(Default)]
+struct Rounds {
+    subject: Vec<f64>,
+    baseline: Vec<f64>,
+    ratios: Vec<f64>,
+}
+
+impl Rounds {
+    fn push(&mut self, subject: f64, baseline: f64) {
+        self.subject.push(subject);
+        self.baseline.push(baseline);
+        self.ratios.push(subject / baseline);
+    }
+
+    /// Rows for the median of each side, then the median of the per-round
+    /// ratios against `goal` (at least).
+    fn report(mut self, bench: &mut Bench, subject: &str, baseline: &str, ratio: &str, goal: f64) {
+        let n = self.ratios.len();
+        let baseline_rate = median(&mut self.baseline);
+        bench.context(
+            &format!("{baseline} (median of {n} rounds)"),
+            baseline_rate,
+            "req/s",
+        );
+        let subject_rate = median(&mut self.subject);
+        bench.context(
+            &format!("{subject} (median of {n} rounds)"),
+            subject_rate,
+            "req/s",
+        );
+        let value = median(&mut self.ratios);
+        bench.row(
+            &format!("{ratio} (median of per-round ratios)"),
+            value,
+            "ratio",
+            &format!(">= {goal}"),
+            Some(value >= goal),
+        );
     }
 }
 
@@ -429,12 +487,10 @@ async fn idle_delivery(bench: &mut Bench, sizes: &Sizes) -> anyhow::Result<()> {
     }
     let n = waits.len();
     let worst = waits.iter().cloned().fold(0.0, f64::max);
-    bench.row(
+    bench.context(
         &format!("202 -> committed on an idle system, median of {n} documents"),
         median(&mut waits),
         "ms",
-        "",
-        None,
     );
     bench.row(
         &format!("202 -> committed on an idle system, slowest of {n} documents"),
@@ -460,38 +516,20 @@ async fn ratio_to_healthz(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> 
     )
     .await?;
     bench.check("warm-up", &warm)?;
-    let (mut healthz, mut ids, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let mut rounds = Rounds::default();
     for _ in 0..sizes.rounds {
         let base = load::run(addr, 64, Until::Elapsed(sizes.slice), healthz_call).await?;
         let subject =
             load::run(addr, 64, Until::Elapsed(sizes.slice), ids_call("single", 1)).await?;
         bench.check("POST /ids count 1", &subject)?;
-        healthz.push(base.per_second());
-        ids.push(subject.per_second());
-        ratios.push(subject.per_second() / base.per_second());
+        rounds.push(subject.per_second(), base.per_second());
     }
-    let rounds = sizes.rounds;
-    bench.row(
-        &format!("GET /healthz, 64 connections (median of {rounds} rounds)"),
-        median(&mut healthz),
-        "req/s",
-        "",
-        None,
-    );
-    bench.row(
-        &format!("POST /ids count 1, 64 connections (median of {rounds} rounds)"),
-        median(&mut ids),
-        "req/s",
-        "",
-        None,
-    );
-    let ratio = median(&mut ratios);
-    bench.row(
-        "POST /ids count 1 ÷ GET /healthz (req/s, median of per-round ratios)",
-        ratio,
-        "ratio",
-        ">= 0.35",
-        Some(ratio >= 0.35),
+    rounds.report(
+        bench,
+        "POST /ids count 1, 64 connections",
+        "GET /healthz, 64 connections",
+        "POST /ids count 1 ÷ GET /healthz",
+        0.35,
     );
     bench
         .peak_rss
@@ -524,19 +562,15 @@ async fn light_load_latency(
     )
     .await?;
     bench.check("POST /ids count 1, 8 connections", &light)?;
-    bench.row(
+    bench.context(
         "POST /ids count 1, 8 connections",
         light.per_second(),
         "req/s",
-        "",
-        None,
     );
-    bench.row(
+    bench.context(
         "POST /ids count 1, 8 connections: p50 latency",
         light.quantile_ms(0.5),
         "ms",
-        "",
-        None,
     );
     let p99 = light.quantile_ms(0.99);
     bench.row(
@@ -547,12 +581,10 @@ async fn light_load_latency(
         Some(p99 <= 2.0),
     );
     let floor = postgres.pgbench_insert(8, sizes.latency_run.as_secs().max(2))?;
-    bench.row(
+    bench.context(
         "pgbench single-row INSERT, 8 clients, same Postgres: p99 latency",
         floor.p99_ms,
         "ms",
-        "",
-        None,
     );
     bench
         .peak_rss
@@ -570,55 +602,27 @@ async fn redis_up_versus_stopped(
 ) -> anyhow::Result<()> {
     idpool.reset_peak_rss();
     let addr = bench.addr;
-    let (mut up, mut down, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let slice = sizes.slice;
+    let measure = || load::run(addr, 64, Until::Elapsed(slice), ids_call("fallback", 1));
+    let mut rounds = Rounds::default();
     for _ in 0..sizes.rounds {
         bench.wait_for_mode("pool").await?;
-        let pooled = load::run(
-            addr,
-            64,
-            Until::Elapsed(sizes.slice),
-            ids_call("fallback", 1),
-        )
-        .await?;
+        let pooled = measure().await?;
         bench.check("POST /ids, Redis up", &pooled)?;
         redis.stop();
         bench.wait_for_mode("fallback").await?;
-        let direct = load::run(
-            addr,
-            64,
-            Until::Elapsed(sizes.slice),
-            ids_call("fallback", 1),
-        )
-        .await?;
+        let direct = measure().await?;
         bench.check("POST /ids, Redis stopped", &direct)?;
         redis.restart()?;
-        up.push(pooled.per_second());
-        down.push(direct.per_second());
-        ratios.push(pooled.per_second() / direct.per_second());
+        rounds.push(pooled.per_second(), direct.per_second());
     }
     bench.wait_for_mode("pool").await?;
-    let rounds = sizes.rounds;
-    bench.row(
-        &format!("POST /ids count 1, Redis up, 64 connections (median of {rounds} rounds)"),
-        median(&mut up),
-        "req/s",
-        "",
-        None,
-    );
-    bench.row(
-        &format!("POST /ids count 1, Redis stopped, 64 connections (median of {rounds} rounds)"),
-        median(&mut down),
-        "req/s",
-        "",
-        None,
-    );
-    let ratio = median(&mut ratios);
-    bench.row(
-        "POST /ids count 1: Redis up ÷ Redis stopped (median of per-round ratios)",
-        ratio,
-        "ratio",
-        ">= 10",
-        Some(ratio >= 10.0),
+    rounds.report(
+        bench,
+        "POST /ids count 1, Redis up, 64 connections",
+        "POST /ids count 1, Redis stopped, 64 connections",
+        "POST /ids count 1: Redis up ÷ Redis stopped",
+        10.0,
     );
     bench
         .peak_rss
@@ -639,12 +643,11 @@ async fn id_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow
     bench.check("POST /ids count 1000", &batches)?;
     let goal = 1.0 * sizes.scale;
     let took = batches.elapsed.as_secs_f64();
-    bench.row(
+    bench.at_most(
         &format!("{} IDs with POST /ids count 1000 (wall)", sizes.ids_total),
         took,
         "s",
-        &format!("<= {goal}"),
-        Some(took <= goal),
+        goal,
     );
     bench
         .peak_rss
@@ -679,27 +682,18 @@ async fn document_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> 
         .all_committed("DOCB", total as i64, Duration::from_secs(300))
         .await?;
     let took = started.elapsed().as_secs_f64();
-    bench.row(
+    bench.context(
         "documents accepted/s, batches of 1000, 64 connections",
         total as f64 / accepted,
         "docs/s",
-        "",
-        None,
     );
     let goal = 20.0 * sizes.scale;
-    bench.row(
-        "document batches: all accepted (wall)",
-        accepted,
-        "s",
-        "",
-        None,
-    );
-    bench.row(
+    bench.context("document batches: all accepted (wall)", accepted, "s");
+    bench.at_most(
         &format!("{total} documents, batches of 1000, until all committed (wall)"),
         took,
         "s",
-        &format!("<= {goal}"),
-        Some(took <= goal),
+        goal,
     );
     bench
         .peak_rss
@@ -732,39 +726,28 @@ async fn single_documents(
     bench
         .all_committed("DOCS", total as i64, Duration::from_secs(600))
         .await?;
-    bench.row(
-        "single documents: all accepted (wall)",
-        accepted,
-        "s",
-        "",
-        None,
-    );
+    bench.context("single documents: all accepted (wall)", accepted, "s");
     let took = started.elapsed().as_secs_f64();
     let goal = 60.0 * sizes.scale;
-    bench.row(
+    bench.at_most(
         &format!("{total} documents, single POST /documents, until all committed (wall)"),
         took,
         "s",
-        &format!("<= {goal}"),
-        Some(took <= goal),
+        goal,
     );
     bench
         .peak_rss
         .push(("single documents".into(), idpool.peak_rss_mib()));
-    bench.row(
+    bench.context(
         "POST /documents, 64 connections",
         docs.per_second(),
         "req/s",
-        "",
-        None,
     );
     let pgbench = postgres.pgbench_insert(32, sizes.latency_run.as_secs().max(2))?;
-    bench.row(
+    bench.context(
         "pgbench single-row INSERT, 32 clients, same Postgres",
         pgbench.tps,
         "tps",
-        "",
-        None,
     );
     let ratio = docs.per_second() / pgbench.tps;
     bench.row(
