@@ -1,14 +1,14 @@
 //! Group work of concurrent requests into shared round trips.
 //!
-//! Requests queue on a channel; a collector takes everything queued once a
-//! slot is free and hands it to the handler as one batch. While all slots are
-//! busy the queue grows, so batches grow with load and cost one round trip
-//! each; at light load a batch is a single request and waits for nothing.
+//! Requests queue on a channel; a collector takes everything queued once the
+//! previous batch is done and hands it to the handler as one batch. While a
+//! batch runs the queue grows, so batches grow with load and cost one round
+//! trip each; at light load a batch is a single request and waits for
+//! nothing.
 
 use std::future::Future;
-use std::sync::Arc;
 
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 pub struct Batcher<T> {
@@ -33,25 +33,17 @@ impl<T> std::fmt::Debug for BatcherClosed<T> {
 }
 
 impl<T: Send + 'static> Batcher<T> {
-    /// Starts the collector. It stops once every `Batcher` handle is dropped
-    /// and the queue is drained, after its batches in flight finish.
-    pub fn spawn<F, Fut>(
-        max_batch: usize,
-        max_in_flight: usize,
-        handler: F,
-    ) -> (Self, JoinHandle<()>)
+    /// Starts the collector, which runs one batch of at most `max_batch`
+    /// items at a time. It stops once every `Batcher` handle is dropped and
+    /// the queue is drained.
+    pub fn spawn<F, Fut>(max_batch: usize, handler: F) -> (Self, JoinHandle<()>)
     where
-        F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
+        F: Fn(Vec<T>) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let (tx, mut rx) = mpsc::channel::<T>(max_batch * max_in_flight * 4);
-        let slots = Arc::new(Semaphore::new(max_in_flight));
-        let handler = Arc::new(handler);
+        let (tx, mut rx) = mpsc::channel::<T>(max_batch * 4);
         let collector = tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
-                let Ok(slot) = slots.clone().acquire_owned().await else {
-                    break;
-                };
                 let mut batch = Vec::with_capacity(max_batch.min(64));
                 batch.push(first);
                 while batch.len() < max_batch {
@@ -60,20 +52,8 @@ impl<T: Send + 'static> Batcher<T> {
                         Err(_) => break,
                     }
                 }
-                if max_in_flight == 1 {
-                    // One batch at a time: no task of its own to spawn and wake.
-                    handler(batch).await;
-                    drop(slot);
-                    continue;
-                }
-                let handler = handler.clone();
-                tokio::spawn(async move {
-                    handler(batch).await;
-                    drop(slot);
-                });
+                handler(batch).await;
             }
-            // Wait for the batches still in flight.
-            let _ = slots.acquire_many(max_in_flight as u32).await;
         });
         (Self { tx }, collector)
     }
@@ -86,7 +66,7 @@ impl<T: Send + 'static> Batcher<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
     use tokio::sync::oneshot;
 
     #[tokio::test]
@@ -94,7 +74,7 @@ mod tests {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let seen = sizes.clone();
         let (batcher, collector) =
-            Batcher::spawn(16, 1, move |batch: Vec<(u32, oneshot::Sender<u32>)>| {
+            Batcher::spawn(16, move |batch: Vec<(u32, oneshot::Sender<u32>)>| {
                 let seen = seen.clone();
                 async move {
                     seen.lock().unwrap().push(batch.len());
@@ -118,7 +98,7 @@ mod tests {
         let sizes = sizes.lock().unwrap();
         assert_eq!(sizes.iter().sum::<usize>(), 100);
         assert!(sizes.iter().all(|&s| s <= 16));
-        // With one slot busy for 5 ms, later items must have been grouped.
+        // With each batch busy for 5 ms, later items must have been grouped.
         assert!(sizes.len() < 100, "no batching happened: {sizes:?}");
     }
 }

@@ -9,7 +9,7 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::clock::Clock;
 use crate::counter::{Counter, Via};
-use crate::ledger::{self, Ledger, LedgerError};
+use crate::ledger::{self, LedgerError};
 use crate::pipeline::{Demand, Pipeline};
 use crate::pool::{PoolRef, PoolService};
 use crate::sequence::store::{SequenceStore, StoreError};
@@ -77,7 +77,6 @@ pub struct Issuer {
     pub pipeline: Pipeline,
     pub sequences: Arc<SequenceStore>,
     pub pools: Arc<PoolService>,
-    pub ledger: Ledger,
     pub counter: Arc<Counter>,
     pub clock: Arc<dyn Clock>,
     pub stats: Arc<Stats>,
@@ -134,7 +133,7 @@ impl Issuer {
                     issuer.refused(&slow.pool, served.refused.len()).await;
                 }
                 issuer
-                    .issue_with(&slow, missing, LedgerTarget::Shared(&issuer.ledger))
+                    .issue_with(&slow, missing, LedgerTarget::Shared)
                     .await
             })
             .await
@@ -165,7 +164,7 @@ impl Issuer {
     /// ledger refuses until `count` are issued.
     async fn issue_with(
         &self,
-        placement: &Placement,
+        placement: &Arc<Placement>,
         count: usize,
         mut ledger: LedgerTarget<'_>,
     ) -> Result<Vec<i64>, IssueError> {
@@ -175,8 +174,14 @@ impl Issuer {
         let mut pending = self.obtain(pool, count).await?;
         loop {
             let refused = match &mut ledger {
-                LedgerTarget::Shared(shared) => {
-                    shared.record(sequence_id, period, &pending).await?
+                LedgerTarget::Shared => {
+                    let demand = Demand::Ids {
+                        count: pending.len(),
+                    };
+                    self.pipeline
+                        .record(placement.clone(), demand, pending.clone())
+                        .await?
+                        .refused
                 }
                 LedgerTarget::Transaction(conn) => {
                     ledger::record_in(conn, &self.stats, sequence_id, period, &pending, Via::Ids)
@@ -285,8 +290,9 @@ impl Issuer {
 
 /// Where `POST /ids` records its numbers.
 enum LedgerTarget<'a> {
-    /// The shared writer: one statement and commit for concurrent requests.
-    Shared(&'a Ledger),
+    /// The pipeline's write stage: one statement and commit for concurrent
+    /// requests.
+    Shared,
     /// The caller's transaction.
     Transaction(&'a mut PgConnection),
 }

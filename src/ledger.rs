@@ -9,13 +9,10 @@
 //! number (a stale pool list) is reported back so the caller takes another.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
-use tokio::sync::oneshot;
+use sqlx::PgConnection;
 
-use crate::batch::Batcher;
 use crate::counter::Via;
 use crate::documents::outbox::{self, OutboxRow};
 use crate::numbers::{SeqRange, runs, subtract};
@@ -68,83 +65,9 @@ pub struct LedgerWrite {
     pub documents: Vec<OutboxRow>,
 }
 
-struct Write {
-    write: LedgerWrite,
-    reply: oneshot::Sender<Result<Recorded, LedgerError>>,
-}
-
-#[derive(Clone)]
-pub struct Ledger {
-    writes: Batcher<Write>,
-}
-
 /// Rounds of "find what is taken, insert the rest" before a number that
 /// keeps conflicting is given up as issued.
 const CONFLICT_ROUNDS: usize = 3;
-
-impl Ledger {
-    pub fn spawn(db: PgPool, stats: Arc<Stats>, max_in_flight: usize) -> Self {
-        let (writes, _collector) = Batcher::spawn(2048, max_in_flight, move |batch| {
-            write_batch(db.clone(), stats.clone(), batch)
-        });
-        Self { writes }
-    }
-
-    /// Records `seqs` as issued to `POST /ids`. Returns the numbers the
-    /// ledger refused because they were issued before; the rest committed.
-    pub async fn record(
-        &self,
-        sequence_id: i64,
-        period: &str,
-        seqs: &[i64],
-    ) -> Result<Vec<i64>, LedgerError> {
-        if seqs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let recorded = self
-            .submit(sequence_id, period, seqs.to_vec(), Via::Ids, Vec::new())
-            .await?;
-        Ok(recorded.refused)
-    }
-
-    /// Records the documents' numbers and writes their outbox rows in the
-    /// same transaction. Documents whose number was refused are not written.
-    pub async fn record_documents(
-        &self,
-        sequence_id: i64,
-        period: &str,
-        documents: Vec<OutboxRow>,
-    ) -> Result<Recorded, LedgerError> {
-        let seqs = documents.iter().map(|d| d.seq).collect();
-        self.submit(sequence_id, period, seqs, Via::Document, documents)
-            .await
-    }
-
-    async fn submit(
-        &self,
-        sequence_id: i64,
-        period: &str,
-        seqs: Vec<i64>,
-        via: Via,
-        documents: Vec<OutboxRow>,
-    ) -> Result<Recorded, LedgerError> {
-        let (reply, answer) = oneshot::channel();
-        self.writes
-            .submit(Write {
-                write: LedgerWrite {
-                    sequence_id,
-                    period: period.to_owned(),
-                    seqs,
-                    via,
-                    documents,
-                },
-                reply,
-            })
-            .await
-            .map_err(|_| LedgerError::Closed)?;
-        answer.await.map_err(|_| LedgerError::Closed)?
-    }
-}
 
 /// Records `seqs` inside the caller's transaction (idempotent requests and
 /// batches, whose ledger rows must commit with the rest of their work).
@@ -195,18 +118,6 @@ struct Group {
 struct Row {
     group: usize,
     range: SeqRange,
-}
-
-async fn write_batch(db: PgPool, stats: Arc<Stats>, batch: Vec<Write>) {
-    let (writes, replies): (Vec<LedgerWrite>, Vec<_>) =
-        batch.into_iter().map(|w| (w.write, w.reply)).unzip();
-    let outcomes = match db.acquire().await {
-        Ok(mut conn) => write_shared(&mut conn, &stats, &writes).await,
-        Err(e) => failed_all(&writes, &e.into()),
-    };
-    for (reply, outcome) in replies.into_iter().zip(outcomes) {
-        let _ = reply.send(outcome);
-    }
 }
 
 /// The same failure for every write.

@@ -72,6 +72,7 @@ struct Popped {
 #[derive(Clone)]
 pub struct Pipeline {
     jobs: Batcher<Job>,
+    writes: Batcher<Vec<Popped>>,
 }
 
 impl Pipeline {
@@ -84,15 +85,16 @@ impl Pipeline {
         // One commit at a time: a commit costs Postgres far more than the
         // rows it carries, so everything popped while one runs waits for
         // the next (two at a time measured slower: smaller commits).
-        let (writes, _writer) = Batcher::spawn(4096, 1, move |batches: Vec<Vec<Popped>>| {
+        let (writes, _writer) = Batcher::spawn(4096, move |batches: Vec<Vec<Popped>>| {
             writer.clone().write(batches)
         });
         // One pop at a time: everyone who arrives meanwhile shares the next
         // call, and numbers leave each pool in the order requests came.
-        let (jobs, _popper) = Batcher::spawn(4096, 1, move |batch| {
-            pop(pools.clone(), stats.clone(), writes.clone(), batch)
+        let to_writer = writes.clone();
+        let (jobs, _popper) = Batcher::spawn(4096, move |batch| {
+            pop(pools.clone(), stats.clone(), to_writer.clone(), batch)
         });
-        Self { jobs }
+        Self { jobs, writes }
     }
 
     pub async fn submit(
@@ -107,6 +109,28 @@ impl Pipeline {
                 demand,
                 reply,
             })
+            .await
+            .map_err(|_| LedgerError::Closed)?;
+        answer.await.map_err(|_| LedgerError::Closed)?
+    }
+
+    /// Records numbers the caller obtained itself (the slower paths: after
+    /// a refill, or straight from the counter) in the write stage's next
+    /// shared commit.
+    pub async fn record(
+        &self,
+        placement: Arc<Placement>,
+        demand: Demand,
+        seqs: Vec<i64>,
+    ) -> Result<Served, LedgerError> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            placement,
+            demand,
+            reply,
+        };
+        self.writes
+            .submit(vec![Popped { job, seqs }])
             .await
             .map_err(|_| LedgerError::Closed)?;
         answer.await.map_err(|_| LedgerError::Closed)?

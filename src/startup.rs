@@ -19,7 +19,6 @@ use crate::documents::sink::Sink;
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
-use crate::ledger::Ledger;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence::store::SequenceStore;
 use crate::stats::Stats;
@@ -93,13 +92,11 @@ impl Application {
             stats.clone(),
             pool_settings,
         );
-        let ledger = Ledger::spawn(db.clone(), stats.clone(), 2);
         let pipeline = crate::pipeline::Pipeline::spawn(db.clone(), pools.clone(), stats.clone());
         let issuer = Arc::new(Issuer {
             pipeline,
             sequences: sequences.clone(),
             pools: pools.clone(),
-            ledger,
             counter,
             clock: overrides.clock.clone(),
             stats: stats.clone(),

@@ -273,8 +273,8 @@ impl Documents {
 /// the pool after a refill, or straight from the counter.
 async fn accept_slowly(
     issuer: &Issuer,
-    placement: &Placement,
-    input: &DocumentInput,
+    placement: &Arc<Placement>,
+    input: &Arc<DocumentInput>,
     refused: usize,
 ) -> Result<AcceptedDocument, DocumentError> {
     if refused > 0 {
@@ -282,20 +282,18 @@ async fn accept_slowly(
     }
     loop {
         let seqs = issuer.obtain(&placement.pool, 1).await?;
-        let row = outbox_row(placement, input, seqs[0]);
-        let recorded = issuer
-            .ledger
-            .record_documents(
-                placement.sequence.id,
-                placement.period.key(),
-                vec![row.clone()],
-            )
+        let demand = Demand::Document {
+            input: input.clone(),
+        };
+        let served = issuer
+            .pipeline
+            .record(placement.clone(), demand, seqs)
             .await?;
-        if let Some(created_at) = recorded.documents.get(&row.document_id) {
-            return Ok(accepted(&row, *created_at));
+        if let Some((row, created_at)) = &served.document {
+            return Ok(accepted(row, *created_at));
         }
         issuer
-            .refused(&placement.pool, recorded.refused.len().max(1))
+            .refused(&placement.pool, served.refused.len().max(1))
             .await;
     }
 }

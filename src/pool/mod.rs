@@ -119,7 +119,7 @@ impl PoolService {
     ) -> Arc<Self> {
         let pop_link = redis.clone();
         let (pops, _collector) =
-            Batcher::spawn(1024, 1, move |batch| pop_batch(pop_link.clone(), batch));
+            Batcher::spawn(1024, move |batch| pop_batch(pop_link.clone(), batch));
         Arc::new(Self {
             refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
             redis,
