@@ -659,29 +659,67 @@ fn metadata(i: u64) -> serde_json::Value {
     json!({"title": format!("drawing {i}"), "rev": i % 7, "tags": ["bench", "migration"]})
 }
 
-/// Documents in batches of 1,000, 64 connections, until all committed.
-async fn document_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+/// A document scenario's load and how long it took.
+struct DocumentRun {
+    load: Outcome,
+    /// From the first request until the last was answered.
+    accepted_s: f64,
+    /// From the first request until every document of `project` was committed.
+    committed_s: f64,
+}
+
+/// Sends `calls` over 64 connections (numbers checked for duplicates), then
+/// waits until all `total` documents of `project` are committed.
+async fn documents_until_committed(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    project: &str,
+    total: u64,
+    until: Until,
+    commit_timeout: Duration,
+    calls: impl Fn(u64) -> Call + Send + Sync + 'static,
+) -> anyhow::Result<DocumentRun> {
     idpool.reset_peak_rss();
     let started = Instant::now();
-    let total = sizes.documents_total;
-    let docs = load::run(bench.addr, 64, Until::Count(total / 1000), move |i| {
-        let documents: Vec<_> = (0..1000)
-            .map(|n| json!({"project": "DOCB", "type": "1", "metadata": metadata(i * 1000 + n)}))
-            .collect();
-        Call {
-            method: Method::POST,
-            path: "/api/v1/documents/batch",
-            body: Bytes::from(json!({"documents": documents}).to_string()),
-            sequence: Some(Arc::from("DOCB/1")),
-        }
-    })
-    .await?;
-    bench.check("POST /api/v1/documents/batch", &docs)?;
-    let accepted = started.elapsed().as_secs_f64();
+    let load = load::run(bench.addr, 64, until, calls).await?;
+    bench.check(&format!("documents of {project}"), &load)?;
+    let accepted_s = started.elapsed().as_secs_f64();
     bench
-        .all_committed("DOCB", total as i64, Duration::from_secs(300))
+        .all_committed(project, total as i64, commit_timeout)
         .await?;
-    let took = started.elapsed().as_secs_f64();
+    Ok(DocumentRun {
+        load,
+        accepted_s,
+        committed_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Documents in batches of 1,000, 64 connections, until all committed.
+async fn document_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+    let total = sizes.documents_total;
+    let run = documents_until_committed(
+        bench,
+        idpool,
+        "DOCB",
+        total,
+        Until::Count(total / 1000),
+        Duration::from_secs(300),
+        move |i| {
+            let documents: Vec<_> = (0..1000)
+                .map(
+                    |n| json!({"project": "DOCB", "type": "1", "metadata": metadata(i * 1000 + n)}),
+                )
+                .collect();
+            Call {
+                method: Method::POST,
+                path: "/api/v1/documents/batch",
+                body: Bytes::from(json!({"documents": documents}).to_string()),
+                sequence: Some(Arc::from("DOCB/1")),
+            }
+        },
+    )
+    .await?;
+    let (accepted, took) = (run.accepted_s, run.committed_s);
     bench.context(
         "documents accepted/s, batches of 1000, 64 connections",
         total as f64 / accepted,
@@ -709,25 +747,26 @@ async fn single_documents(
     postgres: &Postgres,
     sizes: &Sizes,
 ) -> anyhow::Result<()> {
-    idpool.reset_peak_rss();
-    let started = Instant::now();
     let total = sizes.documents_total;
-    let docs = load::run(bench.addr, 64, Until::Count(total), move |i| Call {
-        method: Method::POST,
-        path: "/documents",
-        body: Bytes::from(
-            json!({"project": "DOCS", "type": "1", "metadata": metadata(i)}).to_string(),
-        ),
-        sequence: Some(Arc::from("DOCS/1")),
-    })
+    let run = documents_until_committed(
+        bench,
+        idpool,
+        "DOCS",
+        total,
+        Until::Count(total),
+        Duration::from_secs(600),
+        move |i| Call {
+            method: Method::POST,
+            path: "/documents",
+            body: Bytes::from(
+                json!({"project": "DOCS", "type": "1", "metadata": metadata(i)}).to_string(),
+            ),
+            sequence: Some(Arc::from("DOCS/1")),
+        },
+    )
     .await?;
-    bench.check("POST /documents", &docs)?;
-    let accepted = started.elapsed().as_secs_f64();
-    bench
-        .all_committed("DOCS", total as i64, Duration::from_secs(600))
-        .await?;
+    let (docs, accepted, took) = (run.load, run.accepted_s, run.committed_s);
     bench.context("single documents: all accepted (wall)", accepted, "s");
-    let took = started.elapsed().as_secs_f64();
     let goal = 60.0 * sizes.scale;
     bench.at_most(
         &format!("{total} documents, single POST /documents, until all committed (wall)"),
