@@ -60,7 +60,12 @@ pub fn run() -> ExitCode {
             action: DbAction::Migrate,
         } => with_runtime(async move {
             telemetry::init();
-            let pool = db::connect(&cli.config.database_url, 2).await?;
+            let pool = db::connect(
+                &cli.config.database_url,
+                2,
+                db::Limits::default().for_background(),
+            )
+            .await?;
             db::migrate(&pool).await?;
             tracing::info!("migrations applied");
             Ok(())

@@ -237,6 +237,68 @@ pub struct Config {
     /// Name of this instance in block records and logs (default: host-pid).
     #[arg(long = "idpool-instance-id", env = "IDPOOL_INSTANCE_ID", global = true)]
     pub instance_id: Option<String>,
+
+    /// Seconds a client connection has to send its request headers (and
+    /// longest pause between parts of a body) before it is closed.
+    #[arg(
+        long = "idpool-header-timeout-s",
+        env = "IDPOOL_HEADER_TIMEOUT_S",
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..=3600),
+        global = true
+    )]
+    pub header_timeout_s: u64,
+
+    /// Open client connections per instance; more wait to be accepted.
+    #[arg(
+        long = "idpool-max-connections",
+        env = "IDPOOL_MAX_CONNECTIONS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=1_000_000),
+        global = true
+    )]
+    pub max_connections: u64,
+
+    /// Longest a Postgres statement of a request may run (`statement_timeout`).
+    #[arg(
+        long = "idpool-db-statement-timeout-ms",
+        env = "IDPOOL_DB_STATEMENT_TIMEOUT_MS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000),
+        global = true
+    )]
+    pub db_statement_timeout_ms: u64,
+
+    /// How long a request waits for a free Postgres connection before it is
+    /// answered 503 with `Retry-After`.
+    #[arg(
+        long = "idpool-db-acquire-timeout-ms",
+        env = "IDPOOL_DB_ACQUIRE_TIMEOUT_MS",
+        default_value_t = 2_000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000),
+        global = true
+    )]
+    pub db_acquire_timeout_ms: u64,
+
+    /// Sequences one project may have (created by `PUT` or by first use).
+    #[arg(
+        long = "idpool-max-sequences-per-project",
+        env = "IDPOOL_MAX_SEQUENCES_PER_PROJECT",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..=1_000_000),
+        global = true
+    )]
+    pub max_sequences_per_project: u64,
+
+    /// Webhook sink: HMAC key for the Standard Webhooks signature
+    /// (`whsec_<base64>`, or any other string used as it is).
+    #[arg(
+        long = "idpool-webhook-secret",
+        env = "IDPOOL_WEBHOOK_SECRET",
+        hide_env_values = true,
+        global = true
+    )]
+    pub webhook_secret: Option<String>,
 }
 
 impl Config {
@@ -263,6 +325,21 @@ impl Config {
 
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs(self.request_timeout_s.max(1))
+    }
+
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_secs(self.header_timeout_s)
+    }
+
+    /// Bounds on every connection of the request pool. A transaction may
+    /// sit idle no longer than a request may last.
+    pub fn db_limits(&self) -> crate::db::Limits {
+        crate::db::Limits {
+            statement: Duration::from_millis(self.db_statement_timeout_ms),
+            acquire: Duration::from_millis(self.db_acquire_timeout_ms),
+            idle_in_transaction: self.request_timeout() + Duration::from_secs(5),
+            ..Default::default()
+        }
     }
 
     pub fn instance_id(&self) -> String {

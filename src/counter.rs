@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use crate::numbers::SeqRange;
 use crate::sequence::{Period, Sequence};
@@ -25,6 +25,20 @@ impl Via {
         }
     }
 }
+
+/// What a reservation came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reserved<T> {
+    Got(T),
+    /// Fewer numbers are left in the period than asked for.
+    Exhausted,
+    /// The sequence's definition changed since it was read: numbers placed
+    /// under the old one could print IDs the new one prints.
+    Stale,
+}
+
+/// Most periods one instance remembers having seen a counter for.
+const MAX_KNOWN_PERIODS: usize = 100_000;
 
 /// A block reserved for a Redis pool.
 #[derive(Debug, Clone, Copy)]
@@ -59,7 +73,8 @@ impl Counter {
         &self.instance_id
     }
 
-    /// Creates the period's counter at `start` the first time it is used.
+    /// Creates the period's counter at its first number the first time it
+    /// is used.
     async fn ensure_period<'e, E: sqlx::PgExecutor<'e>>(
         &self,
         db: E,
@@ -76,13 +91,14 @@ impl Counter {
         )
         .bind(sequence.id)
         .bind(period.key())
-        .bind(sequence.definition.start)
+        .bind(sequence.first_number(period))
         .execute(db)
         .await?;
-        self.known_periods
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key);
+        let mut known = self.known_periods.lock().unwrap_or_else(|e| e.into_inner());
+        if known.len() >= MAX_KNOWN_PERIODS {
+            known.clear();
+        }
+        known.insert(key);
         Ok(())
     }
 
@@ -93,15 +109,14 @@ impl Counter {
             .contains(key)
     }
 
-    /// Reserves up to `want` numbers for a pool (fewer near `max`); `None`
-    /// when the period is exhausted.
+    /// Reserves up to `want` numbers for a pool (fewer near `max`).
     pub async fn reserve_pool_block(
         &self,
         sequence: &Sequence,
         period: &Period,
         want: i64,
         lock_acquired_at: DateTime<Utc>,
-    ) -> Result<Option<PoolBlock>, sqlx::Error> {
+    ) -> Result<Reserved<PoolBlock>, sqlx::Error> {
         self.ensure_period(&self.refill_db, sequence, period)
             .await?;
         let row: Option<(i64, i64, i64)> = sqlx::query_as(
@@ -109,6 +124,7 @@ impl Counter {
                  UPDATE counters SET last_grant = LEAST($3, $4 - next_seq + 1), \
                                      next_seq = next_seq + LEAST($3, $4 - next_seq + 1) \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq <= $4 \
+                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $7) \
                  RETURNING next_seq - last_grant AS first, next_seq AS next \
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id, lock_acquired_at) \
@@ -121,12 +137,35 @@ impl Counter {
         .bind(sequence.definition.max_seq())
         .bind(&self.instance_id)
         .bind(lock_acquired_at)
+        .bind(sequence.identity_version)
         .fetch_optional(&self.refill_db)
         .await?;
-        Ok(row.map(|(id, start, end)| PoolBlock {
-            id,
-            range: SeqRange::new(start, end),
-        }))
+        match row {
+            Some((id, start, end)) => Ok(Reserved::Got(PoolBlock {
+                id,
+                range: SeqRange::new(start, end),
+            })),
+            None => self.why_not(&self.refill_db, sequence).await,
+        }
+    }
+
+    /// A reservation found no row: the counter is spent, or the definition
+    /// it was asked under is no longer the sequence's.
+    async fn why_not<'e, T, E: sqlx::PgExecutor<'e>>(
+        &self,
+        db: E,
+        sequence: &Sequence,
+    ) -> Result<Reserved<T>, sqlx::Error> {
+        let current: Option<i32> =
+            sqlx::query_scalar("SELECT identity_version FROM sequences WHERE id = $1")
+                .bind(sequence.id)
+                .fetch_optional(db)
+                .await?;
+        Ok(if current == Some(sequence.identity_version) {
+            Reserved::Exhausted
+        } else {
+            Reserved::Stale
+        })
     }
 
     pub async fn mark_pushed(&self, block_id: i64) -> Result<(), sqlx::Error> {
@@ -138,20 +177,22 @@ impl Counter {
     }
 
     /// Reserves exactly `n` numbers for one caller, straight from the
-    /// counter (no pool); `None` when fewer than `n` are left in the period.
-    /// They are issued once the caller's ledger record commits.
+    /// counter (no pool), on the caller's connection (inside its
+    /// transaction, if it has one). They are issued once the caller's
+    /// ledger record commits.
     pub async fn reserve_direct(
         &self,
-        db: &PgPool,
+        conn: &mut PgConnection,
         sequence: &Sequence,
         period: &Period,
         n: i64,
-    ) -> Result<Option<SeqRange>, sqlx::Error> {
-        self.ensure_period(db, sequence, period).await?;
+    ) -> Result<Reserved<SeqRange>, sqlx::Error> {
+        self.ensure_period(&mut *conn, sequence, period).await?;
         let first: Option<i64> = sqlx::query_scalar(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
+                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $6) \
                  RETURNING next_seq - $3 AS first, next_seq AS next \
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
@@ -163,8 +204,12 @@ impl Counter {
         .bind(n)
         .bind(sequence.definition.max_seq())
         .bind(&self.instance_id)
-        .fetch_optional(db)
+        .bind(sequence.identity_version)
+        .fetch_optional(&mut *conn)
         .await?;
-        Ok(first.map(|first| SeqRange::new(first, first + n)))
+        match first {
+            Some(first) => Ok(Reserved::Got(SeqRange::new(first, first + n))),
+            None => self.why_not(&mut *conn, sequence).await,
+        }
     }
 }

@@ -8,11 +8,60 @@ use sqlx::{ConnectOptions, Connection, PgPool};
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// How long Postgres may work or wait for one connection of ours.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// `statement_timeout`: no statement runs longer.
+    pub statement: Duration,
+    /// `lock_timeout`: no statement waits longer for a lock.
+    pub lock: Duration,
+    /// `idle_in_transaction_session_timeout`: a transaction left idle this
+    /// long is ended by the server (a task that hung holding it).
+    pub idle_in_transaction: Duration,
+    /// How long a request waits for a free connection before its 503.
+    pub acquire: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            statement: Duration::from_secs(10),
+            lock: Duration::from_secs(2),
+            idle_in_transaction: Duration::from_secs(30),
+            acquire: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Limits {
+    /// For background jobs that read a lot at once (reconciliation).
+    pub fn for_background(self) -> Self {
+        Self {
+            statement: Duration::from_secs(300),
+            lock: Duration::from_secs(30),
+            idle_in_transaction: Duration::from_secs(300),
+            acquire: Duration::from_secs(30),
+        }
+    }
+
+    fn apply(&self, options: PgConnectOptions) -> PgConnectOptions {
+        let ms = |d: Duration| d.as_millis().max(1).to_string();
+        options.options([
+            ("statement_timeout", ms(self.statement)),
+            ("lock_timeout", ms(self.lock)),
+            (
+                "idle_in_transaction_session_timeout",
+                ms(self.idle_in_transaction),
+            ),
+        ])
+    }
+}
+
 /// Connects to `url`, creating its database first if it does not exist.
-pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+pub async fn connect(url: &str, max_connections: u32, limits: Limits) -> anyhow::Result<PgPool> {
     let options = connect_options(url)?;
     ensure_database(&options).await?;
-    pool(options, max_connections).await
+    pool(options, max_connections, limits).await
 }
 
 /// Options from `url`. Without an explicit `sslmode` (in the URL or
@@ -34,8 +83,13 @@ pub fn connect_options(url: &str) -> anyhow::Result<PgConnectOptions> {
     })
 }
 
-/// A pool on a database that exists.
-pub async fn pool(options: PgConnectOptions, max_connections: u32) -> anyhow::Result<PgPool> {
+/// A pool on a database that exists, every connection bounded by `limits`.
+pub async fn pool(
+    options: PgConnectOptions,
+    max_connections: u32,
+    limits: Limits,
+) -> anyhow::Result<PgPool> {
+    let options = limits.apply(options);
     let pool = PgPoolOptions::new()
         // sqlx pings every connection it hands out by default: a round
         // trip per statement on the request path. A dead connection shows
@@ -43,7 +97,7 @@ pub async fn pool(options: PgConnectOptions, max_connections: u32) -> anyhow::Re
         .test_before_acquire(false)
         .max_connections(max_connections.max(2))
         .min_connections(1)
-        .acquire_timeout(Duration::from_secs(30))
+        .acquire_timeout(limits.acquire)
         .connect_with(options)
         .await?;
     Ok(pool)

@@ -8,12 +8,14 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
 use crate::clock::Clock;
-use crate::counter::{Counter, Via};
+use crate::counter::{Counter, Reserved, Via};
 use crate::ledger::{self, LedgerError};
 use crate::pipeline::{Demand, Pipeline};
 use crate::pool::{PoolRef, PoolService};
 use crate::sequence::store::{SequenceStore, StoreError};
-use crate::sequence::{IdShape, LayoutRangeError, Period, ProjectCode, Sequence, TypeCode};
+use crate::sequence::{
+    IdShape, LayoutRangeError, MAX_ID_LEN, Period, ProjectCode, Sequence, TypeCode,
+};
 use crate::stats::Stats;
 
 /// Most numbers one request may take (SPEC).
@@ -33,6 +35,17 @@ pub enum IssueError {
     },
     #[error(transparent)]
     Layout(#[from] LayoutRangeError),
+    #[error(
+        "IDs of {project}/{doc_type} would now be up to {length} characters long; the limit is \
+         {MAX_ID_LEN} (its format prints longer than it did when it was defined)"
+    )]
+    IdTooLong {
+        project: String,
+        doc_type: String,
+        length: usize,
+    },
+    #[error("the definition of {project}/{doc_type} changed while this request ran; send it again")]
+    DefinitionChanged { project: String, doc_type: String },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -97,6 +110,15 @@ impl Issuer {
         let shape = sequence
             .definition
             .shape(project.as_str(), doc_type.as_str(), &period, at)?;
+        // Every ID of this request is at most this long.
+        let length = sequence.definition.longest_id(&shape);
+        if length > MAX_ID_LEN {
+            return Err(IssueError::IdTooLong {
+                project: project.to_string(),
+                doc_type: doc_type.to_string(),
+                length,
+            });
+        }
         let pool = self.pools.pool_ref(sequence.clone(), period.clone());
         Ok(Arc::new(Placement {
             sequence,
@@ -146,14 +168,14 @@ impl Issuer {
 
     /// The same, with the ledger rows written in the caller's transaction
     /// (an idempotent request stores its response in the same commit).
+    /// The placement is made before the transaction begins, so the request
+    /// never holds one pooled connection while waiting for another.
     pub async fn issue_in(
         &self,
         conn: &mut PgConnection,
-        project: &ProjectCode,
-        doc_type: &TypeCode,
+        placement: Arc<Placement>,
         count: usize,
     ) -> Result<Issued, IssueError> {
-        let placement = self.place(project, doc_type).await?;
         let seqs = self
             .issue_with(&placement, count, LedgerTarget::Transaction(conn))
             .await?;
@@ -171,7 +193,7 @@ impl Issuer {
         let pool = &placement.pool;
         let (sequence_id, period) = (placement.sequence.id, placement.period.key());
         let mut issued = Vec::with_capacity(count);
-        let mut pending = self.obtain(pool, count).await?;
+        let mut pending = self.obtain(pool, count, ledger.db(&self.db)).await?;
         loop {
             let refused = match &mut ledger {
                 LedgerTarget::Shared => {
@@ -194,7 +216,9 @@ impl Issuer {
                 break;
             }
             self.refused(pool, refused.len()).await;
-            pending = self.obtain(pool, count - issued.len()).await?;
+            pending = self
+                .obtain(pool, count - issued.len(), ledger.db(&self.db))
+                .await?;
         }
         issued.sort_unstable();
         Ok(issued)
@@ -202,9 +226,14 @@ impl Issuer {
 
     /// `count` numbers of the pool's period, not yet issued: popped from the
     /// pool, and reserved straight from the counter for whatever the pool
-    /// cannot give (Redis down, or still short after waiting for a refill).
-    /// Ascending.
-    pub async fn obtain(&self, pool: &PoolRef, count: usize) -> Result<Vec<i64>, IssueError> {
+    /// cannot give (Redis down, or still short after waiting for a refill),
+    /// through `db`. Ascending.
+    pub async fn obtain(
+        &self,
+        pool: &PoolRef,
+        count: usize,
+        mut db: Db<'_>,
+    ) -> Result<Vec<i64>, IssueError> {
         let mut seqs = match self.pools.take(pool, count).await {
             Ok(seqs) => seqs,
             Err(e) => {
@@ -215,16 +244,21 @@ impl Issuer {
         Stats::add(&self.stats.ids_from_pool, seqs.len() as u64);
         while seqs.len() < count {
             let missing = count - seqs.len();
-            let reserved = self
-                .counter
-                .reserve_direct(&self.db, &pool.sequence, &pool.period, missing as i64)
-                .await;
+            let reserved = self.reserve_direct(&mut db, pool, missing as i64).await;
             match reserved {
-                Ok(Some(range)) => {
+                Ok(Reserved::Got(range)) => {
                     Stats::add(&self.stats.ids_direct, missing as u64);
                     seqs.extend(range.iter());
                 }
-                Ok(None) => {
+                Ok(Reserved::Stale) => {
+                    self.give_back(pool, &seqs).await;
+                    self.sequences.evict_all();
+                    return Err(IssueError::DefinitionChanged {
+                        project: pool.sequence.project.to_string(),
+                        doc_type: pool.sequence.doc_type.to_string(),
+                    });
+                }
+                Ok(Reserved::Exhausted) => {
                     // The counter is spent, but a refill may have moved its
                     // last numbers into the pool.
                     let more = self.pools.take(pool, missing).await.unwrap_or_default();
@@ -243,6 +277,24 @@ impl Issuer {
         }
         seqs.sort_unstable();
         Ok(seqs)
+    }
+
+    async fn reserve_direct(
+        &self,
+        db: &mut Db<'_>,
+        pool: &PoolRef,
+        n: i64,
+    ) -> Result<Reserved<crate::numbers::SeqRange>, sqlx::Error> {
+        let (sequence, period) = (&pool.sequence, &pool.period);
+        match db {
+            Db::Transaction(conn) => self.counter.reserve_direct(conn, sequence, period, n).await,
+            Db::Pool(pool) => {
+                let mut conn = pool.acquire().await?;
+                self.counter
+                    .reserve_direct(&mut conn, sequence, period, n)
+                    .await
+            }
+        }
     }
 
     /// The ledger refused numbers as issued before: the pool handed out a
@@ -294,6 +346,25 @@ enum LedgerTarget<'a> {
     /// requests.
     Shared,
     /// The caller's transaction.
+    Transaction(&'a mut PgConnection),
+}
+
+impl LedgerTarget<'_> {
+    /// Where numbers straight from the counter are reserved: inside the
+    /// caller's transaction if it has one (never a second connection).
+    fn db<'s>(&'s mut self, pool: &'s PgPool) -> Db<'s> {
+        match self {
+            LedgerTarget::Shared => Db::Pool(pool),
+            LedgerTarget::Transaction(conn) => Db::Transaction(conn),
+        }
+    }
+}
+
+/// The connection a request works through.
+pub enum Db<'a> {
+    /// Takes a connection for each statement.
+    Pool(&'a PgPool),
+    /// The request's own transaction.
     Transaction(&'a mut PgConnection),
 }
 

@@ -20,8 +20,21 @@ use crate::stats::Stats;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
+    /// The connection failed: whether the write committed is unknown.
     #[error("ledger write failed: {0}")]
     Db(String),
+    /// The database refused the statement and rolled it back; the
+    /// connection is fine.
+    #[error("ledger write refused: {0}")]
+    Statement(String),
+    /// The statement waited too long (for a lock another transaction
+    /// holds, or at all) and was cancelled.
+    #[error("ledger write waited too long: {0}")]
+    Waited(String),
+    /// The database cannot store a value of the request (SQLSTATE class
+    /// 22: a number out of range, a character it cannot hold).
+    #[error("the database cannot store a value of this request: {0}")]
+    Unstorable(String),
     #[error("the ledger writer has stopped")]
     Closed,
     #[error("document ID {0} exists already")]
@@ -32,18 +45,48 @@ pub enum LedgerError {
 
 impl From<sqlx::Error> for LedgerError {
     fn from(e: sqlx::Error) -> Self {
-        if let sqlx::Error::Database(db) = &e {
-            match db.constraint() {
-                Some("id_outbox_document_id_key") => {
-                    return LedgerError::DocumentIdTaken(db.message().to_owned());
-                }
-                Some("id_outbox_sequence_id_period_seq_key") => {
-                    return LedgerError::AlreadyAttached(db.message().to_owned());
-                }
-                _ => {}
+        let sqlx::Error::Database(db) = &e else {
+            return LedgerError::Db(e.to_string());
+        };
+        match db.constraint() {
+            Some("id_outbox_document_id_key") => {
+                return LedgerError::DocumentIdTaken(db.message().to_owned());
             }
+            Some("id_outbox_sequence_id_period_seq_key") => {
+                return LedgerError::AlreadyAttached(db.message().to_owned());
+            }
+            _ => {}
         }
-        LedgerError::Db(e.to_string())
+        match db.code().as_deref() {
+            Some(code) if code.starts_with("22") => {
+                LedgerError::Unstorable(db.message().to_owned())
+            }
+            Some("55P03" | "57014") => LedgerError::Waited(db.message().to_owned()),
+            _ => LedgerError::Statement(e.to_string()),
+        }
+    }
+}
+
+impl LedgerError {
+    /// The statement failed and was rolled back: writing the requests of a
+    /// shared write one at a time finds the one at fault.
+    fn statement_failed(&self) -> bool {
+        matches!(
+            self,
+            LedgerError::Statement(_)
+                | LedgerError::Waited(_)
+                | LedgerError::Unstorable(_)
+                | LedgerError::DocumentIdTaken(_)
+                | LedgerError::AlreadyAttached(_)
+        )
+    }
+
+    /// The same error for another request of a failed shared write.
+    fn shared(&self) -> LedgerError {
+        match self {
+            LedgerError::Closed => LedgerError::Closed,
+            other => LedgerError::Db(other.to_string()),
+        }
     }
 }
 
@@ -125,10 +168,7 @@ pub fn failed_all(
     writes: &[LedgerWrite],
     error: &LedgerError,
 ) -> Vec<Result<Recorded, LedgerError>> {
-    writes
-        .iter()
-        .map(|_| Err(LedgerError::Db(error.to_string())))
-        .collect()
+    writes.iter().map(|_| Err(error.shared())).collect()
 }
 
 /// Writes all `writes` on `conn` with one statement and one commit (a
@@ -139,46 +179,71 @@ pub async fn write_shared(
     stats: &Stats,
     writes: &[LedgerWrite],
 ) -> Vec<Result<Recorded, LedgerError>> {
-    let outcome = async {
-        if writes.iter().all(|w| w.documents.is_empty()) {
-            // A single INSERT commits by itself: one round trip.
-            write_together(&mut *conn, stats, writes).await
-        } else {
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let recorded = write_together(&mut tx, stats, writes).await?;
-            tx.commit().await?;
-            Ok(recorded)
-        }
-    }
-    .await;
-    match outcome {
-        Ok(recorded) => recorded.into_iter().map(Ok).collect(),
-        // One document may have spoilt the shared transaction (an ID taken
-        // by another sequence's format): write each on its own so only
-        // that one fails.
-        Err(LedgerError::DocumentIdTaken(_)) if writes.len() > 1 => {
-            let mut outcomes = Vec::with_capacity(writes.len());
-            for write in writes {
-                outcomes.push(write_alone(&mut *conn, stats, write).await);
+    let mut outcomes: Vec<Option<Result<Recorded, LedgerError>>> =
+        writes.iter().map(|_| None).collect();
+    // One request may spoil a shared statement (a value the database
+    // cannot store, an ID another document has, a number whose lock it
+    // waited on too long). The database rolled it back, so the requests are
+    // written again until the one at fault is alone with its error, and
+    // every other request is answered as if it had been written alone. A
+    // refusal is found by halving (one bad request among n costs about
+    // 2·log2(n) statements); a wait by writing each request on its own, so
+    // only the one at fault waits again.
+    let mut pending = Vec::with_capacity(writes.len().min(64));
+    pending.push(0..writes.len());
+    let mut split = false;
+    while let Some(range) = pending.pop() {
+        let part = &writes[range.clone()];
+        match write_part(conn, stats, part).await {
+            Ok(recorded) => {
+                for (slot, recorded) in outcomes[range].iter_mut().zip(recorded) {
+                    *slot = Some(Ok(recorded));
+                }
             }
-            outcomes
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "ledger batch failed");
-            failed_all(writes, &e)
+            Err(e) if part.len() > 1 && e.statement_failed() => {
+                if !split {
+                    tracing::warn!(error = %e, writes = writes.len(), "shared ledger write failed; finding the request at fault");
+                    Stats::add(&stats.ledger_writes_split, 1);
+                    split = true;
+                }
+                if matches!(e, LedgerError::Waited(_)) {
+                    pending.extend(range.rev().map(|i| i..i + 1));
+                } else {
+                    let middle = range.start + part.len() / 2;
+                    pending.push(middle..range.end);
+                    pending.push(range.start..middle);
+                }
+            }
+            Err(e) if part.len() == 1 => outcomes[range.start] = Some(Err(e)),
+            Err(e) => {
+                tracing::error!(error = %e, "ledger batch failed");
+                for slot in &mut outcomes[range] {
+                    *slot = Some(Err(e.shared()));
+                }
+            }
         }
     }
+    outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or(Err(LedgerError::Closed)))
+        .collect()
 }
 
-async fn write_alone(
+/// One statement (and, with documents, one transaction) for `writes`.
+async fn write_part(
     conn: &mut PgConnection,
     stats: &Stats,
-    write: &LedgerWrite,
-) -> Result<Recorded, LedgerError> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let mut recorded = write_together(&mut tx, stats, std::slice::from_ref(write)).await?;
-    tx.commit().await?;
-    Ok(recorded.pop().unwrap_or_default())
+    writes: &[LedgerWrite],
+) -> Result<Vec<Recorded>, LedgerError> {
+    if writes.iter().all(|w| w.documents.is_empty()) {
+        // A single INSERT commits by itself: one round trip.
+        write_together(&mut *conn, stats, writes).await
+    } else {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let recorded = write_together(&mut tx, stats, writes).await?;
+        tx.commit().await?;
+        Ok(recorded)
+    }
 }
 
 /// Ledger rows for every write, then the outbox rows of documents whose
@@ -191,6 +256,9 @@ async fn write_together(
     let mut groups: Vec<Group> = Vec::new();
     let mut group_index: HashMap<Group, usize> = HashMap::new();
     let mut claimed: Vec<HashSet<i64>> = Vec::new();
+    // Numbers of each sequence period already in this batch, whoever
+    // (`POST /ids` or a document) holds them.
+    let mut in_batch: HashMap<(i64, &str), HashSet<i64>> = HashMap::new();
     // Per write: its group, and numbers it repeats (a list holding a number
     // twice, or two requests of this batch popping the same one), which it
     // must not get.
@@ -206,12 +274,17 @@ async fn write_together(
             claimed.push(HashSet::new());
             groups.len() - 1
         });
-        let repeats = write
-            .seqs
-            .iter()
-            .copied()
-            .filter(|seq| !claimed[index].insert(*seq))
-            .collect();
+        let seen = in_batch
+            .entry((write.sequence_id, write.period.as_str()))
+            .or_default();
+        let mut repeats = Vec::new();
+        for seq in &write.seqs {
+            if seen.insert(*seq) {
+                claimed[index].insert(*seq);
+            } else {
+                repeats.push(*seq);
+            }
+        }
         placed.push((index, repeats));
     }
     let rows: Vec<Row> = claimed
@@ -328,12 +401,12 @@ async fn insert_rows(
     let starts: Vec<i64> = rows.iter().map(|r| r.range.start).collect();
     let ends: Vec<i64> = rows.iter().map(|r| r.range.end).collect();
     let vias: Vec<&str> = rows.iter().map(|r| groups[r.group].via.as_str()).collect();
-    let inserted: Vec<(i64, String, i64)> = sqlx::query_as(
+    let inserted: Vec<(i64, String, i64, String)> = sqlx::query_as(
         "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
          SELECT s, p, int8range(a, b), v \
          FROM UNNEST($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::text[]) AS t(s, p, a, b, v) \
          ON CONFLICT DO NOTHING \
-         RETURNING sequence_id, period, lower(seqs)",
+         RETURNING sequence_id, period, lower(seqs), via",
     )
     .bind(&sequence_ids)
     .bind(&periods)
@@ -347,15 +420,22 @@ async fn insert_rows(
     if inserted.len() == rows.len() {
         return Ok(Vec::new());
     }
-    let done: HashSet<(i64, &str, i64)> = inserted
+    // A row is identified by its group (sequence, period, via) and start:
+    // within a group ranges never overlap.
+    let done: HashSet<(i64, &str, i64, &str)> = inserted
         .iter()
-        .map(|(s, p, start)| (*s, p.as_str(), *start))
+        .map(|(s, p, start, via)| (*s, p.as_str(), *start, via.as_str()))
         .collect();
     Ok(rows
         .iter()
         .filter(|r| {
             let g = &groups[r.group];
-            !done.contains(&(g.sequence_id, g.period.as_str(), r.range.start))
+            !done.contains(&(
+                g.sequence_id,
+                g.period.as_str(),
+                r.range.start,
+                g.via.as_str(),
+            ))
         })
         .map(|r| Row {
             group: r.group,

@@ -20,4 +20,5 @@ pub mod pool;
 pub mod sequence;
 pub mod startup;
 pub mod stats;
+pub mod supervise;
 pub mod telemetry;

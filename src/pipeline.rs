@@ -21,6 +21,7 @@ use chrono::{DateTime, Utc};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
 
 use crate::batch::Batcher;
 use crate::counter::Via;
@@ -76,7 +77,12 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    pub fn spawn(db: PgPool, pools: Arc<PoolService>, stats: Arc<Stats>) -> Self {
+    pub fn spawn(
+        db: PgPool,
+        pools: Arc<PoolService>,
+        stats: Arc<Stats>,
+        tasks: &TaskTracker,
+    ) -> Self {
         let writer = Arc::new(Writer {
             db,
             stats: stats.clone(),
@@ -85,13 +91,16 @@ impl Pipeline {
         // One commit at a time: a commit costs Postgres far more than the
         // rows it carries, so everything popped while one runs waits for
         // the next (two at a time measured slower: smaller commits).
-        let (writes, _writer) = Batcher::spawn(4096, move |batches: Vec<Vec<Popped>>| {
-            writer.clone().write(batches)
-        });
+        let writes = Batcher::spawn(
+            tasks,
+            "ledger writes",
+            4096,
+            move |batches: Vec<Vec<Popped>>| writer.clone().write(batches),
+        );
         // One pop at a time: everyone who arrives meanwhile shares the next
         // call, and numbers leave each pool in the order requests came.
         let to_writer = writes.clone();
-        let (jobs, _popper) = Batcher::spawn(4096, move |batch| {
+        let jobs = Batcher::spawn(tasks, "pool pops for requests", 4096, move |batch| {
             pop(pools.clone(), stats.clone(), to_writer.clone(), batch)
         });
         Self { jobs, writes }
@@ -227,7 +236,7 @@ impl Writer {
         let mut held = self.conn.lock().await;
         let conn = match held.as_mut() {
             Some(conn) => conn,
-            None => match self.db.acquire().await {
+            None => match writer_connection(&self.db).await {
                 Ok(conn) => held.insert(conn),
                 Err(e) => return ledger::failed_all(writes, &e.into()),
             },
@@ -237,11 +246,28 @@ impl Writer {
             .iter()
             .any(|o| matches!(o, Err(LedgerError::Db(_))))
         {
-            // The connection may have broken: the next batch takes a fresh one.
-            *held = None;
+            // The connection may have broken: the next batch takes a fresh
+            // one. This one is closed rather than returned, with its
+            // writer's settings.
+            if let Some(conn) = held.take() {
+                drop(conn.detach());
+            }
         }
         outcomes
     }
+}
+
+/// Longest the write stage waits for a lock. Requests never contend for
+/// the numbers they record, so a wait means another transaction holds a
+/// number it should not; everyone queued behind the write waits with it,
+/// so it gives up soon and the request at fault is found (see
+/// `ledger::write_shared`).
+const WRITER_LOCK_TIMEOUT: &str = "SET lock_timeout = '200ms'";
+
+async fn writer_connection(db: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+    let mut conn = db.acquire().await?;
+    sqlx::query(WRITER_LOCK_TIMEOUT).execute(&mut *conn).await?;
+    Ok(conn)
 }
 
 /// Each job's answer: what of its numbers the ledger took, its document.

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use tokio::sync::Notify;
 
@@ -15,13 +15,15 @@ use crate::config::Config;
 use crate::counter::Counter;
 use crate::documents::Documents;
 use crate::documents::processor::Processor;
-use crate::documents::sink::Sink;
+use crate::documents::sink::{Sink, SinkSettings};
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
+use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence::store::SequenceStore;
 use crate::stats::Stats;
+use crate::supervise::Supervisor;
 use crate::{db, http, idempotency, listen};
 
 /// Parts tests replace.
@@ -45,8 +47,9 @@ impl Default for Overrides {
 pub struct Application {
     listener: TcpListener,
     state: AppState,
-    background: Vec<JoinHandle<()>>,
+    supervisor: Supervisor,
     stop: CancellationToken,
+    server: ServerLimits,
 }
 
 impl Application {
@@ -55,11 +58,17 @@ impl Application {
     }
 
     pub async fn build_with(config: &Config, overrides: Overrides) -> anyhow::Result<Self> {
-        let db = db::connect(&config.database_url, config.db_pool_size).await?;
+        let limits = config.db_limits();
+        let db = db::connect(&config.database_url, config.db_pool_size, limits).await?;
         if config.migrate.is_on() {
             db::migrate(&db).await?;
         }
+        let stop = CancellationToken::new();
         let stats = Arc::new(Stats::default());
+        let supervisor = Supervisor::new(stop.clone(), stats.clone());
+        // The batch collectors of the hot path live as long as the
+        // handles to them; tracked, not waited for.
+        let batchers = TaskTracker::new();
         let redis = RedisLink::connect(
             &RedisSettings {
                 url: config.redis_url.clone(),
@@ -69,12 +78,18 @@ impl Application {
             },
             stats.clone(),
         )?;
-        let sequences = Arc::new(SequenceStore::new(db.clone()));
+        let sequences = Arc::new(SequenceStore::new(
+            db.clone(),
+            config.max_sequences_per_project as usize,
+        ));
+        let options = (*db.connect_options()).clone();
         let refill_db = db::pool(
-            (*db.connect_options()).clone(),
+            options.clone(),
             config.refill_concurrency.clamp(1, 4) as u32,
+            limits,
         )
         .await?;
+        let background_db = db::pool(options, 2, limits.for_background()).await?;
         let instance_id = config.instance_id();
         let counter = Arc::new(Counter::new(refill_db, instance_id.clone()));
         let installation: uuid::Uuid = sqlx::query_scalar("SELECT id FROM installation")
@@ -91,8 +106,10 @@ impl Application {
             sequences.clone(),
             stats.clone(),
             pool_settings,
+            &batchers,
         );
-        let pipeline = crate::pipeline::Pipeline::spawn(db.clone(), pools.clone(), stats.clone());
+        let pipeline =
+            crate::pipeline::Pipeline::spawn(db.clone(), pools.clone(), stats.clone(), &batchers);
         let issuer = Arc::new(Issuer {
             pipeline,
             sequences: sequences.clone(),
@@ -106,7 +123,7 @@ impl Application {
             issuer: issuer.clone(),
         };
         let reconciler = Arc::new(Reconciler {
-            db: db.clone(),
+            db: background_db,
             redis: pools.redis().clone(),
             pools: pools.clone(),
             sequences: sequences.clone(),
@@ -117,29 +134,45 @@ impl Application {
                 .unwrap_or_else(|| config.reconcile_settings()),
             instance_id: instance_id.clone(),
         });
-        let stop = CancellationToken::new();
         let outbox_wake = Arc::new(Notify::new());
-        let mut background = vec![
-            tokio::spawn(pools.clone().watch_redis(stop.clone())),
-            tokio::spawn(listen::run(
+        {
+            let (pools, stop) = (pools.clone(), stop.clone());
+            supervisor.spawn("redis watch", move || {
+                pools.clone().watch_redis(stop.clone())
+            });
+        }
+        {
+            let (db, sequences, wake, stop) = (
                 db.clone(),
                 sequences.clone(),
                 outbox_wake.clone(),
                 stop.clone(),
-            )),
-            tokio::spawn(idempotency::prune_periodically(db.clone(), stop.clone())),
-        ];
+            );
+            supervisor.spawn("notifications", move || {
+                listen::run(db.clone(), sequences.clone(), wake.clone(), stop.clone())
+            });
+        }
+        {
+            let (db, stop) = (db.clone(), stop.clone());
+            supervisor.spawn("idempotency pruning", move || {
+                idempotency::prune_periodically(db.clone(), stop.clone())
+            });
+        }
         if config.reconcile.is_on() {
-            background.push(tokio::spawn(
-                reconciler.clone().run_periodically(stop.clone()),
-            ));
+            let (reconciler, stop) = (reconciler.clone(), stop.clone());
+            supervisor.spawn("reconciliation", move || {
+                reconciler.clone().run_periodically(stop.clone())
+            });
         }
         if config.outbox_processor.is_on() {
             let sink = Sink::build(
                 &config.sink,
-                Duration::from_millis(config.webhook_timeout_ms),
-                config.webhook_concurrency,
-                &instance_id,
+                &SinkSettings {
+                    timeout: Duration::from_millis(config.webhook_timeout_ms),
+                    concurrency: config.webhook_concurrency,
+                    instance_id: instance_id.clone(),
+                    secret: config.webhook_secret.clone(),
+                },
             )?;
             let processor = Arc::new(Processor::new(
                 db.clone(),
@@ -150,7 +183,10 @@ impl Application {
             // Several loops, so delivery can use more than one core of
             // Postgres; SKIP LOCKED keeps them off each other's rows.
             for _ in 0..config.outbox_workers.max(1) {
-                background.push(tokio::spawn(processor.clone().run(stop.clone())));
+                let (processor, stop) = (processor.clone(), stop.clone());
+                supervisor.spawn("outbox processor", move || {
+                    processor.clone().run(stop.clone())
+                });
             }
         }
         let state = AppState(Arc::new(AppInner {
@@ -169,8 +205,13 @@ impl Application {
         Ok(Self {
             listener,
             state,
-            background,
+            supervisor,
             stop,
+            server: ServerLimits {
+                header_timeout: config.header_timeout(),
+                max_connections: config.max_connections as usize,
+                drain: config.request_timeout() + Duration::from_secs(1),
+            },
         })
     }
 
@@ -188,34 +229,24 @@ impl Application {
     }
 
     /// Serves until the stop token is cancelled; requests in flight finish,
-    /// then the background tasks stop.
+    /// then the background tasks stop and refills in flight end.
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         let Self {
             listener,
             state,
-            background,
+            supervisor,
             stop,
+            server,
         } = self;
         tracing::info!(address = %listener.local_addr()?, "idpool serving");
-        let redis = state.pools.redis().clone();
-        let app = axum::ServiceExt::<axum::extract::Request>::into_make_service(http::app(state));
-        // Answers go out as soon as they are written, not after the
-        // client's ACK of the previous one (Nagle).
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "could not set TCP_NODELAY");
-            }
-        });
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(stop.clone().cancelled_owned())
-            .await;
+        let pools = state.pools.clone();
+        http::server::serve(listener, http::app(state), server, stop.clone()).await;
         stop.cancel();
-        for task in background {
-            let _ = task.await;
-        }
-        redis.shutdown().await;
+        supervisor.finish(Duration::from_secs(10)).await;
+        pools.finish_refills(Duration::from_secs(5)).await;
+        pools.redis().shutdown().await;
         tracing::info!("idpool stopped");
-        Ok(served?)
+        Ok(())
     }
 }
 

@@ -24,6 +24,10 @@ pub struct Stats {
     pub ledger_batches: AtomicU64,
     pub ledger_rows: AtomicU64,
     pub reconcile_runs: AtomicU64,
+    /// Background tasks and batch handlers that panicked (and were restarted).
+    pub task_panics: AtomicU64,
+    /// Shared ledger writes that failed and were split to find the request at fault.
+    pub ledger_writes_split: AtomicU64,
     pub reconcile_last_ms: AtomicU64,
     /// Numbers in open gaps by reason, as of the last reconciliation.
     pub gaps_open: std::sync::Mutex<std::collections::BTreeMap<String, i64>>,
@@ -138,6 +142,18 @@ impl Stats {
             "counter",
             "Ledger ranges written by those statements.",
             &[("", get(&self.ledger_rows))],
+        );
+        metric(
+            "idpool_task_panics_total",
+            "counter",
+            "Background tasks and batch handlers that panicked; each was restarted.",
+            &[("", get(&self.task_panics))],
+        );
+        metric(
+            "idpool_ledger_writes_split_total",
+            "counter",
+            "Shared ledger writes that failed and were split until the request at fault stood alone.",
+            &[("", get(&self.ledger_writes_split))],
         );
         metric(
             "idpool_reconcile_runs_total",

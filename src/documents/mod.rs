@@ -15,7 +15,7 @@ use sqlx::PgConnection;
 use utoipa::ToSchema;
 
 use crate::counter::Via;
-use crate::issuance::{IssueError, Issuer, Placement, without};
+use crate::issuance::{Db, IssueError, Issuer, Placement, without};
 use crate::ledger::{self, LedgerError};
 use crate::pipeline::Demand;
 use crate::sequence::{Layout, ProjectCode, TypeCode};
@@ -105,6 +105,9 @@ pub struct Documents {
     pub issuer: Arc<Issuer>,
 }
 
+/// The placement of each (project, type) of a batch.
+pub type Placements = HashMap<(String, String), Arc<Placement>>;
+
 pub fn outbox_row(placement: &Placement, input: &DocumentInput, seq: i64) -> OutboxRow {
     OutboxRow {
         seq,
@@ -159,6 +162,25 @@ impl Documents {
             .map_err(|e| DocumentError::Issue(IssueError::Ledger(LedgerError::Db(e.to_string()))))?
     }
 
+    /// Where each input's number comes from, decided before the caller's
+    /// transaction begins (placing may read or create the sequence, which
+    /// takes a connection of its own).
+    pub async fn place_all(&self, inputs: &[DocumentInput]) -> Result<Placements, BatchError> {
+        let mut placements = Placements::new();
+        for (index, input) in inputs.iter().enumerate() {
+            let key = (input.project.to_string(), input.doc_type.to_string());
+            if let std::collections::hash_map::Entry::Vacant(slot) = placements.entry(key) {
+                let placement = self
+                    .issuer
+                    .place(&input.project, &input.doc_type)
+                    .await
+                    .map_err(|e| BatchError::at(index)(e.into()))?;
+                slot.insert(placement);
+            }
+        }
+        Ok(placements)
+    }
+
     /// Accepts documents inside the caller's transaction: all or none.
     /// Numbers are taken with one pool call per sequence period; attached
     /// IDs are checked before any number is taken.
@@ -166,19 +188,9 @@ impl Documents {
         &self,
         conn: &mut PgConnection,
         inputs: &[DocumentInput],
+        placements: &Placements,
     ) -> Result<Vec<AcceptedDocument>, BatchError> {
         let issuer = &self.issuer;
-        let mut placements: HashMap<(String, String), Arc<Placement>> = HashMap::new();
-        for input in inputs {
-            let key = (input.project.to_string(), input.doc_type.to_string());
-            if let std::collections::hash_map::Entry::Vacant(slot) = placements.entry(key) {
-                let placement = issuer
-                    .place(&input.project, &input.doc_type)
-                    .await
-                    .map_err(BatchError::whole)?;
-                slot.insert(placement);
-            }
-        }
         let placement_of = |input: &DocumentInput| {
             &placements[&(input.project.to_string(), input.doc_type.to_string())]
         };
@@ -211,7 +223,7 @@ impl Documents {
             let period = placement.period.key();
             while !waiting.is_empty() {
                 let seqs = issuer
-                    .obtain(&placement.pool, waiting.len())
+                    .obtain(&placement.pool, waiting.len(), Db::Transaction(&mut *conn))
                     .await
                     .map_err(|e| BatchError::whole(DocumentError::Issue(e)))?;
                 let refused = ledger::record_in(
@@ -281,7 +293,9 @@ async fn accept_slowly(
         issuer.refused(&placement.pool, refused).await;
     }
     loop {
-        let seqs = issuer.obtain(&placement.pool, 1).await?;
+        let seqs = issuer
+            .obtain(&placement.pool, 1, Db::Pool(&issuer.db))
+            .await?;
         let demand = Demand::Document {
             input: input.clone(),
         };
@@ -329,18 +343,16 @@ async fn attachable(
     };
     let sequence = &placement.sequence;
     let definition = &sequence.definition;
-    let candidates: Vec<i64> = match definition.layout {
-        Layout::Text => definition.format.seq_candidates(
-            id,
-            sequence.project.as_str(),
-            sequence.doc_type.as_str(),
-        ),
-        Layout::Int64 { .. } => id
-            .parse::<i64>()
-            .map(|n| vec![n & 0xFFFF_FFFF])
-            .unwrap_or_default(),
+    // One pass over the ID: the number it carries, if it reads as this
+    // sequence's format at all.
+    let candidate: Option<i64> = match definition.layout {
+        Layout::Text => definition
+            .pattern(sequence.project.as_str(), sequence.doc_type.as_str())
+            .ok()
+            .and_then(|pattern| pattern.seq_of(id)),
+        Layout::Int64 { .. } => id.parse::<i64>().ok().map(|n| n & 0xFFFF_FFFF),
     };
-    for seq in candidates {
+    if let Some(seq) = candidate {
         let issued: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
             "SELECT period, issued_at FROM issuance_ledger \
              WHERE sequence_id = $1 AND seqs @> $2::bigint AND via = 'ids'",

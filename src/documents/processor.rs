@@ -72,6 +72,11 @@ impl Processor {
     /// Claims and delivers one batch of due rows.
     pub async fn step(&self) -> Result<Step, sqlx::Error> {
         let mut tx = self.db.begin().await?;
+        // Deliveries (a webhook's answers) keep this transaction open while
+        // no statement runs; their own timeouts bound that, not Postgres'.
+        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
+            .execute(&mut *tx)
+            .await?;
         let payload = if self.sink.needs_payload() {
             "payload::text"
         } else {

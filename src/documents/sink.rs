@@ -89,38 +89,66 @@ impl Delivery {
     }
 }
 
+/// Largest webhook answer read (only an excerpt is kept, for `last_error`).
+const MAX_WEBHOOK_ANSWER: usize = 64 * 1024;
+/// Shortest signing key accepted (Standard Webhooks asks for 24 to 64 bytes).
+const MIN_SECRET_BYTES: usize = 16;
+
+pub struct SinkSettings {
+    /// Webhook: time allowed per delivery.
+    pub timeout: Duration,
+    /// Webhook: deliveries in flight.
+    pub concurrency: usize,
+    pub instance_id: String,
+    /// Webhook: the signing key (`whsec_<base64>`, or the bytes as given).
+    pub secret: Option<String>,
+}
+
+pub struct Webhook {
+    url: String,
+    /// The URL without credentials, query or fragment: what errors and
+    /// logs may show.
+    shown_url: String,
+    client: reqwest::Client,
+    concurrency: usize,
+    instance_id: String,
+    key: Vec<u8>,
+}
+
 pub enum Sink {
     Postgres,
     Dir(PathBuf),
-    Webhook {
-        url: String,
-        client: reqwest::Client,
-        concurrency: usize,
-        instance_id: String,
-    },
+    Webhook(Box<Webhook>),
 }
 
 impl Sink {
-    pub fn build(
-        config: &SinkConfig,
-        webhook_timeout: Duration,
-        concurrency: usize,
-        instance_id: &str,
-    ) -> anyhow::Result<Self> {
+    pub fn build(config: &SinkConfig, settings: &SinkSettings) -> anyhow::Result<Self> {
         Ok(match config {
             SinkConfig::Postgres => Sink::Postgres,
             SinkConfig::Dir(dir) => {
                 std::fs::create_dir_all(dir)?;
                 Sink::Dir(dir.clone())
             }
-            SinkConfig::Webhook(url) => Sink::Webhook {
-                url: url.clone(),
-                client: reqwest::Client::builder()
-                    .timeout(webhook_timeout)
-                    .build()?,
-                concurrency: concurrency.max(1),
-                instance_id: instance_id.to_owned(),
-            },
+            SinkConfig::Webhook(url) => {
+                let secret = settings.secret.as_deref().ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "IDPOOL_WEBHOOK_SECRET is required with a webhook: sink (deliveries are signed)"
+                    )
+                })?;
+                Sink::Webhook(Box::new(Webhook {
+                    url: url.clone(),
+                    shown_url: shown_url(url),
+                    // A redirect would send the document somewhere the
+                    // operator did not name: it counts as a failure.
+                    client: reqwest::Client::builder()
+                        .timeout(settings.timeout)
+                        .redirect(reqwest::redirect::Policy::none())
+                        .build()?,
+                    concurrency: settings.concurrency.max(1),
+                    instance_id: settings.instance_id.clone(),
+                    key: signing_key(secret)?,
+                }))
+            }
         })
     }
 
@@ -146,32 +174,29 @@ impl Sink {
                 let dir = dir.clone();
                 let batch = batch.to_vec();
                 let count = batch.len();
-                tokio::task::spawn_blocking(move || {
-                    batch.iter().map(|d| write_file(&dir, d)).collect()
-                })
-                .await
-                .unwrap_or_else(|e| vec![Err(format!("writer task failed: {e}")); count])
+                tokio::task::spawn_blocking(move || write_files(&dir, &batch))
+                    .await
+                    .unwrap_or_else(|e| vec![Err(format!("writer task failed: {e}")); count])
             }
-            Sink::Webhook {
-                url,
-                client,
-                concurrency,
-                instance_id,
-            } => {
+            Sink::Webhook(webhook) => {
                 // Owned futures: borrowed ones trip the compiler's Send check
                 // for higher-ranked lifetimes inside a spawned task.
                 let posts: Vec<_> = batch
                     .iter()
                     .cloned()
                     .map(|delivery| {
-                        let client = client.clone();
-                        let url = url.clone();
-                        let instance_id = instance_id.clone();
-                        async move { post(&client, &url, &instance_id, &delivery).await }
+                        let client = webhook.client.clone();
+                        let target = Target {
+                            url: webhook.url.clone(),
+                            shown_url: webhook.shown_url.clone(),
+                            instance_id: webhook.instance_id.clone(),
+                            key: webhook.key.clone(),
+                        };
+                        async move { post(&client, &target, &delivery).await }
                     })
                     .collect();
                 futures::stream::iter(posts)
-                    .buffered(*concurrency)
+                    .buffered(webhook.concurrency)
                     .collect()
                     .await
             }
@@ -213,6 +238,22 @@ pub fn file_name(document_id: &str) -> String {
     name
 }
 
+/// Writes every file, then syncs the directory once, so the renames of
+/// the whole batch are durable before the batch is recorded as delivered.
+fn write_files(dir: &Path, batch: &[Delivery]) -> Vec<Result<(), String>> {
+    let mut outcomes: Vec<Result<(), String>> = batch.iter().map(|d| write_file(dir, d)).collect();
+    if outcomes.iter().any(Result::is_ok) {
+        let synced = std::fs::File::open(dir).and_then(|d| d.sync_all());
+        if let Err(e) = synced {
+            let error = format!("syncing {}: {e}", dir.display());
+            for outcome in outcomes.iter_mut().filter(|o| o.is_ok()) {
+                *outcome = Err(error.clone());
+            }
+        }
+    }
+    outcomes
+}
+
 fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), String> {
     use std::io::Write;
     let body = delivery.json()?;
@@ -234,36 +275,111 @@ fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), String> {
     })
 }
 
+/// What one delivery needs of the webhook.
+struct Target {
+    url: String,
+    shown_url: String,
+    instance_id: String,
+    key: Vec<u8>,
+}
+
+/// `scheme://host[:port]/path`: no credentials, query or fragment, which
+/// may carry tokens.
+fn shown_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) => {
+            let host = parsed.host_str().unwrap_or("");
+            let port = parsed.port().map(|p| format!(":{p}")).unwrap_or_default();
+            format!("{}://{host}{port}{}", parsed.scheme(), parsed.path())
+        }
+        Err(_) => "(unparsable webhook URL)".to_owned(),
+    }
+}
+
+/// The HMAC key: Standard Webhooks secrets are `whsec_` and base64.
+pub fn signing_key(secret: &str) -> anyhow::Result<Vec<u8>> {
+    use base64::Engine as _;
+    let key = match secret.strip_prefix("whsec_") {
+        Some(encoded) => base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .map_err(|_| {
+                anyhow::anyhow!("IDPOOL_WEBHOOK_SECRET: whsec_ must be followed by base64")
+            })?,
+        None => secret.as_bytes().to_vec(),
+    };
+    if key.len() < MIN_SECRET_BYTES {
+        anyhow::bail!("IDPOOL_WEBHOOK_SECRET must hold at least {MIN_SECRET_BYTES} bytes");
+    }
+    Ok(key)
+}
+
+/// `v1,<base64 of HMAC-SHA256 over "{id}.{timestamp}.{body}">`.
+pub fn signature(key: &[u8], id: &str, timestamp: i64, body: &[u8]) -> String {
+    use base64::Engine as _;
+    use hmac::{KeyInit, Mac};
+    let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key)
+        .expect("HMAC takes a key of any length");
+    mac.update(id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    let tag = mac.finalize().into_bytes();
+    format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(tag)
+    )
+}
+
 async fn post(
     client: &reqwest::Client,
-    url: &str,
-    instance_id: &str,
+    target: &Target,
     delivery: &Delivery,
 ) -> Result<(), String> {
     let body = delivery.json()?;
-    let response = client
-        .post(url)
+    let timestamp = Utc::now().timestamp();
+    let signed = signature(&target.key, &delivery.document_id, timestamp, &body);
+    let shown = &target.shown_url;
+    let mut response = client
+        .post(&target.url)
         .header("content-type", "application/json")
         .header("idempotency-key", &delivery.document_id)
-        .header("idpool-instance", instance_id)
+        .header("webhook-id", &delivery.document_id)
+        .header("webhook-timestamp", timestamp.to_string())
+        .header("webhook-signature", signed)
+        .header("idpool-instance", &target.instance_id)
         .body(body)
         .send()
         .await
         .map_err(|e| {
+            // reqwest's message names the full URL; ours names what may be shown.
+            let e = e.without_url();
             if e.is_timeout() {
-                format!("webhook timed out: {e}")
+                format!("webhook {shown} timed out: {e}")
             } else {
-                format!("webhook unreachable: {e}")
+                format!("webhook {shown} unreachable: {e}")
             }
         })?;
     let status = response.status();
     if status.is_success() {
-        Ok(())
-    } else {
-        let text = response.text().await.unwrap_or_default();
-        let excerpt: String = text.chars().take(200).collect();
-        Err(format!("webhook answered {status}: {excerpt}"))
+        return Ok(());
     }
+    // Read a bounded part of the answer, whatever the server sends.
+    let mut answer = Vec::new();
+    while answer.len() < MAX_WEBHOOK_ANSWER {
+        match response.chunk().await {
+            Ok(Some(chunk)) => answer.extend_from_slice(&chunk),
+            _ => break,
+        }
+    }
+    answer.truncate(MAX_WEBHOOK_ANSWER);
+    let excerpt: String = String::from_utf8_lossy(&answer).chars().take(200).collect();
+    if status.is_redirection() {
+        return Err(format!(
+            "webhook {shown} answered {status}; redirects are not followed"
+        ));
+    }
+    Err(format!("webhook {shown} answered {status}: {excerpt}"))
 }
 
 #[cfg(test)]
@@ -284,6 +400,27 @@ mod tests {
         assert!("dir:".parse::<SinkConfig>().is_err());
         assert!("webhook:ftp://x".parse::<SinkConfig>().is_err());
         assert!("s3:bucket".parse::<SinkConfig>().is_err());
+    }
+
+    #[test]
+    fn urls_are_shown_without_credentials_or_query() {
+        assert_eq!(
+            shown_url("https://user:pw@hooks.example.test:8443/in/x?token=abc#frag"),
+            "https://hooks.example.test:8443/in/x"
+        );
+    }
+
+    #[test]
+    fn signatures_follow_standard_webhooks() {
+        // The example of the Standard Webhooks specification.
+        let key = signing_key("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let body = br#"{"test": 2432232314}"#;
+        assert_eq!(
+            signature(&key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+        assert!(signing_key("short").is_err());
+        assert!(signing_key("whsec_!!!").is_err());
     }
 
     #[test]

@@ -191,11 +191,12 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
          headers(("Location" = String, description = "/api/v1/documents/{id}"),
                  ("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn create_document(
@@ -224,12 +225,15 @@ pub async fn create_document(
     // In a task of its own: a client hanging up must not cancel a
     // transaction between taking a number and recording it.
     tokio::spawn(async move {
+        let inputs = std::slice::from_ref(&input);
+        // Before the transaction: placing may read or create the sequence.
+        let placements = state.documents.place_all(inputs).await?;
         match key {
             None => {
                 let mut tx = state.db.begin().await.map_err(db_error)?;
                 let mut documents = state
                     .documents
-                    .accept_in(&mut tx, std::slice::from_ref(&input))
+                    .accept_in(&mut tx, inputs, &placements)
                     .await?;
                 tx.commit().await.map_err(db_error)?;
                 let document = documents
@@ -258,7 +262,7 @@ pub async fn create_document(
                     Some(Claimed::New) | None => {
                         let mut documents = state
                             .documents
-                            .accept_in(&mut tx, std::slice::from_ref(&input))
+                            .accept_in(&mut tx, inputs, &placements)
                             .await?;
                         let document = documents
                             .pop()
@@ -293,11 +297,12 @@ pub async fn create_document(
          headers(("Location" = String, description = "/api/v1/documents/{id}"),
                  ("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn create_document_short(
@@ -325,11 +330,12 @@ fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
     responses(
         (status = 202, description = "All accepted", body = BatchAccepted),
         (status = 400, description = "A bad item (see index) or batch size", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "An item's id is not attachable, a sequence is exhausted, or a key is in use", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "An item's id is not attachable, a sequence is exhausted, a key is in use, or a new sequence cannot be created (format_conflict, sequence_limit_reached)", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or an item's metadata too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "An item's key was used for another document", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn create_batch(
@@ -447,6 +453,11 @@ async fn accept_batch(
         fates.push(fate);
     }
 
+    let placements = state
+        .documents
+        .place_all(&inputs)
+        .await
+        .map_err(ApiError::from)?;
     let mut tx = state.db.begin().await.map_err(db_error)?;
     if !to_claim.is_empty() {
         idempotency::wait_for_twins_briefly(&mut tx)
@@ -470,7 +481,7 @@ async fn accept_batch(
     } else {
         state
             .documents
-            .accept_in(&mut tx, &fresh_inputs)
+            .accept_in(&mut tx, &fresh_inputs, &placements)
             .await
             .map_err(|mut e| {
                 e.index = e.index.map(|i| fresh[i]);

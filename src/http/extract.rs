@@ -22,7 +22,19 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
                 "send the body as JSON with Content-Type: application/json",
             ));
         }
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+        let deadline = req.extensions().get::<BodyDeadline>().copied();
+        let read = Bytes::from_request(req, state);
+        let read = match deadline {
+            Some(BodyDeadline(at)) => tokio::time::timeout_at(at, read).await.map_err(|_| {
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body_timeout",
+                    "the request body did not arrive in time",
+                )
+            })?,
+            None => read.await,
+        };
+        let bytes = read.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
@@ -33,6 +45,12 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
                 ApiError::bad_request("invalid_body", rejection.body_text())
             }
         })?;
+        if let Some(what) = unstorable_escape(&bytes) {
+            return Err(ApiError::bad_request(
+                "invalid_character",
+                format!("the body contains {what}, which cannot be stored; remove it"),
+            ));
+        }
         match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
             Some(b'{') => {}
             None => {
@@ -51,6 +69,56 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
         let axum::Json(value) = axum::Json::<T>::from_bytes(&bytes)?;
         Ok(Json(value))
     }
+}
+
+/// When the body of the request must have arrived (set by the request
+/// timeout layer).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyDeadline(pub tokio::time::Instant);
+
+/// A JSON escape of a character Postgres cannot store in text or jsonb:
+/// NUL (`\u0000`) or half of a surrogate pair. Strings anywhere in the body
+/// count, object keys included. Raw control bytes are not valid JSON and
+/// are refused by the parser.
+pub fn unstorable_escape(json: &[u8]) -> Option<&'static str> {
+    let hex = |at: usize| -> Option<u32> {
+        let digits = json.get(at..at + 4)?;
+        if !digits.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
+        u32::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+    };
+    let mut i = 0;
+    while let Some(found) = json[i..].iter().position(|b| *b == b'\\') {
+        let at = i + found;
+        if json.get(at + 1) != Some(&b'u') {
+            // Any other escape is two bytes; skipping both keeps `\\u0000`
+            // (an escaped backslash, then text) from looking like NUL.
+            i = at + 2;
+            continue;
+        }
+        let Some(code) = hex(at + 2) else {
+            // Not an escape the parser accepts: it will say so.
+            i = at + 2;
+            continue;
+        };
+        i = at + 6;
+        match code {
+            0 => return Some("NUL (\\u0000)"),
+            0xD800..=0xDBFF => {
+                let low = (json.get(at + 6..at + 8) == Some(b"\\u"))
+                    .then(|| hex(at + 8))
+                    .flatten();
+                match low {
+                    Some(0xDC00..=0xDFFF) => i = at + 12,
+                    _ => return Some("an unpaired UTF-16 surrogate"),
+                }
+            }
+            0xDC00..=0xDFFF => return Some("an unpaired UTF-16 surrogate"),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn is_json(headers: &axum::http::HeaderMap) -> bool {
@@ -77,3 +145,28 @@ pub struct Query<T>(pub T);
 #[derive(FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(ApiError))]
 pub struct Path<T>(pub T);
+
+#[cfg(test)]
+mod tests {
+    use super::unstorable_escape;
+    use proptest::prelude::*;
+
+    #[test]
+    fn nul_and_lone_surrogates_are_found_anywhere() {
+        assert!(unstorable_escape(br#"{"a":"x\u0000y"}"#).is_some());
+        assert!(unstorable_escape(br#"{"x\u0000":1}"#).is_some());
+        assert!(unstorable_escape(br#"{"a":{"b":["\ud800"]}}"#).is_some());
+        assert!(unstorable_escape(br#"{"a":"\udc00"}"#).is_some());
+        assert!(unstorable_escape(br#"{"a":"\ud83d\ude00"}"#).is_none());
+        assert!(unstorable_escape(br#"{"a":"\\u0000"}"#).is_none());
+        assert!(unstorable_escape(br#"{"a":"\n\u0041"}"#).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn every_string_serde_writes_is_judged_like_postgres_would(text in any::<String>()) {
+            let json = serde_json::to_vec(&serde_json::json!({ "k": text })).unwrap();
+            prop_assert_eq!(unstorable_escape(&json).is_some(), text.contains('\0'));
+        }
+    }
+}

@@ -110,11 +110,12 @@ impl IdsInput {
         (status = 200, description = "IDs issued", body = IssuedIds,
          headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "sequence_exhausted, or idempotency_key_in_use", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn issue_ids(
@@ -163,6 +164,8 @@ async fn issue_once(
         "count": input.count,
     });
     let hash = idempotency::fingerprint("ids", &canonical);
+    // Before the transaction: placing may read or create the sequence.
+    let placement = state.issuer.place(&input.project, &input.doc_type).await?;
     let mut tx = state.db.begin().await.map_err(db_error)?;
     idempotency::wait_for_twins_briefly(&mut tx)
         .await
@@ -184,7 +187,7 @@ async fn issue_once(
         Some(Claimed::New) | None => {
             let issued = state
                 .issuer
-                .issue_in(&mut tx, &input.project, &input.doc_type, input.count)
+                .issue_in(&mut tx, placement, input.count)
                 .await?;
             let body = serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?;
             idempotency::store(&mut tx, &caller, &[(key.as_str(), 200, body.clone())])
@@ -210,11 +213,12 @@ async fn issue_once(
         (status = 200, description = "IDs issued", body = IssuedIds,
          headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "sequence_exhausted, or idempotency_key_in_use", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn issue_ids_short(

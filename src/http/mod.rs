@@ -9,6 +9,7 @@ pub mod ids;
 mod outbox;
 pub mod problem;
 mod sequences;
+pub mod server;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,9 +135,7 @@ pub fn app(
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::internal("handler panicked").into_response()
         }))
-        .layer(middleware::from_fn(move |req, next| {
-            with_timeout(timeout, req, next)
-        }))
+        .layer(middleware::from_fn(move |req, next| guard(timeout, req, next)))
         .service(router(state))
 }
 
@@ -176,8 +175,24 @@ impl MakeRequestId for RequestIds {
     }
 }
 
-async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
-    match tokio::time::timeout(limit, next.run(req)).await {
+/// What every request meets first: a URL Postgres could not store is
+/// refused, and the request gets `limit` to finish (its body must have
+/// arrived by then: the body extractor answers 408, a moment before this
+/// answers 503).
+async fn guard(limit: Duration, mut req: Request, next: Next) -> Response {
+    let uri = req.uri();
+    if has_nul_escape(uri.path()) || uri.query().is_some_and(has_nul_escape) {
+        return ApiError::bad_request(
+            "invalid_character",
+            "the URL contains NUL (%00), which cannot be stored; remove it",
+        )
+        .into_response();
+    }
+    let started = tokio::time::Instant::now();
+    req.extensions_mut()
+        .insert(extract::BodyDeadline(started + limit));
+    let grace = Duration::from_millis(200);
+    match tokio::time::timeout_at(started + limit + grace, next.run(req)).await {
         Ok(response) => response,
         Err(_) => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -186,6 +201,13 @@ async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
         )
         .into_response(),
     }
+}
+
+/// `%00` anywhere in a path or query: a NUL once decoded. (The URL parser
+/// refuses a raw NUL byte; a decoded surrogate is not valid UTF-8, which the
+/// extractors refuse.)
+fn has_nul_escape(text: &str) -> bool {
+    text.as_bytes().windows(3).any(|w| w == b"%00")
 }
 
 async fn not_found(req: Request) -> ApiError {

@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 use crate::documents::{BatchError, DocumentError};
 use crate::idempotency::{ClaimError, KeyError};
 use crate::issuance::IssueError;
+use crate::ledger::LedgerError;
 use crate::sequence::store::{PutError, StoreError};
 
 /// An RFC 9457 problem document.
@@ -169,6 +170,8 @@ impl From<StoreError> for ApiError {
         match e {
             StoreError::Db(e) => db_error(e),
             StoreError::Definition(e) => Self::bad_request("invalid_definition", e.to_string()),
+            StoreError::Conflict { .. } => Self::conflict("format_conflict", e.to_string()),
+            StoreError::TooMany { .. } => Self::conflict("sequence_limit_reached", e.to_string()),
             StoreError::Corrupt(..) => Self::internal(e),
         }
     }
@@ -188,20 +191,67 @@ impl From<IssueError> for ApiError {
         match e {
             IssueError::Exhausted { .. } => Self::conflict("sequence_exhausted", e.to_string()),
             IssueError::Layout(e) => Self::conflict("layout_out_of_range", e.to_string()),
+            IssueError::IdTooLong { .. } => Self::conflict("id_too_long", e.to_string()),
+            IssueError::DefinitionChanged { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "definition_changed",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             IssueError::Store(e) => e.into(),
-            IssueError::Ledger(e) => Self::unavailable(e),
+            IssueError::Ledger(e) => e.into(),
             IssueError::Counter(e) => db_error(e),
         }
     }
 }
 
-/// Connection trouble is a 503 the client may retry; anything else is ours.
-pub fn db_error(e: sqlx::Error) -> ApiError {
-    match e {
-        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed => {
-            ApiError::unavailable(e)
+impl From<LedgerError> for ApiError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::Unstorable(_) => Self::bad_request("unstorable_value", e.to_string()),
+            LedgerError::DocumentIdTaken(_) => Self::conflict("document_id_taken", e.to_string()),
+            LedgerError::AlreadyAttached(_) => Self::conflict("id_not_attachable", e.to_string()),
+            LedgerError::Db(_)
+            | LedgerError::Statement(_)
+            | LedgerError::Waited(_)
+            | LedgerError::Closed => Self::unavailable(e),
         }
-        other => ApiError::internal(other),
+    }
+}
+
+/// Connection trouble, timeouts and lock waits are a 503 the client may
+/// retry; a value the database cannot store is the request's 400; anything
+/// else is ours.
+pub fn db_error(e: sqlx::Error) -> ApiError {
+    match &e {
+        sqlx::Error::PoolTimedOut
+        | sqlx::Error::Io(_)
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_) => ApiError::unavailable(e),
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            if code.starts_with("22") {
+                ApiError::bad_request(
+                    "unstorable_value",
+                    format!(
+                        "the database cannot store a value of this request: {}",
+                        db.message()
+                    ),
+                )
+            } else if code.starts_with("40")
+                || code.starts_with("53")
+                || code.starts_with("57")
+                || code == "55P03"
+            {
+                // Serialization failures, deadlocks, resources, timeouts,
+                // lock waits, shutdowns: try again.
+                ApiError::unavailable(e)
+            } else {
+                ApiError::internal(e)
+            }
+        }
+        _ => ApiError::internal(e),
     }
 }
 

@@ -240,7 +240,8 @@ async fn live_figures(
         (status = 200, description = "Replaced", body = SequenceView),
         (status = 201, description = "Created", body = SequenceView),
         (status = 400, description = "Invalid definition", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Identity change of a sequence in use without force", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_in_use (an identity change without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn put_sequence(
@@ -260,6 +261,11 @@ pub async fn put_sequence(
             .pools
             .discard_sequence_pools(old, "definition_changed")
             .await;
+    } else if let Some(old) = &outcome.previous
+        && outcome.sequence.definition.max_seq() < old.definition.max_seq()
+    {
+        // Pools filled under the higher max hold numbers past the new one.
+        state.pools.trim_sequence_pools(&outcome.sequence).await;
     }
     let status = if outcome.created {
         StatusCode::CREATED

@@ -19,10 +19,11 @@ use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 pub use self::redis::{PoolKeys, Popped, RedisFailure, RedisLink, RedisSettings};
 use crate::batch::Batcher;
-use crate::counter::Counter;
+use crate::counter::{Counter, Reserved};
 use crate::numbers::SeqRange;
 use crate::sequence::store::SequenceStore;
 use crate::sequence::{Period, Sequence};
@@ -107,7 +108,12 @@ pub struct PoolService {
     /// The current pool of each sequence seen, by sequence id and period.
     pool_refs: Mutex<HashMap<i64, HashMap<String, PoolRef>>>,
     refill_slots: Arc<Semaphore>,
+    /// Refills running in the background; awaited (for a while) at shutdown.
+    refills: TaskTracker,
 }
+
+/// Most sequences whose current pool one instance remembers.
+const MAX_POOL_REFS: usize = 10_000;
 
 impl PoolService {
     pub fn new(
@@ -116,10 +122,12 @@ impl PoolService {
         sequences: Arc<SequenceStore>,
         stats: Arc<Stats>,
         settings: PoolSettings,
+        tasks: &TaskTracker,
     ) -> Arc<Self> {
         let pop_link = redis.clone();
-        let (pops, _collector) =
-            Batcher::spawn(1024, move |batch| pop_batch(pop_link.clone(), batch));
+        let pops = Batcher::spawn(tasks, "pool pops", 1024, move |batch| {
+            pop_batch(pop_link.clone(), batch)
+        });
         Arc::new(Self {
             refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
             redis,
@@ -131,7 +139,23 @@ impl PoolService {
             refills_in_flight: Mutex::new(HashMap::new()),
             demand: Mutex::new(HashMap::new()),
             pool_refs: Mutex::new(HashMap::new()),
+            refills: TaskTracker::new(),
         })
+    }
+
+    /// Waits up to `limit` for the refills in flight, so a stopping
+    /// instance does not leave a block reserved but never pushed.
+    pub async fn finish_refills(&self, limit: Duration) {
+        self.refills.close();
+        if tokio::time::timeout(limit, self.refills.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                running = self.refills.len(),
+                "refills still running at shutdown; their blocks are recorded as lost"
+            );
+        }
     }
 
     pub fn redis(&self) -> &Arc<RedisLink> {
@@ -142,6 +166,9 @@ impl PoolService {
     /// building its keys is most of the work.
     pub fn pool_ref(&self, sequence: Arc<Sequence>, period: Period) -> PoolRef {
         let mut known = self.pool_refs.lock().unwrap_or_else(|e| e.into_inner());
+        if known.len() >= MAX_POOL_REFS && !known.contains_key(&sequence.id) {
+            known.clear();
+        }
         let periods = known.entry(sequence.id).or_default();
         if let Some(pool) = periods.get(period.key())
             && Arc::ptr_eq(&pool.sequence, &sequence)
@@ -173,7 +200,9 @@ impl PoolService {
         count: usize,
     ) -> Result<Vec<i64>, RedisFailure> {
         let mut popped = self.pop(pool, count).await?;
-        let mut seqs = std::mem::take(&mut popped.seqs);
+        let mut seqs = self
+            .within_max(pool, std::mem::take(&mut popped.seqs))
+            .await;
         if seqs.len() < count {
             Stats::add(&self.stats.pool_short, 1);
             // The refill also brings what waiting requests lack, so a big
@@ -200,7 +229,7 @@ impl PoolService {
                     Ok(RefillOutcome::Exhausted | RefillOutcome::Failed) | Err(_) => break,
                 }
                 let mut again = self.pop(pool, count - seqs.len()).await?;
-                seqs.append(&mut again.seqs);
+                seqs.extend(self.within_max(pool, std::mem::take(&mut again.seqs)).await);
                 if seqs.len() < count {
                     self.add_demand(pool, count - seqs.len());
                 }
@@ -223,7 +252,56 @@ impl PoolService {
         if popped.seqs.len() == count {
             self.refill_if_low(pool, &popped);
         }
-        Ok(popped.seqs)
+        Ok(self.within_max(pool, popped.seqs).await)
+    }
+
+    /// Numbers above the sequence's `max` (a pool filled before `max` was
+    /// lowered) are never issued: they are recorded as discarded.
+    async fn within_max(&self, pool: &PoolRef, mut seqs: Vec<i64>) -> Vec<i64> {
+        let max = pool.sequence.definition.max_seq();
+        if seqs.iter().all(|s| *s <= max) {
+            return seqs;
+        }
+        let above: Vec<i64> = seqs.iter().copied().filter(|s| *s > max).collect();
+        seqs.retain(|s| *s <= max);
+        let ranges = crate::numbers::runs(&above);
+        self.record_discard(&pool.sequence, pool.period.key(), &ranges, "above_max")
+            .await;
+        seqs
+    }
+
+    /// Removes numbers above `max` from every pool of `sequence` (its `max`
+    /// was lowered) and records them.
+    pub async fn trim_sequence_pools(&self, sequence: &Sequence) {
+        let max = sequence.definition.max_seq();
+        let keys = match self
+            .redis
+            .pool_keys(Some((
+                sequence.project.as_str(),
+                sequence.doc_type.as_str(),
+            )))
+            .await
+        {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list pools to trim; numbers above max are dropped when popped");
+                return;
+            }
+        };
+        for key in keys {
+            if let Some((project, doc_type, period)) =
+                PoolKeys::parse_pool_key(self.redis.prefix(), &key)
+            {
+                let keys = self.redis.keys(project, doc_type, period);
+                match self.redis.trim_above(&keys, max).await {
+                    Ok(ranges) => {
+                        self.record_discard(sequence, period, &ranges, "above_max")
+                            .await
+                    }
+                    Err(e) => tracing::warn!(error = %e, key, "could not trim pool"),
+                }
+            }
+        }
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {
@@ -275,13 +353,21 @@ impl PoolService {
         running.insert(pool.keys.clone(), refill.clone());
         let service = self.clone();
         let pool = pool.clone();
-        tokio::spawn(async move {
-            let outcome = service.refill(&pool).await;
-            service
-                .refills_in_flight
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&pool.keys);
+        self.refills.spawn(async move {
+            // Whatever becomes of the refill, even a panic, the pool must
+            // not stay marked as refilling: nobody would refill it again.
+            let _in_flight = InFlightRefill {
+                service: &service,
+                keys: &pool.keys,
+            };
+            let outcome = std::panic::AssertUnwindSafe(service.refill(&pool))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|_| {
+                    tracing::error!(pool = %pool.keys.pool, "refill panicked");
+                    Stats::add(&service.stats.task_panics, 1);
+                    RefillOutcome::Failed
+                });
             let _ = done.send(outcome);
         });
         refill
@@ -336,10 +422,16 @@ impl PoolService {
             .reserve_pool_block(&pool.sequence, &pool.period, want, lock_acquired_at)
             .await
         {
-            Ok(Some(block)) => block,
-            Ok(None) => {
+            Ok(Reserved::Got(block)) => block,
+            Ok(Reserved::Exhausted) => {
                 let _ = self.redis.release(&pool.keys, &token).await;
                 return RefillOutcome::Exhausted;
+            }
+            Ok(Reserved::Stale) => {
+                // The definition changed: the next request reads it anew.
+                self.sequences.evict_all();
+                let _ = self.redis.release(&pool.keys, &token).await;
+                return RefillOutcome::Failed;
             }
             Err(e) => {
                 tracing::error!(error = %e, pool = %pool.keys.pool, "block reservation failed");
@@ -584,6 +676,22 @@ impl PoolService {
                 }
             }
         }
+    }
+}
+
+/// Unmarks a pool as refilling when its refill task ends, however it ends.
+struct InFlightRefill<'a> {
+    service: &'a PoolService,
+    keys: &'a Arc<PoolKeys>,
+}
+
+impl Drop for InFlightRefill<'_> {
+    fn drop(&mut self) {
+        self.service
+            .refills_in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(self.keys);
     }
 }
 

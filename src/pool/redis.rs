@@ -81,6 +81,7 @@ struct Scripts {
     push: Script,
     release: Script,
     discard: Script,
+    trim_above: Script,
     claim_prefix: Script,
 }
 
@@ -149,6 +150,7 @@ impl RedisLink {
                 push: Script::from_lua(scripts::PUSH),
                 release: Script::from_lua(scripts::RELEASE),
                 discard: Script::from_lua(scripts::DISCARD),
+                trim_above: Script::from_lua(scripts::TRIM_ABOVE),
                 claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
             },
             up: AtomicBool::new(false),
@@ -377,6 +379,29 @@ impl RedisLink {
                     &self.scripts.discard,
                     vec![keys.pool.clone(), keys.meta.clone()],
                     vec![keep_run_id.unwrap_or("").to_owned()],
+                )
+                .await?;
+            let bounds: Vec<i64> = array(reply)?.iter().filter_map(integer).collect();
+            Ok(bounds
+                .chunks_exact(2)
+                .map(|pair| SeqRange::new(pair[0], pair[1] + 1))
+                .collect())
+        })
+        .await
+    }
+
+    /// Removes the numbers above `max` and returns them.
+    pub async fn trim_above(
+        &self,
+        keys: &PoolKeys,
+        max: i64,
+    ) -> Result<Vec<SeqRange>, RedisFailure> {
+        self.guarded(async {
+            let reply = self
+                .eval(
+                    &self.scripts.trim_above,
+                    vec![keys.pool.clone()],
+                    vec![max.to_string()],
                 )
                 .await?;
             let bounds: Vec<i64> = array(reply)?.iter().filter_map(integer).collect();

@@ -93,3 +93,31 @@ if not owner then
 end
 return owner
 "#;
+
+/// KEYS: pool. ARGV: max.
+/// Removes the numbers above `max` from the tail of the ascending pool and
+/// returns them as flat [first, last] pairs of consecutive runs.
+pub const TRIM_ABOVE: &str = r#"
+local max = tonumber(ARGV[1])
+local out, n, first, last = {}, 0, nil, nil
+while true do
+  local tail = tonumber(redis.call('LINDEX', KEYS[1], -1))
+  if not tail or tail <= max then break end
+  redis.call('RPOP', KEYS[1])
+  if last and tail == first - 1 then
+    first = tail
+  else
+    if last then
+      out[n + 1] = string.format('%d', first)
+      out[n + 2] = string.format('%d', last)
+      n = n + 2
+    end
+    first, last = tail, tail
+  end
+end
+if last then
+  out[n + 1] = string.format('%d', first)
+  out[n + 2] = string.format('%d', last)
+end
+return out
+"#;

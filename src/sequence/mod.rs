@@ -2,16 +2,18 @@
 //! and count.
 
 mod name;
+pub mod pattern;
 mod period;
 pub mod store;
 mod template;
 
-use chrono::{DateTime, NaiveDate, TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 pub use name::{CodeError, ProjectCode, TypeCode};
+pub use pattern::Pattern;
 pub use period::{Period, Reset, start_of_day};
 pub use template::{Template, TemplateError, TextShape};
 
@@ -98,9 +100,10 @@ pub enum DefinitionError {
     #[error("epoch must be on or after 1970-01-01T00:00:00Z")]
     Epoch,
     #[error(
-        "a {0} sequence needs {{date:...}} tokens that change every period, or its IDs would repeat"
+        "a {0} sequence needs {{date:...}} tokens that change every period (naming the {1}, such as \
+         {2}), or its IDs would repeat"
     )]
-    PeriodNotInFormat(&'static str),
+    PeriodNotInFormat(&'static str, &'static str, &'static str),
     #[error("IDs would be up to {0} characters long; the limit is {MAX_ID_LEN}")]
     TooLong(usize),
 }
@@ -179,7 +182,7 @@ impl Definition {
             refill_at,
         };
         definition.check_periods_distinct()?;
-        definition.check_id_length(project, doc_type)?;
+        definition.check_pattern(project, doc_type)?;
         Ok(definition)
     }
 
@@ -265,58 +268,67 @@ impl Definition {
         }
     }
 
-    fn check_periods_distinct(&self) -> Result<(), DefinitionError> {
-        if self.reset == Reset::Never || matches!(self.layout, Layout::Int64 { .. }) {
-            return Ok(());
+    /// What IDs of this definition print, for reading them back and for
+    /// telling whether two definitions could print the same ID.
+    pub fn pattern(&self, project: &str, doc_type: &str) -> Result<Pattern, TemplateError> {
+        match self.layout {
+            Layout::Text => self
+                .format
+                .pattern(project, doc_type, digits(self.max_seq())),
+            Layout::Int64 { .. } => Ok(Pattern::number(19, "the int64 layout")),
         }
-        let samples = match self.reset {
-            Reset::Daily => 400,
-            Reset::Monthly => 25,
-            _ => 10,
-        };
-        let from = NaiveDate::from_ymd_opt(2024, 1, 1).unwrap_or_default();
-        let mut seen = std::collections::HashSet::new();
-        for day in self.reset.consecutive_first_days(from, samples) {
-            let at = start_of_day(self.timezone, day).with_timezone(&self.timezone);
-            if !seen.insert(self.format.date_part(&at)) {
-                return Err(DefinitionError::PeriodNotInFormat(self.reset.as_str()));
-            }
-        }
-        Ok(())
     }
 
-    fn check_id_length(
+    /// Longest ID a number of this definition can have; every ID issued is
+    /// checked against it.
+    pub fn longest_id(&self, shape: &IdShape) -> usize {
+        match shape {
+            IdShape::Text(text) => text.len_with_digits(digits(self.max_seq())),
+            IdShape::Int64 { .. } => 19,
+        }
+    }
+
+    /// Each period's IDs must name the period, or a counter that starts
+    /// again would print the IDs of an earlier period.
+    fn check_periods_distinct(&self) -> Result<(), DefinitionError> {
+        if matches!(self.layout, Layout::Int64 { .. }) {
+            return Ok(());
+        }
+        let calendar = self.format.calendar();
+        let (named, what, example) = match self.reset {
+            Reset::Never => return Ok(()),
+            Reset::Daily => (calendar.names_the_day(), "day", "%Y%m%d or %y%j"),
+            Reset::Monthly => (calendar.names_the_month(), "month", "%Y%m"),
+            Reset::Yearly => (calendar.names_the_year(), "year", "%Y"),
+        };
+        if named {
+            Ok(())
+        } else {
+            Err(DefinitionError::PeriodNotInFormat(
+                self.reset.as_str(),
+                what,
+                example,
+            ))
+        }
+    }
+
+    /// Reads back one way and fits the 64-character limit at every instant.
+    fn check_pattern(
         &self,
         project: &ProjectCode,
         doc_type: &TypeCode,
     ) -> Result<(), DefinitionError> {
-        let digits = self.max_seq().to_string().len();
-        let longest = match self.layout {
-            Layout::Int64 { .. } => 19,
-            Layout::Text => {
-                // Wednesday, September: the longest English day and month names.
-                let samples = ["2026-09-30T23:59:59Z", "2026-12-31T23:59:59Z"];
-                samples
-                    .iter()
-                    .filter_map(|s| DateTime::parse_from_rfc3339(s).ok())
-                    .map(|at| {
-                        self.format
-                            .shape(
-                                project.as_str(),
-                                doc_type.as_str(),
-                                &at.with_timezone(&self.timezone),
-                            )
-                            .len_with_digits(digits)
-                    })
-                    .max()
-                    .unwrap_or(0)
-            }
-        };
+        let longest = self.pattern(project.as_str(), doc_type.as_str())?.max_len();
         if longest > MAX_ID_LEN {
             return Err(DefinitionError::TooLong(longest));
         }
         Ok(())
     }
+}
+
+/// Decimal digits of a non-negative number.
+fn digits(n: i64) -> usize {
+    n.max(0).checked_ilog10().map_or(1, |d| d as usize + 1)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -357,8 +369,34 @@ pub struct Sequence {
     pub doc_type: TypeCode,
     pub definition: Definition,
     pub version: i32,
+    /// Bumped by every change of how IDs read; counter reservations are
+    /// refused to an instance placing numbers under an older one.
+    pub identity_version: i32,
+    /// Where counters of early periods start after a forced reset change.
+    pub floor: Option<CounterFloor>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// Counters of periods that began before `until` start at `value` (or
+/// above): the numbers below it may have been printed under the old reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CounterFloor {
+    pub value: i64,
+    pub until: DateTime<Utc>,
+}
+
+impl Sequence {
+    /// First number of a period's counter.
+    pub fn first_number(&self, period: &Period) -> i64 {
+        let start = self.definition.start;
+        match self.floor {
+            Some(floor) if period.starts_at().is_none_or(|s| s < floor.until) => {
+                start.max(floor.value)
+            }
+            _ => start,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -391,10 +429,10 @@ mod tests {
             reset: Some(Reset::Daily),
             ..Default::default()
         };
-        assert_eq!(
+        assert!(matches!(
             Definition::from_input(&input, &p, &t),
-            Err(DefinitionError::PeriodNotInFormat("daily"))
-        );
+            Err(DefinitionError::PeriodNotInFormat("daily", ..))
+        ));
         input.format = Some("{type}{date:%Y%m%d}{seq:4}".into());
         assert!(Definition::from_input(&input, &p, &t).is_ok());
         input.format = Some("{type}{date:%y%j}{seq:4}".into());

@@ -1,20 +1,34 @@
 //! Sequence definitions in Postgres, with a per-instance cache for the hot path.
+//!
+//! Creating a sequence and changing how its IDs read happen under a lock per
+//! project, and are refused when the new IDs could read like IDs another
+//! sequence of the project prints, or like IDs the sequence printed before.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
+use super::pattern::Pattern;
 use super::{
-    Definition, DefinitionError, Layout, ProjectCode, Reset, Sequence, Template, TypeCode,
+    CounterFloor, DEFAULT_FORMAT, Definition, DefinitionError, Layout, ProjectCode, Reset,
+    Sequence, Template, TypeCode,
 };
 
 /// Postgres channel that tells every instance a definition changed.
 pub const CHANGED_CHANNEL: &str = "idpool_sequences";
 /// How long a cached definition is trusted without a change notification.
 const CACHE_TTL: Duration = Duration::from_secs(30);
+/// Most definitions one instance keeps; idle ones go first.
+const MAX_CACHED: usize = 10_000;
+/// After a forced reset change, periods beginning this soon still share
+/// printed dates with the old definition (time zones lie up to 26 hours
+/// apart; one more day for the period itself).
+const FLOOR_SPAN: chrono::Duration = chrono::Duration::hours(50);
+/// Default of `IDPOOL_MAX_SEQUENCES_PER_PROJECT`.
+pub const DEFAULT_MAX_PER_PROJECT: usize = 1000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -24,6 +38,17 @@ pub enum StoreError {
     Corrupt(String, String),
     #[error(transparent)]
     Definition(#[from] DefinitionError),
+    #[error(
+        "IDs of {sequence} could read like IDs {other} (both could print {example:?}); \
+         choose a format that cannot"
+    )]
+    Conflict {
+        sequence: String,
+        other: String,
+        example: String,
+    },
+    #[error("project {project} has {limit} sequences, the most one project may have")]
+    TooMany { project: String, limit: usize },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +66,8 @@ pub struct PutOutcome {
     pub created: bool,
     /// The previous definition, when this PUT changed how IDs read.
     pub replaced_identity: Option<Arc<Sequence>>,
+    /// The definition before this PUT, if there was one.
+    pub previous: Option<Arc<Sequence>>,
 }
 
 struct Cached {
@@ -51,6 +78,7 @@ struct Cached {
 pub struct SequenceStore {
     db: PgPool,
     cache: RwLock<HashMap<String, Cached>>,
+    max_per_project: usize,
 }
 
 fn cache_key(project: &str, doc_type: &str) -> String {
@@ -72,12 +100,16 @@ struct SequenceRow {
     pool_size: i32,
     refill_at: f64,
     version: i32,
+    identity_version: i32,
+    counter_floor: Option<i64>,
+    floor_until: Option<DateTime<Utc>>,
     created_at: DateTime<Utc>,
     updated_at: DateTime<Utc>,
 }
 
 const SELECT_COLUMNS: &str = "id, project, doc_type, format, layout, epoch, start_seq, max_seq, \
-     reset, timezone, pool_size, refill_at, version, created_at, updated_at";
+     reset, timezone, pool_size, refill_at, version, identity_version, counter_floor, floor_until, \
+     created_at, updated_at";
 
 impl SequenceRow {
     fn into_sequence(self) -> Result<Sequence, StoreError> {
@@ -103,17 +135,31 @@ impl SequenceRow {
                 refill_at: self.refill_at,
             },
             version: self.version,
+            identity_version: self.identity_version,
+            floor: self
+                .counter_floor
+                .zip(self.floor_until)
+                .map(|(value, until)| CounterFloor { value, until }),
             created_at: self.created_at,
             updated_at: self.updated_at,
         })
     }
 }
 
+/// What IDs of one definition (current or retired) of a sequence print.
+struct Printed {
+    sequence_id: i64,
+    /// `PROJ/IS`, or `PROJ/IS (before: {old format})`.
+    name: String,
+    pattern: Pattern,
+}
+
 impl SequenceStore {
-    pub fn new(db: PgPool) -> Self {
+    pub fn new(db: PgPool, max_per_project: usize) -> Self {
         Self {
             db,
             cache: RwLock::new(HashMap::new()),
+            max_per_project: max_per_project.max(1),
         }
     }
 
@@ -129,6 +175,13 @@ impl SequenceStore {
         let sequence = Arc::new(sequence);
         let key = cache_key(sequence.project.as_str(), sequence.doc_type.as_str());
         let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= MAX_CACHED && !cache.contains_key(&key) {
+            // Entries past their time are reloaded anyway: drop them first.
+            cache.retain(|_, c| c.loaded.elapsed() < CACHE_TTL);
+            if cache.len() >= MAX_CACHED {
+                cache.clear();
+            }
+        }
         cache.insert(
             key,
             Cached {
@@ -150,6 +203,10 @@ impl SequenceStore {
         cache.clear();
     }
 
+    pub fn cached_len(&self) -> usize {
+        self.cache.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     /// The sequence, created with the default definition on first use.
     pub async fn get_or_create(
         &self,
@@ -164,15 +221,19 @@ impl SequenceStore {
             return Ok(self.remember(sequence));
         }
         let definition = Definition::defaults(project, doc_type)?;
-        if let Some(created) = insert_defaults(&self.db, project, doc_type, &definition).await? {
-            return Ok(self.remember(created.into_sequence()?));
-        }
-        // Another request created it first.
-        let sequence = self
-            .load(project.as_str(), doc_type.as_str())
-            .await?
-            .ok_or_else(|| StoreError::Corrupt(key, "vanished after insert".into()))?;
-        Ok(self.remember(sequence))
+        let mut tx = self.db.begin().await?;
+        lock_project(&mut tx, project).await?;
+        // Another request may have created it while we waited for the lock.
+        let created = match select_for_update(&mut tx, project, doc_type).await? {
+            Some(row) => row,
+            None => {
+                self.check_room(&mut tx, project).await?;
+                check_against_project(&mut tx, project, doc_type, None, &definition).await?;
+                insert_definition(&mut tx, project, doc_type, &definition).await?
+            }
+        };
+        tx.commit().await?;
+        Ok(self.remember(created.into_sequence()?))
     }
 
     /// The sequence if it was defined or used, read fresh from Postgres.
@@ -227,8 +288,19 @@ impl SequenceStore {
         rows.into_iter().map(SequenceRow::into_sequence).collect()
     }
 
+    /// The identity version the sequence has now (to tell a stale
+    /// definition from a spent counter).
+    pub async fn identity_version(&self, id: i64) -> Result<Option<i32>, sqlx::Error> {
+        sqlx::query_scalar("SELECT identity_version FROM sequences WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.db)
+            .await
+    }
+
     /// Creates or replaces a definition, refusing identity changes of a
-    /// sequence with issued numbers unless `force`.
+    /// sequence with issued numbers unless `force`, and any definition whose
+    /// IDs could read like IDs of another sequence of the project or like
+    /// IDs this one printed under an earlier format.
     pub async fn put(
         &self,
         project: &ProjectCode,
@@ -237,23 +309,23 @@ impl SequenceStore {
         force: bool,
     ) -> Result<PutOutcome, PutError> {
         let mut tx = self.db.begin().await.map_err(StoreError::from)?;
-        let sql = format!(
-            "SELECT {SELECT_COLUMNS} FROM sequences WHERE project = $1 AND doc_type = $2 FOR UPDATE"
-        );
-        let existing: Option<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(project.as_str())
-            .bind(doc_type.as_str())
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(StoreError::from)?;
-        let existing = existing.map(SequenceRow::into_sequence).transpose()?;
+        lock_project(&mut tx, project).await?;
+        let existing = select_for_update(&mut tx, project, doc_type)
+            .await?
+            .map(SequenceRow::into_sequence)
+            .transpose()?;
         let mut replaced_identity = None;
         match &existing {
-            None => insert_definition(&mut *tx, project, doc_type, definition)
-                .await
-                .map_err(StoreError::from)?,
+            None => {
+                self.check_room(&mut tx, project).await?;
+                check_against_project(&mut tx, project, doc_type, None, definition).await?;
+                insert_definition(&mut tx, project, doc_type, definition).await?;
+            }
             Some(current) => {
-                if current.definition.changes_identity(definition) {
+                check_against_project(&mut tx, project, doc_type, Some(current.id), definition)
+                    .await?;
+                let changes_identity = current.definition.changes_identity(definition);
+                if changes_identity {
                     let issued: bool = sqlx::query_scalar(
                         "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1)",
                     )
@@ -264,9 +336,12 @@ impl SequenceStore {
                     if issued && !force {
                         return Err(PutError::InUse);
                     }
+                    if issued {
+                        retire(&mut tx, current, definition).await?;
+                    }
                     replaced_identity = Some(Arc::new(current.clone()));
                 }
-                update_definition(&mut *tx, current.id, definition)
+                update_definition(&mut tx, current.id, definition, changes_identity)
                     .await
                     .map_err(StoreError::from)?;
             }
@@ -291,58 +366,230 @@ impl SequenceStore {
             sequence: self.remember(sequence),
             created: existing.is_none(),
             replaced_identity,
+            previous: existing.map(Arc::new),
         })
     }
+
+    /// Refuses a new sequence in a project that has as many as it may.
+    async fn check_room(
+        &self,
+        conn: &mut PgConnection,
+        project: &ProjectCode,
+    ) -> Result<(), StoreError> {
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM sequences WHERE project = $1")
+            .bind(project.as_str())
+            .fetch_one(&mut *conn)
+            .await?;
+        if count as usize >= self.max_per_project {
+            return Err(StoreError::TooMany {
+                project: project.to_string(),
+                limit: self.max_per_project,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Serialises creations and changes of one project's sequences, so two of
+/// them cannot each pass the conflict check against the other's old state.
+async fn lock_project(conn: &mut PgConnection, project: &ProjectCode) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idpool:project:' || $1, 0))")
+        .bind(project.as_str())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+async fn select_for_update(
+    conn: &mut PgConnection,
+    project: &ProjectCode,
+    doc_type: &TypeCode,
+) -> Result<Option<SequenceRow>, StoreError> {
+    let sql = format!(
+        "SELECT {SELECT_COLUMNS} FROM sequences WHERE project = $1 AND doc_type = $2 FOR UPDATE"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(project.as_str())
+        .bind(doc_type.as_str())
+        .fetch_optional(&mut *conn)
+        .await?)
+}
+
+/// The pattern of a stored (or retired) definition. One stored before the
+/// reading rule existed still tells what it could print.
+fn stored_pattern(
+    layout: &str,
+    format: &str,
+    project: &str,
+    doc_type: &str,
+    max_digits: usize,
+) -> Option<Pattern> {
+    if layout == "int64" {
+        return Some(Pattern::number(19, "the int64 layout"));
+    }
+    let template = Template::parse(format).ok()?;
+    Some(Pattern::loose(
+        template.parts(project, doc_type, max_digits),
+    ))
+}
+
+/// Every pattern the project's sequences print or printed. With
+/// `skip_default`, sequences printing the default format are left out: two
+/// of them never print alike (a code holds no `-`), so a project of
+/// default sequences costs nothing to check.
+async fn project_patterns(
+    conn: &mut PgConnection,
+    project: &ProjectCode,
+    skip_default: bool,
+) -> Result<Vec<Printed>, StoreError> {
+    let rows: Vec<(i64, String, String, String, Option<i64>, bool)> = sqlx::query_as(
+        "SELECT s.id, s.doc_type, s.layout, s.format, s.max_seq, true FROM sequences s \
+          WHERE s.project = $1 AND NOT ($2 AND s.layout = 'text' AND s.format = $3) \
+         UNION ALL \
+         SELECT s.id, s.doc_type, f.layout, f.format, NULL, false FROM sequence_formats f \
+           JOIN sequences s ON s.id = f.sequence_id \
+          WHERE s.project = $1 AND NOT ($2 AND f.layout = 'text' AND f.format = $3)",
+    )
+    .bind(project.as_str())
+    .bind(skip_default)
+    .bind(DEFAULT_FORMAT)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(id, doc_type, layout, format, max, current)| {
+            let digits = max.map_or(19, |m| m.max(0).to_string().len());
+            let pattern = stored_pattern(&layout, &format, project.as_str(), &doc_type, digits)?;
+            let name = if current {
+                format!("{project}/{doc_type}")
+            } else {
+                format!("{project}/{doc_type} printed with its earlier format {format:?}")
+            };
+            Some(Printed {
+                sequence_id: id,
+                name,
+                pattern,
+            })
+        })
+        .collect())
+}
+
+/// Refuses `definition` for `project`/`doc_type` when its IDs could read
+/// like IDs another sequence of the project prints or printed. The
+/// sequence's own earlier formats are checked when it is changed.
+async fn check_against_project(
+    conn: &mut PgConnection,
+    project: &ProjectCode,
+    doc_type: &TypeCode,
+    own_id: Option<i64>,
+    definition: &Definition,
+) -> Result<(), StoreError> {
+    let pattern = definition
+        .pattern(project.as_str(), doc_type.as_str())
+        .map_err(DefinitionError::from)?;
+    let is_default =
+        definition.layout == Layout::Text && definition.format.as_str() == DEFAULT_FORMAT;
+    for printed in project_patterns(conn, project, is_default).await? {
+        if Some(printed.sequence_id) == own_id {
+            continue;
+        }
+        if let Some(example) = pattern.common_example(&printed.pattern) {
+            return Err(StoreError::Conflict {
+                sequence: format!("{project}/{doc_type}"),
+                other: format!("of {}", printed.name),
+                example,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A forced change of a sequence that printed IDs: the new format must not
+/// print what any earlier format printed, and when the same format comes
+/// back under another reset, counters start above every number taken so
+/// far (a counter starting over would print the old IDs again).
+async fn retire(
+    conn: &mut PgConnection,
+    current: &Sequence,
+    next: &Definition,
+) -> Result<(), StoreError> {
+    let (project, doc_type) = (current.project.as_str(), current.doc_type.as_str());
+    let name = format!("{project}/{doc_type}");
+    let layout = |d: &Definition| layout_name(d).to_owned();
+    let mut printed: Vec<(String, String)> =
+        sqlx::query_as("SELECT layout, format FROM sequence_formats WHERE sequence_id = $1")
+            .bind(current.id)
+            .fetch_all(&mut *conn)
+            .await?;
+    printed.push((
+        layout(&current.definition),
+        current.definition.format.as_str().to_owned(),
+    ));
+    let new_pattern = next
+        .pattern(project, doc_type)
+        .map_err(DefinitionError::from)?;
+    let same_as = |(l, f): &(String, String)| *l == layout(next) && f == next.format.as_str();
+    for earlier in printed.iter().filter(|p| !same_as(p)) {
+        let Some(pattern) = stored_pattern(&earlier.0, &earlier.1, project, doc_type, 19) else {
+            continue;
+        };
+        if let Some(example) = new_pattern.common_example(&pattern) {
+            return Err(StoreError::Conflict {
+                sequence: name,
+                other: format!("it printed with its earlier format {:?}", earlier.1),
+                example,
+            });
+        }
+    }
+    sqlx::query(
+        "INSERT INTO sequence_formats (sequence_id, layout, format) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(current.id)
+    .bind(layout(&current.definition))
+    .bind(current.definition.format.as_str())
+    .execute(&mut *conn)
+    .await?;
+    let reprints = printed.iter().any(same_as);
+    if reprints && current.definition.reset != next.reset {
+        let floor: Option<i64> =
+            sqlx::query_scalar("SELECT max(next_seq) FROM counters WHERE sequence_id = $1")
+                .bind(current.id)
+                .fetch_one(&mut *conn)
+                .await?;
+        if let Some(floor) = floor {
+            sqlx::query(
+                "UPDATE counters SET next_seq = GREATEST(next_seq, $2) WHERE sequence_id = $1",
+            )
+            .bind(current.id)
+            .bind(floor)
+            .execute(&mut *conn)
+            .await?;
+            sqlx::query(
+                "UPDATE sequences SET counter_floor = GREATEST(coalesce(counter_floor, 0), $2), \
+                 floor_until = now() + make_interval(secs => $3) WHERE id = $1",
+            )
+            .bind(current.id)
+            .bind(floor)
+            .bind(FLOOR_SPAN.num_seconds() as f64)
+            .execute(&mut *conn)
+            .await?;
+        }
+    }
+    Ok(())
 }
 
 const INSERT_SEQUENCE: &str = "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, \
      max_seq, reset, timezone, pool_size, refill_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
-/// Creates the sequence with `d` unless it exists; the new row, if any.
-async fn insert_defaults(
-    db: &PgPool,
+async fn insert_definition(
+    conn: &mut PgConnection,
     project: &ProjectCode,
     doc_type: &TypeCode,
     d: &Definition,
-) -> Result<Option<SequenceRow>, sqlx::Error> {
-    let sql = format!(
-        "{INSERT_SEQUENCE} ON CONFLICT (project, doc_type) DO NOTHING RETURNING {SELECT_COLUMNS}"
-    );
-    bind_definition(
-        sqlx::query_as(sqlx::AssertSqlSafe(sql)),
-        project,
-        doc_type,
-        d,
-    )
-    .fetch_optional(db)
-    .await
-}
-
-async fn insert_definition<'e, E: sqlx::PgExecutor<'e>>(
-    db: E,
-    project: &ProjectCode,
-    doc_type: &TypeCode,
-    d: &Definition,
-) -> Result<(), sqlx::Error> {
+) -> Result<SequenceRow, StoreError> {
     let sql = format!("{INSERT_SEQUENCE} RETURNING {SELECT_COLUMNS}");
-    bind_definition(
-        sqlx::query_as(sqlx::AssertSqlSafe(sql)),
-        project,
-        doc_type,
-        d,
-    )
-    .fetch_one(db)
-    .await?;
-    Ok(())
-}
-
-fn bind_definition<'q>(
-    query: sqlx::query::QueryAs<'q, sqlx::Postgres, SequenceRow, sqlx::postgres::PgArguments>,
-    project: &'q ProjectCode,
-    doc_type: &'q TypeCode,
-    d: &'q Definition,
-) -> sqlx::query::QueryAs<'q, sqlx::Postgres, SequenceRow, sqlx::postgres::PgArguments> {
-    query
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(project.as_str())
         .bind(doc_type.as_str())
         .bind(d.format.as_str())
@@ -354,17 +601,20 @@ fn bind_definition<'q>(
         .bind(d.timezone.name())
         .bind(d.pool_size as i32)
         .bind(d.refill_at)
+        .fetch_one(&mut *conn)
+        .await?)
 }
 
-async fn update_definition<'e, E: sqlx::PgExecutor<'e>>(
-    db: E,
+async fn update_definition(
+    conn: &mut PgConnection,
     id: i64,
     d: &Definition,
+    changes_identity: bool,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, max_seq = $6, \
          reset = $7, timezone = $8, pool_size = $9, refill_at = $10, version = version + 1, \
-         updated_at = now() WHERE id = $1",
+         identity_version = identity_version + $11::int, updated_at = now() WHERE id = $1",
     )
     .bind(id)
     .bind(d.format.as_str())
@@ -376,7 +626,8 @@ async fn update_definition<'e, E: sqlx::PgExecutor<'e>>(
     .bind(d.timezone.name())
     .bind(d.pool_size as i32)
     .bind(d.refill_at)
-    .execute(db)
+    .bind(i32::from(changes_identity))
+    .execute(&mut *conn)
     .await?;
     Ok(())
 }

@@ -3,14 +3,96 @@
 //! A template has exactly one sequence token, so every formatted ID is
 //! `head + number + tail`. [`Template::shape`] renders head and tail once per
 //! request; formatting 10,000 IDs is then 10,000 integer writes.
+//!
+//! Every `{date:...}` item is classified when the template is parsed: how
+//! many characters it prints, from which set, and which part of the calendar
+//! it names. That is what [`Template::pattern`] and the definition checks
+//! work from; nothing is learnt by sampling clocks.
 
 use std::fmt::Write as _;
 
-use chrono::format::{Item, StrftimeItems};
-use chrono::{DateTime, TimeZone};
+use chrono::format::{Fixed, Item, Numeric, Pad, StrftimeItems};
+use chrono::{DateTime, TimeZone, Timelike};
+
+use super::pattern::{Ambiguous, CharSet, Field, Part, Pattern};
 
 /// Widest `{seq:N}` padding accepted: an i64 has at most 19 digits.
 pub const MAX_SEQ_WIDTH: usize = 19;
+/// Longest template source accepted.
+pub const MAX_TEMPLATE_LEN: usize = 256;
+/// Most `{...}` tokens in one template.
+pub const MAX_TOKENS: usize = 16;
+/// Most strftime items over all `{date:...}` tokens of one template.
+pub const MAX_DATE_ITEMS: usize = 32;
+
+/// Parts of the calendar a date item names; a reset period needs its IDs
+/// to name it (see `Calendar::names_every`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Calendar(u16);
+
+impl Calendar {
+    const YEAR: u16 = 1;
+    const CENTURY: u16 = 1 << 1;
+    const YEAR_OF_CENTURY: u16 = 1 << 2;
+    const ISO_YEAR: u16 = 1 << 3;
+    const MONTH: u16 = 1 << 4;
+    const DAY: u16 = 1 << 5;
+    const DAY_OF_YEAR: u16 = 1 << 6;
+    const WEEK: u16 = 1 << 7;
+    const ISO_WEEK: u16 = 1 << 8;
+    const WEEKDAY: u16 = 1 << 9;
+    const TIMESTAMP: u16 = 1 << 10;
+
+    fn has(self, flags: u16) -> bool {
+        self.0 & flags == flags
+    }
+
+    fn with(self, other: Calendar) -> Calendar {
+        Calendar(self.0 | other.0)
+    }
+
+    fn year(self) -> bool {
+        // A two-digit year counts: its IDs repeat after a century.
+        self.has(Self::YEAR) || self.has(Self::YEAR_OF_CENTURY)
+    }
+
+    pub fn names_the_day(self) -> bool {
+        self.has(Self::TIMESTAMP)
+            || (self.year()
+                && ((self.has(Self::MONTH) && self.has(Self::DAY))
+                    || self.has(Self::DAY_OF_YEAR)
+                    || (self.has(Self::WEEK) && self.has(Self::WEEKDAY))))
+            || self.has(Self::ISO_YEAR | Self::ISO_WEEK | Self::WEEKDAY)
+    }
+
+    pub fn names_the_month(self) -> bool {
+        self.names_the_day() || (self.year() && self.has(Self::MONTH))
+    }
+
+    pub fn names_the_year(self) -> bool {
+        self.names_the_month() || self.year()
+    }
+}
+
+/// What one strftime item prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Printed {
+    Text(String),
+    Field {
+        min: usize,
+        max: usize,
+        chars: CharSet,
+        calendar: Calendar,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DateItem {
+    item: Item<'static>,
+    printed: Printed,
+    /// The item as written, for messages (`%-d in {date:%Y%m%-d}`).
+    label: String,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Segment {
@@ -18,7 +100,7 @@ enum Segment {
     Project,
     Type,
     Seq { width: usize },
-    Date(String),
+    Date(Vec<DateItem>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,8 +123,24 @@ pub enum TemplateError {
     SeqWidth(String),
     #[error("{{date:{0}}} is not a valid strftime format")]
     DateFormat(String),
+    #[error("{{date:{format}}}: {item} is not supported in IDs ({why})")]
+    DateItem {
+        format: String,
+        item: String,
+        why: &'static str,
+    },
+    #[error("the template may not contain control characters (found {0:?})")]
+    ControlCharacter(char),
     #[error("the template is empty")]
     Empty,
+    #[error("the template is {0} bytes long; the limit is {MAX_TEMPLATE_LEN}")]
+    TooLong(usize),
+    #[error("the template has {0} tokens; the limit is {MAX_TOKENS}")]
+    TooManyTokens(usize),
+    #[error("the template's {{date}} tokens hold {0} items; the limit is {MAX_DATE_ITEMS}")]
+    TooManyDateItems(usize),
+    #[error(transparent)]
+    Ambiguous(#[from] Ambiguous),
 }
 
 impl Template {
@@ -50,10 +148,18 @@ impl Template {
         if source.is_empty() {
             return Err(TemplateError::Empty);
         }
+        if source.len() > MAX_TEMPLATE_LEN {
+            return Err(TemplateError::TooLong(source.len()));
+        }
+        if let Some(c) = source.chars().find(|c| c.is_control()) {
+            return Err(TemplateError::ControlCharacter(c));
+        }
         let mut segments = Vec::new();
         let mut literal = String::new();
         let mut rest = source;
         let mut offset = 0;
+        let mut tokens = 0;
+        let mut date_items = 0;
         while let Some(pos) = rest.find(['{', '}']) {
             literal.push_str(&rest[..pos]);
             if rest.as_bytes()[pos] == b'}' {
@@ -67,7 +173,18 @@ impl Template {
             if !literal.is_empty() {
                 segments.push(Segment::Literal(std::mem::take(&mut literal)));
             }
-            segments.push(parse_token(token)?);
+            tokens += 1;
+            if tokens > MAX_TOKENS {
+                return Err(TemplateError::TooManyTokens(tokens));
+            }
+            let segment = parse_token(token)?;
+            if let Segment::Date(items) = &segment {
+                date_items += items.len();
+                if date_items > MAX_DATE_ITEMS {
+                    return Err(TemplateError::TooManyDateItems(date_items));
+                }
+            }
+            segments.push(segment);
             let consumed = pos + 1 + close + 1;
             rest = &rest[consumed..];
             offset += consumed;
@@ -97,6 +214,75 @@ impl Template {
         self.segments.iter().any(|s| matches!(s, Segment::Date(_)))
     }
 
+    /// The parts of the calendar the IDs name.
+    pub fn calendar(&self) -> Calendar {
+        self.date_items()
+            .filter_map(|d| match d.printed {
+                Printed::Field { calendar, .. } => Some(calendar),
+                Printed::Text(_) => None,
+            })
+            .fold(Calendar::default(), Calendar::with)
+    }
+
+    fn date_items(&self) -> impl Iterator<Item = &DateItem> {
+        self.segments.iter().flat_map(|s| match s {
+            Segment::Date(items) => items.as_slice(),
+            _ => &[],
+        })
+    }
+
+    /// What IDs of this template print for the sequence `project`/`doc_type`
+    /// whose numbers have at most `max_digits` digits; refused when two
+    /// IDs could read alike.
+    pub fn pattern(
+        &self,
+        project: &str,
+        doc_type: &str,
+        max_digits: usize,
+    ) -> Result<Pattern, TemplateError> {
+        Ok(Pattern::new(self.parts(project, doc_type, max_digits))?)
+    }
+
+    /// The parts of [`Template::pattern`], unchecked.
+    pub fn parts(&self, project: &str, doc_type: &str, max_digits: usize) -> Vec<Part> {
+        let mut parts = Vec::new();
+        for segment in &self.segments {
+            match segment {
+                Segment::Literal(text) => parts.push(Part::Text(text.clone())),
+                Segment::Project => parts.push(Part::Text(project.to_owned())),
+                Segment::Type => parts.push(Part::Text(doc_type.to_owned())),
+                Segment::Seq { width } => parts.push(Part::Field(Field {
+                    min: (*width).max(1),
+                    max: max_digits.max(*width),
+                    chars: CharSet::DIGITS,
+                    seq: Some(*width),
+                    label: if *width == 0 {
+                        "{seq}".into()
+                    } else {
+                        format!("{{seq:{width}}}")
+                    },
+                })),
+                Segment::Date(items) => {
+                    for item in items {
+                        parts.push(match &item.printed {
+                            Printed::Text(text) => Part::Text(text.clone()),
+                            Printed::Field {
+                                min, max, chars, ..
+                            } => Part::Field(Field {
+                                min: *min,
+                                max: *max,
+                                chars: *chars,
+                                seq: None,
+                                label: item.label.clone(),
+                            }),
+                        });
+                    }
+                }
+            }
+        }
+        parts
+    }
+
     /// Renders everything but the number for IDs issued at `at`.
     pub fn shape<Tz: TimeZone>(&self, project: &str, doc_type: &str, at: &DateTime<Tz>) -> TextShape
     where
@@ -111,9 +297,13 @@ impl Template {
                 Segment::Literal(text) => out.push_str(text),
                 Segment::Project => out.push_str(project),
                 Segment::Type => out.push_str(doc_type),
-                Segment::Date(fmt) => {
+                Segment::Date(items) => {
                     // Validated at parse time, so writing cannot fail.
-                    let _ = write!(out, "{}", at.format_with_items(StrftimeItems::new(fmt)));
+                    let _ = write!(
+                        out,
+                        "{}",
+                        at.format_with_items(items.iter().map(|d| &d.item))
+                    );
                 }
                 Segment::Seq { width: w } => {
                     width = *w;
@@ -122,82 +312,6 @@ impl Template {
             }
         }
         TextShape { head, tail, width }
-    }
-
-    /// Numbers an ID of this template could carry: every way `id` splits
-    /// into the template's parts, with dates matched loosely. The caller
-    /// confirms a candidate by formatting it again.
-    pub fn seq_candidates(&self, id: &str, project: &str, doc_type: &str) -> Vec<i64> {
-        let mut found = Vec::new();
-        self.match_from(0, id, project, doc_type, None, &mut found);
-        found.sort_unstable();
-        found.dedup();
-        found
-    }
-
-    fn match_from(
-        &self,
-        segment: usize,
-        rest: &str,
-        project: &str,
-        doc_type: &str,
-        seq: Option<i64>,
-        found: &mut Vec<i64>,
-    ) {
-        let Some(current) = self.segments.get(segment) else {
-            if rest.is_empty()
-                && let Some(seq) = seq
-            {
-                found.push(seq);
-            }
-            return;
-        };
-        let literal = match current {
-            Segment::Literal(text) => Some(text.as_str()),
-            Segment::Project => Some(project),
-            Segment::Type => Some(doc_type),
-            _ => None,
-        };
-        if let Some(literal) = literal {
-            if let Some(after) = rest.strip_prefix(literal) {
-                self.match_from(segment + 1, after, project, doc_type, seq, found);
-            }
-            return;
-        }
-        // A number or a date: try every split point.
-        for end in (1..=rest.len()).filter(|&end| rest.is_char_boundary(end)) {
-            let (part, after) = rest.split_at(end);
-            match current {
-                Segment::Seq { width } => {
-                    if !part.bytes().all(|b| b.is_ascii_digit()) {
-                        break;
-                    }
-                    // Padded to `width`, so never shorter; longer only without
-                    // leading zeros.
-                    let fits = part.len() == (*width).max(1)
-                        || (part.len() > *width && !part.starts_with('0'));
-                    if fits && let Ok(n) = part.parse::<i64>() {
-                        self.match_from(segment + 1, after, project, doc_type, Some(n), found);
-                    }
-                }
-                _ => self.match_from(segment + 1, after, project, doc_type, seq, found),
-            }
-        }
-    }
-
-    /// The rendered date tokens alone, to check that they tell periods apart.
-    pub fn date_part<Tz: TimeZone>(&self, at: &DateTime<Tz>) -> String
-    where
-        Tz::Offset: std::fmt::Display,
-    {
-        let mut out = String::new();
-        for segment in &self.segments {
-            if let Segment::Date(fmt) = segment {
-                let _ = write!(out, "{}", at.format_with_items(StrftimeItems::new(fmt)));
-                out.push('\u{1f}');
-            }
-        }
-        out
     }
 }
 
@@ -219,16 +333,179 @@ fn parse_token(token: &str) -> Result<Segment, TemplateError> {
             _ => Err(TemplateError::SeqWidth(width.to_owned())),
         };
     }
-    if let Some(fmt) = token.strip_prefix("date:") {
-        let valid =
-            !fmt.is_empty() && StrftimeItems::new(fmt).all(|item| !matches!(item, Item::Error));
-        return if valid {
-            Ok(Segment::Date(fmt.to_owned()))
-        } else {
-            Err(TemplateError::DateFormat(fmt.to_owned()))
-        };
+    if let Some(format) = token.strip_prefix("date:") {
+        if format.is_empty() {
+            return Err(TemplateError::DateFormat(String::new()));
+        }
+        return parse_date(format).map(Segment::Date);
     }
     Err(TemplateError::UnknownToken(token.to_owned()))
+}
+
+fn parse_date(format: &str) -> Result<Vec<DateItem>, TemplateError> {
+    let mut items = Vec::new();
+    for written in specifiers(format) {
+        let label = format!("{written} in {{date:{format}}}");
+        let refuse = |why: &'static str| TemplateError::DateItem {
+            format: format.to_owned(),
+            item: written.to_owned(),
+            why,
+        };
+        // A specifier parses alike alone and in context; some (`%F`)
+        // stand for several items.
+        for item in StrftimeItems::new(written) {
+            let (item, printed) = classify(item, &refuse)?;
+            items.push(DateItem {
+                item,
+                printed,
+                label: label.clone(),
+            });
+        }
+    }
+    Ok(items)
+}
+
+/// A strftime format cut into specifiers (`%Y`, `%-d`, `%.3f`, `%%`) and
+/// the literal text between them.
+fn specifiers(format: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = format;
+    while !rest.is_empty() {
+        let end = if let Some(spec) = rest.strip_prefix('%') {
+            let flags = spec.len() - spec.trim_start_matches(['-', '0', '_', '#']).len();
+            let after_flags = &spec[flags.min(1)..];
+            let dot = usize::from(after_flags.starts_with('.'));
+            let digits = after_flags[dot..]
+                .bytes()
+                .take_while(u8::is_ascii_digit)
+                .count();
+            let head = 1 + flags.min(1) + dot + digits;
+            head + rest[head..].chars().next().map_or(0, char::len_utf8)
+        } else {
+            rest.find('%').unwrap_or(rest.len())
+        };
+        let (piece, after) = rest.split_at(end.min(rest.len()));
+        out.push(piece);
+        rest = after;
+    }
+    out
+}
+
+fn classify(
+    item: Item<'_>,
+    refuse: &dyn Fn(&'static str) -> TemplateError,
+) -> Result<(Item<'static>, Printed), TemplateError> {
+    let text = |s: &str| -> Result<Printed, TemplateError> {
+        match s.chars().find(|c| c.is_control()) {
+            Some(c) => Err(TemplateError::ControlCharacter(c)),
+            None => Ok(Printed::Text(s.to_owned())),
+        }
+    };
+    let field = |min: usize, max: usize, chars: CharSet, calendar: u16| Printed::Field {
+        min,
+        max,
+        chars,
+        calendar: Calendar(calendar),
+    };
+    Ok(match item {
+        Item::Literal(s) => (Item::OwnedLiteral(s.into()), text(s)?),
+        Item::OwnedLiteral(s) => {
+            let printed = text(&s)?;
+            (Item::OwnedLiteral(s), printed)
+        }
+        Item::Space(s) => (Item::OwnedSpace(s.into()), text(s)?),
+        Item::OwnedSpace(s) => {
+            let printed = text(&s)?;
+            (Item::OwnedSpace(s), printed)
+        }
+        Item::Numeric(numeric, pad) => {
+            let (width, calendar) = match numeric {
+                Numeric::Year => (4, Calendar::YEAR),
+                Numeric::YearDiv100 => (2, Calendar::CENTURY),
+                Numeric::YearMod100 => (2, Calendar::YEAR_OF_CENTURY),
+                Numeric::IsoYear => (4, Calendar::ISO_YEAR),
+                Numeric::IsoYearDiv100 => (2, 0),
+                Numeric::IsoYearMod100 => (2, Calendar::ISO_YEAR),
+                Numeric::Quarter => (1, 0),
+                Numeric::Month => (2, Calendar::MONTH),
+                Numeric::Day => (2, Calendar::DAY),
+                Numeric::WeekFromSun | Numeric::WeekFromMon => (2, Calendar::WEEK),
+                Numeric::IsoWeek => (2, Calendar::ISO_WEEK),
+                Numeric::NumDaysFromSun | Numeric::WeekdayFromMon => (1, Calendar::WEEKDAY),
+                Numeric::Ordinal => (3, Calendar::DAY_OF_YEAR),
+                Numeric::Hour | Numeric::Hour12 | Numeric::Minute | Numeric::Second => (2, 0),
+                Numeric::Nanosecond => (9, 0),
+                Numeric::Timestamp => {
+                    let printed = field(1, 12, CharSet::DIGITS, Calendar::TIMESTAMP);
+                    return Ok((Item::Numeric(numeric, pad), printed));
+                }
+                _ => return Err(refuse("an item chrono keeps internal")),
+            };
+            let printed = match pad {
+                Pad::Zero => field(width, width, CharSet::DIGITS, calendar),
+                Pad::Space => field(
+                    width,
+                    width,
+                    CharSet::DIGITS.union(CharSet::of(b" ")),
+                    calendar,
+                ),
+                Pad::None => field(1, width, CharSet::DIGITS, calendar),
+            };
+            (Item::Numeric(numeric, pad), printed)
+        }
+        Item::Fixed(fixed) => {
+            let offset = CharSet::DIGITS.union(CharSet::of(b"+-:"));
+            let printed = match fixed {
+                Fixed::ShortMonthName => field(3, 3, CharSet::LETTERS, Calendar::MONTH),
+                Fixed::LongMonthName => field(3, 9, CharSet::LETTERS, Calendar::MONTH),
+                Fixed::ShortWeekdayName => field(3, 3, CharSet::LETTERS, Calendar::WEEKDAY),
+                Fixed::LongWeekdayName => field(6, 9, CharSet::LETTERS, Calendar::WEEKDAY),
+                Fixed::LowerAmPm | Fixed::UpperAmPm => field(2, 2, CharSet::LETTERS, 0),
+                Fixed::Nanosecond => field(0, 10, CharSet::DIGITS.union(CharSet::of(b".")), 0),
+                Fixed::Nanosecond3 => field(4, 4, CharSet::DIGITS.union(CharSet::of(b".")), 0),
+                Fixed::Nanosecond6 => field(7, 7, CharSet::DIGITS.union(CharSet::of(b".")), 0),
+                Fixed::Nanosecond9 => field(10, 10, CharSet::DIGITS.union(CharSet::of(b".")), 0),
+                Fixed::TimezoneOffset => field(5, 5, offset, 0),
+                Fixed::TimezoneOffsetColon => field(6, 6, offset, 0),
+                Fixed::TimezoneOffsetDoubleColon => field(9, 9, offset, 0),
+                Fixed::TimezoneOffsetTripleColon => field(3, 3, offset, 0),
+                Fixed::TimezoneOffsetZ => field(1, 5, offset.union(CharSet::of(b"Z")), 0),
+                Fixed::TimezoneOffsetColonZ => field(1, 6, offset.union(CharSet::of(b"Z")), 0),
+                Fixed::TimezoneName => {
+                    return Err(refuse("zone names are ambiguous; use %z for the offset"));
+                }
+                Fixed::RFC2822 | Fixed::RFC3339 => {
+                    return Err(refuse("use the date and time items it is made of"));
+                }
+                _ => internal_fixed(&fixed).ok_or_else(|| refuse("unknown item"))?,
+            };
+            (Item::Fixed(fixed), printed)
+        }
+        Item::Error => return Err(refuse("not a strftime item")),
+    })
+}
+
+/// chrono's internal items (`%3f`, `%6f`, `%9f`: digits of the second
+/// without the dot) are opaque; their width is read off renderings.
+fn internal_fixed(fixed: &Fixed) -> Option<Printed> {
+    let item = Item::Fixed(fixed.clone());
+    let base = DateTime::from_timestamp(1_767_225_600, 0)?;
+    let mut widths = Vec::new();
+    let mut chars = CharSet::default();
+    for nanos in [0, 1, 123_456_789, 999_999_999] {
+        let at = base.with_nanosecond(nanos)?;
+        let printed = at.format_with_items(std::iter::once(&item)).to_string();
+        chars = chars.union(CharSet::seen_in(&printed)?);
+        widths.push(printed.len());
+    }
+    let (min, max) = (*widths.iter().min()?, *widths.iter().max()?);
+    let digits_only = CharSet::DIGITS.union(chars) == CharSet::DIGITS;
+    (min == max && digits_only).then_some(Printed::Field {
+        min,
+        max,
+        chars: CharSet::DIGITS,
+        calendar: Calendar::default(),
+    })
 }
 
 /// A template rendered for one instant: only the number is left to fill in.
@@ -248,7 +525,7 @@ impl TextShape {
         id
     }
 
-    /// Length of the ID for a number with `digits` digits.
+    /// Length in characters of the ID of a number with `digits` digits.
     pub fn len_with_digits(&self, digits: usize) -> usize {
         self.head.chars().count() + digits.max(self.width) + self.tail.chars().count()
     }
@@ -278,6 +555,7 @@ mod tests {
         assert_eq!(shape.format(7), "IS202611220007");
         assert_eq!(shape.format(12345), "IS2026112212345");
         assert!(t.has_date());
+        assert!(t.calendar().names_the_day());
     }
 
     #[test]
@@ -312,51 +590,137 @@ mod tests {
             Template::parse("{seq:+4}"),
             Err(TemplateError::SeqWidth("+4".into()))
         );
-        assert_eq!(
+        assert!(matches!(
             Template::parse("{date:%Q}{seq}"),
-            Err(TemplateError::DateFormat("%Q".into()))
-        );
+            Err(TemplateError::DateItem { .. })
+        ));
         assert_eq!(
             Template::parse("{date:}{seq}"),
             Err(TemplateError::DateFormat("".into()))
         );
+        assert_eq!(
+            Template::parse("a\u{0}{seq}"),
+            Err(TemplateError::ControlCharacter('\u{0}'))
+        );
+        assert_eq!(
+            Template::parse("{date:%n}{seq}"),
+            Err(TemplateError::ControlCharacter('\n'))
+        );
+        assert!(matches!(
+            Template::parse("{date:%Z}{seq}"),
+            Err(TemplateError::DateItem { .. })
+        ));
     }
 
     #[test]
-    fn ids_parse_back_to_their_numbers() {
-        let t = Template::parse("{project}-{type}-{seq}").unwrap();
+    fn templates_are_bounded() {
         assert_eq!(
-            t.seq_candidates("PROJ-9012-1001", "PROJ", "9012"),
-            vec![1001]
+            Template::parse(&format!("{}{{seq}}", "x".repeat(300))),
+            Err(TemplateError::TooLong(305))
         );
-        assert!(
-            t.seq_candidates("PROJ-9012-01001", "PROJ", "9012")
-                .is_empty()
+        let many = format!("{}{{seq}}", "{project}".repeat(16));
+        assert_eq!(
+            Template::parse(&many),
+            Err(TemplateError::TooManyTokens(17))
         );
-        assert!(
-            t.seq_candidates("PROJ-9013-1001", "PROJ", "9012")
-                .is_empty()
+        let items = format!("{{date:{}}}{{seq}}", "%Y".repeat(33));
+        assert_eq!(
+            Template::parse(&items),
+            Err(TemplateError::TooManyDateItems(33))
         );
-        assert!(t.seq_candidates("PROJ-9012-", "PROJ", "9012").is_empty());
-        let daily = Template::parse("{type}{date:%Y%m%d}{seq:4}").unwrap();
-        let candidates = daily.seq_candidates("IS202611220007", "P", "IS");
-        assert!(candidates.contains(&7), "{candidates:?}");
-        // The date part is matched loosely; formatting again decides.
-        let shape = daily.shape("P", "IS", &at("2026-11-22T10:00:00Z"));
-        let confirmed: Vec<i64> = candidates
-            .into_iter()
-            .filter(|&n| shape.format(n) == "IS202611220007")
-            .collect();
-        assert_eq!(confirmed, vec![7]);
+    }
+
+    #[test]
+    fn varying_items_next_to_the_number_are_refused() {
+        for source in [
+            "{date:%Y%m%-d}{seq}",
+            "{date:%.f}{date:%.f}{seq}",
+            "{date:%-m%-d}-{seq}",
+            "{date:%B}{seq}",
+            "{seq}{date:%-H}",
+        ] {
+            let t = Template::parse(source).unwrap();
+            assert!(
+                matches!(t.pattern("P", "T", 16), Err(TemplateError::Ambiguous(_))),
+                "{source} should be refused"
+            );
+        }
+        for source in [
+            "{date:%Y%m%d}{seq}",
+            "{date:%-d}-{seq}",
+            "{date:%B}-{seq}",
+            "{seq}{date:%H}",
+            "{project}-{type}-{seq}",
+            "{date:%Y}{date:%Y}{seq:4}",
+        ] {
+            let t = Template::parse(source).unwrap();
+            assert!(
+                t.pattern("P", "T", 16).is_ok(),
+                "{source} should be accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn the_pattern_bounds_every_id_it_prints() {
+        // Seven sub-second tokens printed 73 characters; the bound knows.
+        let t = Template::parse(
+            "{date:%.3f}{date:%.3f}{date:%.3f}{date:%.3f}{date:%.3f}{date:%.3f}{date:%.3f}{seq}",
+        )
+        .unwrap();
+        let pattern = t.pattern("P", "T", 16).unwrap();
+        assert_eq!(pattern.max_len(), 7 * 4 + 16);
+        let long = Template::parse("{date:%A %B}-{seq}").unwrap();
+        assert_eq!(
+            long.pattern("P", "T", 3).unwrap().max_len(),
+            9 + 1 + 9 + 1 + 3
+        );
+    }
+
+    #[test]
+    fn calendar_parts_are_read_from_the_items() {
+        let named = |s: &str| Template::parse(s).unwrap().calendar();
+        assert!(named("{date:%Y%m%d}{seq}").names_the_day());
+        assert!(named("{date:%y%j}{seq}").names_the_day());
+        assert!(named("{date:%G-W%V-%u}-{seq}").names_the_day());
+        assert!(!named("{date:%Y%m}{seq}").names_the_day());
+        assert!(named("{date:%Y%m}{seq}").names_the_month());
+        // Month and day alone repeat every year.
+        assert!(!named("{date:%m%d}{seq}").names_the_day());
+        assert!(!named("{date:%H}{seq}").names_the_year());
+        assert!(named("{date:%s}-{seq}").names_the_day());
     }
 
     proptest! {
         #[test]
-        fn formatted_ids_parse_back(seq in 0i64..10_000_000, width in 0usize..8) {
+        fn formatted_ids_read_back(seq in 0i64..10_000_000, width in 0usize..8) {
             let source = if width == 0 { "{project}/{seq}".to_owned() } else { format!("{{project}}/{{seq:{width}}}") };
             let t = Template::parse(&source).unwrap();
             let id = t.shape("P", "T", &at("2026-01-01T00:00:00Z")).format(seq);
-            prop_assert_eq!(t.seq_candidates(&id, "P", "T"), vec![seq]);
+            prop_assert_eq!(t.pattern("P", "T", 16).unwrap().seq_of(&id), Some(seq));
+        }
+
+        #[test]
+        fn dated_ids_read_back_at_any_instant(
+            seconds in 0i64..4_102_444_800,
+            nanos in 0u32..1_000_000_000,
+            seq in 0i64..100_000_000,
+            format in prop::sample::select(vec![
+                "{type}{date:%Y%m%d}{seq:4}",
+                "{project}-{date:%y%j}-{seq}",
+                "{date:%B}-{date:%-d}-{seq:3}-{date:%H%M%S%.3f}",
+                "{seq}{date:%Y}",
+                "{date:%G-W%V-%u}/{seq:6}",
+                "{date:%.f}x{seq}",
+                "{date:%a %e %b}:{seq}",
+            ]),
+        ) {
+            let t = Template::parse(format).unwrap();
+            let instant = DateTime::from_timestamp(seconds, nanos).unwrap();
+            let id = t.shape("PROJ", "IS", &instant).format(seq);
+            let pattern = t.pattern("PROJ", "IS", 16).unwrap();
+            prop_assert!(id.chars().count() <= pattern.max_len(), "{} longer than {}", id, pattern.max_len());
+            prop_assert_eq!(pattern.seq_of(&id), Some(seq), "{}", id);
         }
 
         #[test]

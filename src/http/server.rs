@@ -1,0 +1,114 @@
+//! The accept loop: HTTP/1.1 over hyper with a timer, so a connection that
+//! does not finish its headers in time is closed, and a cap on open
+//! connections, so no client can hold more than its share of the process.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+#[derive(Debug, Clone, Copy)]
+pub struct ServerLimits {
+    /// Time a connection has to send a request's headers, idle
+    /// keep-alive time included.
+    pub header_timeout: Duration,
+    /// Connections open at once; further clients wait to be accepted.
+    pub max_connections: usize,
+    /// How long requests in flight may take to finish at shutdown.
+    pub drain: Duration,
+}
+
+/// Serves `app` on `listener` until `stop`, then lets requests in flight
+/// finish (up to `limits.drain`).
+pub async fn serve<S>(listener: TcpListener, app: S, limits: ServerLimits, stop: CancellationToken)
+where
+    S: tower::Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut said_full_at: Option<std::time::Instant> = None;
+    loop {
+        if slots.available_permits() == 0
+            && said_full_at.is_none_or(|at| at.elapsed() > Duration::from_secs(60))
+        {
+            tracing::warn!(
+                max = limits.max_connections,
+                "connection limit reached; new clients wait to be accepted"
+            );
+            said_full_at = Some(std::time::Instant::now());
+        }
+        let slot = tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+        };
+        let (stream, _peer) = tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait rather
+                    // than spin; a client's reset connection is nothing.
+                    if !is_connection_error(&e) {
+                        tracing::error!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    continue;
+                }
+            },
+        };
+        // Answers go out as soon as they are written, not after the
+        // client's ACK of the previous one (Nagle).
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY");
+        }
+        let service = app
+            .clone()
+            .map_request(|request: hyper::Request<Incoming>| request.map(Body::new));
+        let connection =
+            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(limits.drain, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still running at shutdown were cut off");
+    }
+}
+
+fn is_connection_error(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::ConnectionRefused
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::ConnectionReset
+    )
+}
