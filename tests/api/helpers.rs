@@ -41,7 +41,17 @@ pub struct TestEnv {
     pub outbox_batch: i64,
     /// Reconciliation timing; tests run it on demand.
     pub settle: Duration,
+    pub header_timeout_s: u64,
+    pub request_timeout_s: u64,
+    pub max_connections: u64,
+    pub max_sequences_per_project: u64,
+    pub db_pool_size: u32,
+    /// The webhook sink's signing key (Standard Webhooks form).
+    pub webhook_secret: String,
 }
+
+/// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
+pub const TEST_WEBHOOK_SECRET: &str = "whsec_MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
 
 impl TestEnv {
     pub fn new() -> Self {
@@ -61,6 +71,12 @@ impl TestEnv {
             outbox_backoff_base_ms: 1000,
             outbox_batch: 500,
             settle: Duration::from_secs(2),
+            header_timeout_s: 10,
+            request_timeout_s: 30,
+            max_connections: 10_000,
+            max_sequences_per_project: 1000,
+            db_pool_size: 8,
+            webhook_secret: TEST_WEBHOOK_SECRET.to_owned(),
         }
     }
 
@@ -92,7 +108,9 @@ impl TestEnv {
                 self.outbox_backoff_base_ms.to_string(),
             ),
             ("IDPOOL_OUTBOX_BATCH", self.outbox_batch.to_string()),
-            ("IDPOOL_DB_POOL_SIZE", "8".to_owned()),
+            ("IDPOOL_DB_POOL_SIZE", self.db_pool_size.to_string()),
+            ("IDPOOL_WEBHOOK_SECRET", self.webhook_secret.clone()),
+            ("IDPOOL_HEADER_TIMEOUT_S", self.header_timeout_s.to_string()),
             ("IDPOOL_RECONCILE", "off".to_owned()),
             ("RUST_LOG", "warn".to_owned()),
         ]
@@ -115,9 +133,9 @@ impl TestEnv {
             redis_prefix: self.prefix.clone(),
             redis_clients: 2,
             redis_timeout_ms: self.redis_timeout_ms,
-            db_pool_size: 8,
+            db_pool_size: self.db_pool_size,
             refill_concurrency: self.refill_concurrency,
-            request_timeout_s: 30,
+            request_timeout_s: self.request_timeout_s,
             instance_id: Some(format!("test-{}", uuid::Uuid::new_v4().simple())),
             sink: self.sink.clone(),
             outbox_processor: if self.processor {
@@ -136,6 +154,12 @@ impl TestEnv {
             reconcile: Switch::Off,
             reconcile_interval_s: 60,
             reconcile_settle_s: 60,
+            header_timeout_s: self.header_timeout_s,
+            max_connections: self.max_connections,
+            db_statement_timeout_ms: 10_000,
+            db_acquire_timeout_ms: 2_000,
+            max_sequences_per_project: self.max_sequences_per_project,
+            webhook_secret: Some(self.webhook_secret.clone()),
         }
     }
 
@@ -167,6 +191,7 @@ impl TestEnv {
         .expect("application builds");
         let address = format!("http://127.0.0.1:{}", app.port());
         let stop = app.stop_token();
+        let state = app.state().clone();
         tokio::spawn(async move {
             let _ = app.run_until_stopped().await;
         });
@@ -180,6 +205,7 @@ impl TestEnv {
             db,
             env: self.clone(),
             stop,
+            state,
         };
         test_app
             .wait_for_mode("pool", Duration::from_secs(10))
@@ -210,6 +236,8 @@ pub struct TestApp {
     pub db: PgPool,
     pub env: TestEnv,
     stop: CancellationToken,
+    /// The application's parts, for tests that call them directly.
+    pub state: idpool::http::AppState,
 }
 
 impl Drop for TestApp {

@@ -3,6 +3,7 @@
 mod documents;
 mod gaps;
 mod helpers;
+mod hostile;
 mod ids;
 mod inputs;
 mod operations;
