@@ -252,7 +252,7 @@ impl Issuer {
                 }
                 Ok(Reserved::Stale) => {
                     self.give_back(pool, &seqs).await;
-                    self.sequences.evict_all();
+                    self.sequences.forget(&pool.sequence);
                     return Err(IssueError::DefinitionChanged {
                         project: pool.sequence.project.to_string(),
                         doc_type: pool.sequence.doc_type.to_string(),

@@ -429,7 +429,7 @@ impl PoolService {
             }
             Ok(Reserved::Stale) => {
                 // The definition changed: the next request reads it anew.
-                self.sequences.evict_all();
+                self.sequences.forget(&pool.sequence);
                 let _ = self.redis.release(&pool.keys, &token).await;
                 return RefillOutcome::Failed;
             }

@@ -198,6 +198,14 @@ impl SequenceStore {
         cache.remove(key);
     }
 
+    /// Drops the cached definition of one sequence (it changed meanwhile).
+    pub fn forget(&self, sequence: &Sequence) {
+        self.evict(&cache_key(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+        ));
+    }
+
     pub fn evict_all(&self) {
         let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
         cache.clear();
@@ -515,28 +523,28 @@ async fn retire(
 ) -> Result<(), StoreError> {
     let (project, doc_type) = (current.project.as_str(), current.doc_type.as_str());
     let name = format!("{project}/{doc_type}");
-    let layout = |d: &Definition| layout_name(d).to_owned();
     let mut printed: Vec<(String, String)> =
         sqlx::query_as("SELECT layout, format FROM sequence_formats WHERE sequence_id = $1")
             .bind(current.id)
             .fetch_all(&mut *conn)
             .await?;
-    printed.push((
-        layout(&current.definition),
-        current.definition.format.as_str().to_owned(),
-    ));
+    printed.push(printed_as(&current.definition));
     let new_pattern = next
         .pattern(project, doc_type)
         .map_err(DefinitionError::from)?;
-    let same_as = |(l, f): &(String, String)| *l == layout(next) && f == next.format.as_str();
+    let same_as = |earlier: &(String, String)| *earlier == printed_as(next);
     for earlier in printed.iter().filter(|p| !same_as(p)) {
         let Some(pattern) = stored_pattern(&earlier.0, &earlier.1, project, doc_type, 19) else {
             continue;
         };
         if let Some(example) = new_pattern.common_example(&pattern) {
+            let earlier = match earlier.0.as_str() {
+                "int64" => format!("it printed under its earlier epoch {}", earlier.1),
+                _ => format!("it printed with its earlier format {:?}", earlier.1),
+            };
             return Err(StoreError::Conflict {
                 sequence: name,
-                other: format!("it printed with its earlier format {:?}", earlier.1),
+                other: earlier,
                 example,
             });
         }
@@ -546,8 +554,8 @@ async fn retire(
          ON CONFLICT DO NOTHING",
     )
     .bind(current.id)
-    .bind(layout(&current.definition))
-    .bind(current.definition.format.as_str())
+    .bind(printed_as(&current.definition).0)
+    .bind(printed_as(&current.definition).1)
     .execute(&mut *conn)
     .await?;
     let reprints = printed.iter().any(same_as);
@@ -577,6 +585,16 @@ async fn retire(
         }
     }
     Ok(())
+}
+
+/// What decides the strings a definition prints, as kept in
+/// `sequence_formats`: the format, or for the int64 layout its epoch (a new
+/// epoch moves every day's base onto another day's).
+fn printed_as(d: &Definition) -> (String, String) {
+    match d.layout {
+        Layout::Text => ("text".into(), d.format.as_str().to_owned()),
+        Layout::Int64 { epoch } => ("int64".into(), epoch.to_rfc3339()),
+    }
 }
 
 const INSERT_SEQUENCE: &str = "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, \

@@ -296,6 +296,27 @@ async fn a_forced_change_never_prints_an_earlier_id_again() {
         .put_sequence("R", "1", json!({"format": "R1/{seq}", "force": true}))
         .await;
     assert_eq!(disjoint.status(), StatusCode::OK);
+
+    // The 64-bit layout prints (day since epoch << 32 | counter): a new
+    // epoch would move today's IDs onto another day's.
+    let int64 = app.put_sequence("R", "2", json!({"layout": "int64"})).await;
+    assert_eq!(int64.status(), StatusCode::CREATED);
+    app.issue("R", "2", 3).await;
+    let moved = app
+        .put_sequence(
+            "R",
+            "2",
+            json!({"layout": "int64", "epoch": "2022-01-02T00:00:00Z", "force": true}),
+        )
+        .await;
+    let problem = assert_problem(moved, StatusCode::CONFLICT, "format_conflict").await;
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("earlier epoch"),
+        "{problem}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
