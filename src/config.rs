@@ -290,6 +290,27 @@ pub struct Config {
     )]
     pub max_sequences_per_project: u64,
 
+    /// `off` turns authentication, scopes and rate limits off: local
+    /// development only, and only on a loopback address.
+    #[arg(
+        long = "idpool-auth",
+        env = "IDPOOL_AUTH",
+        value_enum,
+        default_value = "on",
+        global = true
+    )]
+    pub auth: Switch,
+
+    /// Requests per second per API key (bursts of twice that).
+    #[arg(
+        long = "idpool-rate-limit",
+        env = "IDPOOL_RATE_LIMIT",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u32).range(1..),
+        global = true
+    )]
+    pub rate_limit: u32,
+
     /// Webhook sink: HMAC key for the Standard Webhooks signature
     /// (`whsec_<base64>`, or any other string used as it is).
     #[arg(
@@ -325,6 +346,31 @@ impl Config {
 
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs(self.request_timeout_s.max(1))
+    }
+
+    /// Refuses to serve without authentication anywhere but a loopback
+    /// address.
+    pub fn check_auth_off_is_local(&self) -> anyhow::Result<()> {
+        if self.auth.is_on() {
+            return Ok(());
+        }
+        let host = match self.listen.rsplit_once(':') {
+            Some((host, _port)) => host.trim_start_matches('[').trim_end_matches(']'),
+            None => self.listen.as_str(),
+        };
+        let loopback = host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        if loopback {
+            Ok(())
+        } else {
+            anyhow::bail!(
+                "IDPOOL_AUTH=off is for local development: IDPOOL_LISTEN must be a loopback \
+                 address (127.0.0.1, [::1] or localhost), not {:?}",
+                self.listen
+            )
+        }
     }
 
     pub fn header_timeout(&self) -> Duration {

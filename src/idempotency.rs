@@ -19,27 +19,14 @@ pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
 /// How long a request waits for a twin holding its key before answering 409.
 pub const WAIT_FOR_TWIN: &str = "2s";
 
-/// Who is asking. Keys are scoped to the caller, so two tenants never collide.
-/// Authentication is not built yet: the caller is the bearer token's hash
-/// when one is sent, else "anonymous".
+/// Whose records these are: an API key's id (`anonymous` with
+/// authentication off). Two keys never see each other's answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller(String);
 
 impl Caller {
-    pub fn from_headers(headers: &HeaderMap) -> Self {
-        let token = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty());
-        match token {
-            Some(token) => {
-                let digest = Sha256::digest(token.as_bytes());
-                Caller(format!("bearer:{}", hex::encode(&digest[..16])))
-            }
-            None => Caller("anonymous".into()),
-        }
+    pub fn key(id: &str) -> Self {
+        Caller(format!("key:{id}"))
     }
 
     pub fn as_str(&self) -> &str {
@@ -264,14 +251,8 @@ mod tests {
     }
 
     #[test]
-    fn callers_are_told_apart_by_token() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(Caller::from_headers(&headers).as_str(), "anonymous");
-        headers.insert("authorization", "Bearer alpha".parse().unwrap());
-        let alpha = Caller::from_headers(&headers);
-        headers.insert("authorization", "Bearer beta".parse().unwrap());
-        let beta = Caller::from_headers(&headers);
-        assert_ne!(alpha, beta);
-        assert!(alpha.as_str().starts_with("bearer:") && !alpha.as_str().contains("alpha"));
+    fn records_are_keyed_by_the_key_id() {
+        assert_eq!(Caller::key("abc").as_str(), "key:abc");
+        assert_ne!(Caller::key("abc"), Caller::key("abd"));
     }
 }

@@ -37,10 +37,12 @@ pub enum LedgerError {
     Unstorable(String),
     #[error("the ledger writer has stopped")]
     Closed,
-    #[error("document ID {0} exists already")]
-    DocumentIdTaken(String),
-    #[error("the number carries a document already: {0}")]
-    AlreadyAttached(String),
+    /// Another document has the ID this one was printed. (No detail: the
+    /// other document may be another tenant's.)
+    #[error("the ID printed for this document is another document's already")]
+    DocumentIdTaken,
+    #[error("the number carries a document already")]
+    AlreadyAttached,
 }
 
 impl From<sqlx::Error> for LedgerError {
@@ -50,10 +52,10 @@ impl From<sqlx::Error> for LedgerError {
         };
         match db.constraint() {
             Some("id_outbox_document_id_key") => {
-                return LedgerError::DocumentIdTaken(db.message().to_owned());
+                return LedgerError::DocumentIdTaken;
             }
             Some("id_outbox_sequence_id_period_seq_key") => {
-                return LedgerError::AlreadyAttached(db.message().to_owned());
+                return LedgerError::AlreadyAttached;
             }
             _ => {}
         }
@@ -76,8 +78,8 @@ impl LedgerError {
             LedgerError::Statement(_)
                 | LedgerError::Waited(_)
                 | LedgerError::Unstorable(_)
-                | LedgerError::DocumentIdTaken(_)
-                | LedgerError::AlreadyAttached(_)
+                | LedgerError::DocumentIdTaken
+                | LedgerError::AlreadyAttached
         )
     }
 

@@ -1,6 +1,7 @@
 //! idpool: tenant-formatted sequential IDs from Redis pools over a Postgres
 //! counter of record.
 
+pub mod auth;
 pub mod batch;
 pub mod cli;
 pub mod clock;

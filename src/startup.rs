@@ -10,6 +10,7 @@ use tokio_util::task::TaskTracker;
 
 use tokio::sync::Notify;
 
+use crate::auth::{Authenticator, KeyStore};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::counter::Counter;
@@ -78,6 +79,12 @@ impl Application {
             },
             stats.clone(),
         )?;
+        let keys = Arc::new(KeyStore::new(db.clone()));
+        let auth = Arc::new(if config.auth.is_on() {
+            Authenticator::new(keys.clone(), config.rate_limit)
+        } else {
+            Authenticator::off(keys.clone())
+        });
         let sequences = Arc::new(SequenceStore::new(
             db.clone(),
             config.max_sequences_per_project as usize,
@@ -142,14 +149,20 @@ impl Application {
             });
         }
         {
-            let (db, sequences, wake, stop) = (
-                db.clone(),
-                sequences.clone(),
-                outbox_wake.clone(),
-                stop.clone(),
-            );
+            let listeners = listen::Listeners {
+                sequences: sequences.clone(),
+                keys: keys.clone(),
+                outbox_wake: outbox_wake.clone(),
+            };
+            let (db, stop) = (db.clone(), stop.clone());
             supervisor.spawn("notifications", move || {
-                listen::run(db.clone(), sequences.clone(), wake.clone(), stop.clone())
+                listen::run(db.clone(), listeners.clone(), stop.clone())
+            });
+        }
+        {
+            let (auth, stop) = (auth.clone(), stop.clone());
+            supervisor.spawn("key use", move || {
+                crate::auth::record_use_periodically(auth.clone(), stop.clone())
             });
         }
         {
@@ -190,6 +203,7 @@ impl Application {
             }
         }
         let state = AppState(Arc::new(AppInner {
+            auth,
             issuer,
             documents,
             reconciler,

@@ -59,7 +59,11 @@ pub enum DocumentError {
     Issue(#[from] IssueError),
     #[error("{id} cannot be attached: {reason}")]
     NotAttachable { id: String, reason: String },
-    #[error("a document with ID {0} exists already (another sequence formats IDs the same way)")]
+    /// The request's own ID (never another tenant's data).
+    #[error(
+        "the ID {0} printed for this document is another document's already (two sequences print \
+         the same IDs; give this one a format of its own)"
+    )]
     IdTaken(String),
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),
@@ -68,10 +72,9 @@ pub enum DocumentError {
 impl From<LedgerError> for DocumentError {
     fn from(e: LedgerError) -> Self {
         match e {
-            LedgerError::DocumentIdTaken(detail) => DocumentError::IdTaken(detail),
-            LedgerError::AlreadyAttached(detail) => DocumentError::NotAttachable {
+            LedgerError::AlreadyAttached => DocumentError::NotAttachable {
                 id: String::new(),
-                reason: format!("attached by a concurrent request ({detail})"),
+                reason: "a concurrent request attached it first".into(),
             },
             other => DocumentError::Issue(IssueError::Ledger(other)),
         }

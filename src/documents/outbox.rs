@@ -110,16 +110,27 @@ const VIEW_COLUMNS: &str = "document_id AS id, tenant_code AS project, entity_ty
      CASE WHEN status = 'pending' THEN next_retry_at END AS next_retry_at, \
      created_at, processed_at, id AS row_id";
 
-pub async fn find(db: &PgPool, document_id: &str) -> Result<Option<DocumentView>, sqlx::Error> {
-    let sql = format!("SELECT {VIEW_COLUMNS} FROM id_outbox WHERE document_id = $1");
+/// A document of one of `projects` (`None`: any project).
+pub async fn find(
+    db: &PgPool,
+    document_id: &str,
+    projects: Option<&[String]>,
+) -> Result<Option<DocumentView>, sqlx::Error> {
+    let sql = format!(
+        "SELECT {VIEW_COLUMNS} FROM id_outbox WHERE document_id = $1 \
+         AND ($2::text[] IS NULL OR tenant_code = ANY($2))"
+    );
     sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(document_id)
+        .bind(projects)
         .fetch_optional(db)
         .await
 }
 
 pub struct ListFilter<'a> {
     pub status: Option<DocumentStatus>,
+    /// The projects the caller may see; `None`: every project.
+    pub projects: Option<&'a [String]>,
     pub project: Option<&'a str>,
     pub doc_type: Option<&'a str>,
     pub after_row: i64,
@@ -137,6 +148,7 @@ pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentVi
         "SELECT {VIEW_COLUMNS} FROM id_outbox \
          WHERE id > $1 {status} \
            AND ($2::text IS NULL OR tenant_code = $2) AND ($3::text IS NULL OR entity_type_id = $3) \
+           AND ($5::text[] IS NULL OR tenant_code = ANY($5)) \
          ORDER BY id LIMIT $4"
     );
     sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -144,6 +156,7 @@ pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentVi
         .bind(filter.project)
         .bind(filter.doc_type)
         .bind(filter.limit)
+        .bind(filter.projects)
         .fetch_all(db)
         .await
 }
@@ -165,10 +178,15 @@ pub enum TransitionError {
 
 /// Back to `pending`, retry count reset: for dead letters (and abandoned
 /// documents an operator wants back).
-pub async fn retry(db: &PgPool, document_id: &str) -> Result<DocumentView, TransitionError> {
+pub async fn retry(
+    db: &PgPool,
+    document_id: &str,
+    projects: Option<&[String]>,
+) -> Result<DocumentView, TransitionError> {
     transition(
         db,
         document_id,
+        projects,
         "retry",
         "dead_letter or abandoned documents",
         &[DocumentStatus::DeadLetter, DocumentStatus::Abandoned],
@@ -178,10 +196,15 @@ pub async fn retry(db: &PgPool, document_id: &str) -> Result<DocumentView, Trans
 }
 
 /// Gives up on a document: its number becomes an `abandoned` gap.
-pub async fn abandon(db: &PgPool, document_id: &str) -> Result<DocumentView, TransitionError> {
+pub async fn abandon(
+    db: &PgPool,
+    document_id: &str,
+    projects: Option<&[String]>,
+) -> Result<DocumentView, TransitionError> {
     transition(
         db,
         document_id,
+        projects,
         "abandon",
         "pending, dead_letter or abandoned documents",
         &[
@@ -197,6 +220,7 @@ pub async fn abandon(db: &PgPool, document_id: &str) -> Result<DocumentView, Tra
 async fn transition(
     db: &PgPool,
     document_id: &str,
+    projects: Option<&[String]>,
     action: &'static str,
     allowed_text: &'static str,
     allowed: &[DocumentStatus],
@@ -204,11 +228,14 @@ async fn transition(
 ) -> Result<DocumentView, TransitionError> {
     let mut tx = db.begin().await?;
     // Locked, so a processor holding the row finishes first.
-    let current: Option<DocumentStatus> =
-        sqlx::query_scalar("SELECT status::text FROM id_outbox WHERE document_id = $1 FOR UPDATE")
-            .bind(document_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+    let current: Option<DocumentStatus> = sqlx::query_scalar(
+        "SELECT status::text FROM id_outbox WHERE document_id = $1 \
+         AND ($2::text[] IS NULL OR tenant_code = ANY($2)) FOR UPDATE",
+    )
+    .bind(document_id)
+    .bind(projects)
+    .fetch_optional(&mut *tx)
+    .await?;
     let Some(current) = current else {
         return Err(TransitionError::NotFound(document_id.to_owned()));
     };

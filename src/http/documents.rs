@@ -14,12 +14,14 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::auth::within_scope;
 use super::extract::{Json, Path};
 use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error, key_reused};
+use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentView};
 use crate::documents::{AcceptedDocument, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES};
-use crate::idempotency::{self, Caller, Claimed};
+use crate::idempotency::{self, Claimed};
 
 /// Largest single-document body: the metadata limit plus room for the rest.
 pub const DOCUMENT_BODY_LIMIT: usize = MAX_METADATA_BYTES + 16 * 1024;
@@ -191,6 +193,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
          headers(("Location" = String, description = "/api/v1/documents/{id}"),
                  ("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
@@ -201,6 +204,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
 )]
 pub async fn create_document(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     Json(body): Json<CreateDocument>,
 ) -> Result<Response, ApiError> {
@@ -210,6 +214,7 @@ pub async fn create_document(
         &body.metadata,
         body.id.as_deref(),
     )?;
+    within_scope(&caller, input.project.as_str())?;
     let key = idempotency::key_from_headers(&headers)?;
     if key.is_none() && input.id.is_none() {
         // The hot path: numbers are popped and recorded inside the shared
@@ -221,7 +226,7 @@ pub async fn create_document(
             false,
         ));
     }
-    let caller = Caller::from_headers(&headers);
+    let caller = idempotency::Caller::key(caller.id());
     // In a task of its own: a client hanging up must not cancel a
     // transaction between taking a number and recording it.
     tokio::spawn(async move {
@@ -297,6 +302,7 @@ pub async fn create_document(
          headers(("Location" = String, description = "/api/v1/documents/{id}"),
                  ("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
@@ -307,10 +313,11 @@ pub async fn create_document(
 )]
 pub async fn create_document_short(
     state: State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     body: Json<CreateDocument>,
 ) -> Result<Response, ApiError> {
-    create_document(state, headers, body).await
+    create_document(state, caller, headers, body).await
 }
 
 fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
@@ -330,6 +337,7 @@ fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
     responses(
         (status = 202, description = "All accepted", body = BatchAccepted),
         (status = 400, description = "A bad item (see index) or batch size", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "An item's id is not attachable, a sequence is exhausted, a key is in use, or a new sequence cannot be created (format_conflict, sequence_limit_reached)", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or an item's metadata too large", body = Problem, content_type = "application/problem+json"),
@@ -340,6 +348,7 @@ fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
 )]
 pub async fn create_batch(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     _turn: BatchTurn,
     Json(body): Json<BatchRequest>,
@@ -367,6 +376,7 @@ pub async fn create_batch(
             item.id.as_deref(),
         )
         .map_err(|e| e.at_index(index))?;
+        within_scope(&caller, input.project.as_str()).map_err(|e| e.at_index(index))?;
         let key = match &item.idempotency_key {
             None => None,
             Some(key) => {
@@ -381,7 +391,7 @@ pub async fn create_batch(
         keys.push(key);
     }
     drop(body);
-    let caller = Caller::from_headers(&headers);
+    let caller = idempotency::Caller::key(caller.id());
     tokio::spawn(async move { accept_batch(state, caller, inputs, keys).await })
         .await
         .map_err(ApiError::internal)?
@@ -425,7 +435,7 @@ enum Fate {
 
 async fn accept_batch(
     state: AppState,
-    caller: Caller,
+    caller: idempotency::Caller,
     inputs: Vec<DocumentInput>,
     keys: Vec<Option<(String, Vec<u8>)>>,
 ) -> Result<Vec<BatchResult>, ApiError> {
@@ -540,9 +550,10 @@ async fn accept_batch(
 )]
 pub async fn get_document(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
-    outbox::find(&state.db, &id)
+    outbox::find(&state.db, &id, caller.projects())
         .await
         .map_err(db_error)?
         .map(axum::Json)

@@ -8,9 +8,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::auth::require_admin;
 use super::extract::Query;
 use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error};
+use crate::auth::Caller;
 use crate::gaps::reconcile::{ReconcileError, Summary};
 use crate::gaps::{self, Gap, GapQuery, Reason};
 
@@ -70,6 +72,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 )]
 pub async fn list_gaps(
     State(state): State<AppState>,
+    caller: Caller,
     Query(query): Query<GapsQuery>,
 ) -> Result<axum::Json<GapList>, ApiError> {
     let (Some(project), Some(doc_type)) = (query.project.as_deref(), query.doc_type.as_deref())
@@ -108,11 +111,19 @@ pub async fn list_gaps(
             ))
         }
     };
-    if let Some(period) = &query.period
-        && let Some(sequence) = state
+    // Outside the key's projects every sequence reads as one never used:
+    // no gaps, whatever the project holds.
+    let in_scope = caller.may_use(project.as_str());
+    let sequence = if in_scope {
+        state
             .sequences
             .get(project.as_str(), doc_type.as_str())
             .await?
+    } else {
+        None
+    };
+    if let Some(period) = &query.period
+        && let Some(sequence) = sequence
     {
         let definition = &sequence.definition;
         if definition
@@ -129,19 +140,23 @@ pub async fn list_gaps(
             ));
         }
     }
-    let gaps = gaps::list(
-        &state.db,
-        &GapQuery {
-            project: project.as_str(),
-            doc_type: doc_type.as_str(),
-            period: query.period.as_deref(),
-            reason,
-            after,
-            limit,
-        },
-    )
-    .await
-    .map_err(db_error)?;
+    let gaps = if !in_scope {
+        Vec::new()
+    } else {
+        gaps::list(
+            &state.db,
+            &GapQuery {
+                project: project.as_str(),
+                doc_type: doc_type.as_str(),
+                period: query.period.as_deref(),
+                reason,
+                after,
+                limit,
+            },
+        )
+        .await
+        .map_err(db_error)?
+    };
     let next_cursor = (gaps.len() as i64 == limit)
         .then(|| gaps.last().map(|g| format!("{}:{}", g.period, g.from_seq)))
         .flatten();
@@ -160,10 +175,15 @@ pub async fn list_gaps(
     tag = "gaps",
     responses(
         (status = 200, body = Summary),
+        (status = 403, description = "forbidden: reconciling needs an admin key", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Another instance is reconciling", body = Problem, content_type = "application/problem+json"),
     )
 )]
-pub async fn reconcile_now(State(state): State<AppState>) -> Result<axum::Json<Summary>, ApiError> {
+pub async fn reconcile_now(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<axum::Json<Summary>, ApiError> {
+    require_admin(&caller)?;
     let reconciler = state.reconciler.clone();
     let summary = tokio::spawn(async move { reconciler.run_once().await })
         .await

@@ -9,9 +9,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::auth::within_scope;
 use super::extract::Json;
 use super::problem::{ApiError, Problem, db_error, key_reused};
-use crate::idempotency::{self, Caller, Claimed};
+use crate::auth::Caller;
+use crate::idempotency::{self, Claimed};
 use crate::issuance::{Issued, MAX_COUNT};
 use crate::sequence::{ProjectCode, TypeCode};
 
@@ -110,6 +112,7 @@ impl IdsInput {
         (status = 200, description = "IDs issued", body = IssuedIds,
          headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
@@ -120,10 +123,12 @@ impl IdsInput {
 )]
 pub async fn issue_ids(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     Json(body): Json<IssueIdsRequest>,
 ) -> Result<Response, ApiError> {
     let input = IdsInput::parse(&body)?;
+    within_scope(&caller, input.project.as_str())?;
     let Some(key) = idempotency::key_from_headers(&headers)? else {
         // The hot path: numbers are popped and recorded inside the shared
         // batch, so a client hanging up cannot leave one half-taken.
@@ -133,7 +138,7 @@ pub async fn issue_ids(
             .await?;
         return Ok(axum::Json(answer(&input, &issued)).into_response());
     };
-    let caller = Caller::from_headers(&headers);
+    let caller = idempotency::Caller::key(caller.id());
     // In a task of its own: a client hanging up must not cancel the
     // transaction between taking numbers and recording them.
     tokio::spawn(issue_once(state, caller, key, input))
@@ -154,7 +159,7 @@ fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {
 /// commit together, so a retry gets the same IDs and burns no numbers.
 async fn issue_once(
     state: AppState,
-    caller: Caller,
+    caller: idempotency::Caller,
     key: String,
     input: IdsInput,
 ) -> Result<Response, ApiError> {
@@ -213,6 +218,7 @@ async fn issue_once(
         (status = 200, description = "IDs issued", body = IssuedIds,
          headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
@@ -223,8 +229,9 @@ async fn issue_once(
 )]
 pub async fn issue_ids_short(
     state: State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     body: Json<IssueIdsRequest>,
 ) -> Result<Response, ApiError> {
-    issue_ids(state, headers, body).await
+    issue_ids(state, caller, headers, body).await
 }

@@ -1,6 +1,7 @@
 //! The HTTP surface: routes, the OpenAPI document, and the layers every
 //! request passes (request id, tracing, timeout, panic guard).
 
+pub mod auth;
 mod documents;
 pub mod extract;
 mod gaps;
@@ -29,6 +30,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_swagger_ui::SwaggerUi;
 
+use crate::auth::Authenticator;
 use crate::clock::Clock;
 use crate::documents::Documents;
 use crate::gaps::reconcile::Reconciler;
@@ -42,6 +44,7 @@ use problem::ApiError;
 pub const SMALL_BODY_LIMIT: usize = 64 * 1024;
 
 pub struct AppInner {
+    pub auth: Arc<Authenticator>,
     pub issuer: Arc<Issuer>,
     pub documents: Documents,
     pub reconciler: Arc<Reconciler>,
@@ -99,7 +102,78 @@ pub fn api_router() -> OpenApiRouter<AppState> {
 
 /// The OpenAPI document, built without any running dependency.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    api_router().into_openapi()
+    let mut document = api_router().into_openapi();
+    secure(&mut document);
+    document
+}
+
+/// States what the authentication layer does: the bearer scheme and the
+/// 401/429 answers on every protected operation.
+fn secure(document: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::security::{
+        HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+    };
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder, header::HeaderBuilder};
+    let components = document.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "bearer",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .bearer_format("idp_<id>_<secret>")
+                .description(Some("An API key from `idpool keys create`"))
+                .build(),
+        ),
+    );
+    let problem = |description: &str, header: (&str, &str)| {
+        ResponseBuilder::new()
+            .description(description)
+            .header(
+                header.0,
+                HeaderBuilder::new()
+                    .schema(Some(utoipa::openapi::schema::Object::with_type(
+                        utoipa::openapi::schema::Type::String,
+                    )))
+                    .description(Some(header.1))
+                    .build(),
+            )
+            .content(
+                "application/problem+json",
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("Problem")))
+                    .build(),
+            )
+            .build()
+    };
+    let unauthorized = problem(
+        "unauthorized: no API key, or one that is not valid or was revoked",
+        ("WWW-Authenticate", "Bearer realm=\"idpool\""),
+    );
+    let limited = problem(
+        "rate_limited: this key sent more requests than IDPOOL_RATE_LIMIT allows",
+        ("Retry-After", "seconds to wait"),
+    );
+    for (path, item) in document.paths.paths.iter_mut() {
+        if !auth::is_protected(path) {
+            continue;
+        }
+        let operations = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for operation in operations.into_iter().flatten() {
+            operation.security = Some(vec![SecurityRequirement::new(
+                "bearer",
+                Vec::<String>::new(),
+            )]);
+            let responses = &mut operation.responses.responses;
+            responses.insert("401".into(), unauthorized.clone().into());
+            responses.insert("429".into(), limited.clone().into());
+        }
+    }
 }
 
 /// The whole application: the routes, wrapped once in the layers every
@@ -118,30 +192,44 @@ pub fn app(
 + 'static {
     let request_id = HeaderName::from_static("x-request-id");
     let timeout = state.request_timeout;
+    let authenticator = state.auth.clone();
     tower::ServiceBuilder::new()
         .map_response(IntoResponse::into_response)
-        .layer(SetRequestIdLayer::new(request_id.clone(), RequestIds::new()))
+        .layer(SetRequestIdLayer::new(
+            request_id.clone(),
+            RequestIds::new(),
+        ))
         .layer(PropagateRequestIdLayer::new(request_id))
-        .layer(
-            TraceLayer::new_for_http().make_span_with(|req: &Request| {
-                let id = req
-                    .headers()
-                    .get("x-request-id")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("");
-                tracing::info_span!("request", request_id = id, method = %req.method(), path = %req.uri().path())
-            }),
-        )
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
+            let id = req
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            tracing::info_span!(
+                "request",
+                request_id = id,
+                method = %req.method(),
+                path = %req.uri().path(),
+                key_id = tracing::field::Empty,
+            )
+        }))
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::internal("handler panicked").into_response()
         }))
-        .layer(middleware::from_fn(move |req, next| guard(timeout, req, next)))
+        .layer(middleware::from_fn(move |req, next| {
+            guard(timeout, req, next)
+        }))
+        .layer(middleware::from_fn(move |req, next| {
+            auth::authenticate(authenticator.clone(), req, next)
+        }))
         .service(router(state))
 }
 
 /// The routes and their fallbacks, without the layers of [`app`].
 pub fn router(state: AppState) -> Router {
-    let (api, document) = api_router().split_for_parts();
+    let (api, mut document) = api_router().split_for_parts();
+    secure(&mut document);
     api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
         .merge(SwaggerUi::new("/docs").url("/openapi.json", document))
         .fallback(not_found)

@@ -9,6 +9,7 @@ use utoipa_axum::routes;
 use super::AppState;
 use super::extract::{Path, Query};
 use super::problem::{ApiError, Problem, db_error};
+use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentStatus, DocumentView, ListFilter, TransitionError};
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -54,6 +55,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 )]
 pub async fn list_outbox(
     State(state): State<AppState>,
+    caller: Caller,
     Query(query): Query<OutboxQuery>,
 ) -> Result<axum::Json<OutboxPage>, ApiError> {
     let limit = query.limit.unwrap_or(100);
@@ -73,6 +75,7 @@ pub async fn list_outbox(
         &state.db,
         &ListFilter {
             status: query.status,
+            projects: caller.projects(),
             project: query.project.as_deref(),
             doc_type: query.doc_type.as_deref(),
             after_row,
@@ -115,9 +118,10 @@ fn transition_error(e: TransitionError) -> ApiError {
 )]
 pub async fn retry_document(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
-    outbox::retry(&state.db, &id)
+    outbox::retry(&state.db, &id, caller.projects())
         .await
         .map(axum::Json)
         .map_err(transition_error)
@@ -137,9 +141,10 @@ pub async fn retry_document(
 )]
 pub async fn abandon_document(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
-    outbox::abandon(&state.db, &id)
+    outbox::abandon(&state.db, &id, caller.projects())
         .await
         .map(axum::Json)
         .map_err(transition_error)

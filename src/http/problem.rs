@@ -209,8 +209,8 @@ impl From<LedgerError> for ApiError {
     fn from(e: LedgerError) -> Self {
         match e {
             LedgerError::Unstorable(_) => Self::bad_request("unstorable_value", e.to_string()),
-            LedgerError::DocumentIdTaken(_) => Self::conflict("document_id_taken", e.to_string()),
-            LedgerError::AlreadyAttached(_) => Self::conflict("id_not_attachable", e.to_string()),
+            LedgerError::DocumentIdTaken => Self::conflict("document_id_taken", e.to_string()),
+            LedgerError::AlreadyAttached => Self::conflict("id_not_attachable", e.to_string()),
             LedgerError::Db(_)
             | LedgerError::Statement(_)
             | LedgerError::Waited(_)

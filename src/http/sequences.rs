@@ -9,9 +9,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::auth::require_admin;
 use super::extract::{Json, Path, Query};
 use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error};
+use crate::auth::Caller;
 use crate::sequence::{Definition, DefinitionInput, LayoutKind, Reset, Sequence};
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -117,6 +119,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 )]
 pub async fn list_sequences(
     State(state): State<AppState>,
+    caller: Caller,
     Query(query): Query<ListQuery>,
 ) -> Result<axum::Json<SequenceList>, ApiError> {
     let limit = query.limit.unwrap_or(100);
@@ -132,7 +135,10 @@ pub async fn list_sequences(
             ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
         })?),
     };
-    let sequences = state.sequences.list(after, limit).await?;
+    let sequences = state
+        .sequences
+        .list(after, limit, caller.projects())
+        .await?;
     let next_cursor = (sequences.len() as i64 == limit)
         .then(|| {
             sequences
@@ -163,19 +169,24 @@ pub async fn list_sequences(
 )]
 pub async fn get_sequence(
     State(state): State<AppState>,
+    caller: Caller,
     Path((project, doc_type)): Path<(String, String)>,
 ) -> Result<axum::Json<SequenceView>, ApiError> {
     let (project, doc_type) = parse_codes(&project, &doc_type)?;
-    let sequence = state
-        .sequences
-        .get(project.as_str(), doc_type.as_str())
-        .await?
-        .ok_or_else(|| {
-            ApiError::not_found(
-                "sequence_not_found",
-                format!("sequence {project}/{doc_type} was never defined nor used"),
-            )
-        })?;
+    let found = if caller.may_use(project.as_str()) {
+        state
+            .sequences
+            .get(project.as_str(), doc_type.as_str())
+            .await?
+    } else {
+        None
+    };
+    let sequence = found.ok_or_else(|| {
+        ApiError::not_found(
+            "sequence_not_found",
+            format!("sequence {project}/{doc_type} was never defined nor used"),
+        )
+    })?;
     let live = live_figures(&state, &sequence).await?;
     Ok(axum::Json(SequenceView::of(&sequence, Some(live))))
 }
@@ -240,15 +251,18 @@ async fn live_figures(
         (status = 200, description = "Replaced", body = SequenceView),
         (status = 201, description = "Created", body = SequenceView),
         (status = 400, description = "Invalid definition", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "forbidden: defining a sequence needs an admin key", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "sequence_in_use (an identity change without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn put_sequence(
     State(state): State<AppState>,
+    caller: Caller,
     Path((project, doc_type)): Path<(String, String)>,
     Json(input): Json<DefinitionInput>,
 ) -> Result<(StatusCode, axum::Json<SequenceView>), ApiError> {
+    require_admin(&caller)?;
     let (project, doc_type) = parse_codes(&project, &doc_type)?;
     let definition = Definition::from_input(&input, &project, &doc_type)
         .map_err(|e| ApiError::bad_request("invalid_definition", e.to_string()))?;

@@ -276,21 +276,25 @@ impl SequenceStore {
         row.map(SequenceRow::into_sequence).transpose()
     }
 
-    /// Sequences ordered by (project, type), after the given pair.
+    /// Sequences of `projects` (`None`: all) ordered by (project, type),
+    /// after the given pair.
     pub async fn list(
         &self,
         after: Option<(&str, &str)>,
         limit: i64,
+        projects: Option<&[String]>,
     ) -> Result<Vec<Sequence>, StoreError> {
         let (after_project, after_type) = after.unwrap_or(("", ""));
         let sql = format!(
             "SELECT {SELECT_COLUMNS} FROM sequences WHERE (project, doc_type) > ($1, $2) \
+             AND ($4::text[] IS NULL OR project = ANY($4)) \
              ORDER BY project, doc_type LIMIT $3"
         );
         let rows: Vec<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(after_project)
             .bind(after_type)
             .bind(limit)
+            .bind(projects)
             .fetch_all(&self.db)
             .await?;
         rows.into_iter().map(SequenceRow::into_sequence).collect()

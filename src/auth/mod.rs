@@ -1,0 +1,174 @@
+//! Who may do what: API keys, the caller of a request, and the rate limit
+//! per key.
+
+pub mod keys;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use keys::{ApiKey, KeyStore, Rejected};
+
+/// Who is asking: set by the authentication layer on every protected
+/// request, and the only thing handlers ask about scope.
+#[derive(Debug, Clone)]
+pub enum Caller {
+    Key(Arc<ApiKey>),
+    /// `IDPOOL_AUTH=off`: one caller that may do anything.
+    Anyone,
+}
+
+impl Caller {
+    /// The key's id (`anonymous` with authentication off): what logs and
+    /// idempotency records name.
+    pub fn id(&self) -> &str {
+        match self {
+            Caller::Key(key) => &key.id,
+            Caller::Anyone => "anonymous",
+        }
+    }
+
+    pub fn is_admin(&self) -> bool {
+        match self {
+            Caller::Key(key) => key.admin,
+            Caller::Anyone => true,
+        }
+    }
+
+    pub fn may_use(&self, project: &str) -> bool {
+        match self {
+            Caller::Key(key) => key.may_use(project),
+            Caller::Anyone => true,
+        }
+    }
+
+    /// The projects the caller may reach; `None`: every project.
+    pub fn projects(&self) -> Option<&[String]> {
+        match self {
+            Caller::Key(key) if !key.admin => Some(&key.projects),
+            _ => None,
+        }
+    }
+}
+
+/// What a protected request's credentials came to.
+#[derive(Debug)]
+pub enum Verdict {
+    Allowed(Caller),
+    /// No usable `Authorization: Bearer` header.
+    Missing,
+    Rejected(Rejected),
+    /// Over the key's rate; may try again after this long.
+    Limited(Duration),
+}
+
+type KeyedLimiter = governor::DefaultKeyedRateLimiter<String>;
+
+pub struct Authenticator {
+    keys: Arc<KeyStore>,
+    /// `None` with authentication off.
+    limiter: Option<KeyedLimiter>,
+}
+
+impl Authenticator {
+    /// Keys checked against `keys`, each allowed `per_second` requests a
+    /// second with a burst of twice that.
+    pub fn new(keys: Arc<KeyStore>, per_second: u32) -> Self {
+        let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
+        let burst = NonZeroU32::new(per_second.saturating_mul(2)).unwrap_or(rate);
+        Self {
+            keys,
+            limiter: Some(governor::RateLimiter::keyed(
+                governor::Quota::per_second(rate).allow_burst(burst),
+            )),
+        }
+    }
+
+    /// Everyone may do everything (local development).
+    pub fn off(keys: Arc<KeyStore>) -> Self {
+        Self {
+            keys,
+            limiter: None,
+        }
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.limiter.is_some()
+    }
+
+    pub fn keys(&self) -> &Arc<KeyStore> {
+        &self.keys
+    }
+
+    /// Judges the `Authorization` header of a protected request.
+    pub async fn check(&self, authorization: Option<&[u8]>) -> Verdict {
+        let Some(limiter) = &self.limiter else {
+            return Verdict::Allowed(Caller::Anyone);
+        };
+        let Some(token) = authorization.and_then(bearer_token) else {
+            return Verdict::Missing;
+        };
+        let key = match self.keys.authenticate(token).await {
+            Ok(key) => key,
+            Err(rejected) => return Verdict::Rejected(rejected),
+        };
+        if let Err(not_until) = limiter.check_key(&key.id) {
+            let now = governor::clock::Clock::now(limiter.clock());
+            return Verdict::Limited(not_until.wait_time_from(now));
+        }
+        Verdict::Allowed(Caller::Key(key))
+    }
+
+    /// Forgets rate state of keys idle long enough to be full again.
+    pub fn tidy(&self) {
+        if let Some(limiter) = &self.limiter {
+            limiter.retain_recent();
+            limiter.shrink_to_fit();
+        }
+    }
+}
+
+/// Every 30 s until `stop`: writes which keys were used, and forgets the
+/// rate state of idle keys.
+pub async fn record_use_periodically(
+    auth: Arc<Authenticator>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
+        }
+        if let Err(e) = auth.keys.record_use().await {
+            tracing::warn!(error = %e, "could not record when keys were last used");
+        }
+        auth.tidy();
+        if stop.is_cancelled() {
+            return;
+        }
+    }
+}
+
+/// The token of `Bearer <token>` (the scheme in any case).
+fn bearer_token(header: &[u8]) -> Option<&str> {
+    let header = std::str::from_utf8(header).ok()?;
+    let (scheme, token) = header.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_token;
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case() {
+        assert_eq!(bearer_token(b"Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token(b"bearer  abc "), Some("abc"));
+        assert_eq!(bearer_token(b"Basic abc"), None);
+        assert_eq!(bearer_token(b"Bearer "), None);
+        assert_eq!(bearer_token(b"Bearer\xff"), None);
+    }
+}
