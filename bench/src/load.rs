@@ -4,8 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -82,13 +82,35 @@ async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
     Ok(sender)
 }
 
-fn request(method: hyper::Method, path: &str, body: Bytes) -> anyhow::Result<Request<Full<Bytes>>> {
-    Ok(Request::builder()
+/// `Authorization` values the connections send, one key per connection
+/// in turn: the bench is many customers, each within its rate.
+static KEYS: OnceLock<Vec<hyper::header::HeaderValue>> = OnceLock::new();
+
+/// Sets the API keys every later request sends (once per run).
+pub fn use_keys(keys: &[String]) -> anyhow::Result<()> {
+    let values = keys
+        .iter()
+        .map(|k| hyper::header::HeaderValue::from_str(&format!("Bearer {k}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    KEYS.set(values)
+        .map_err(|_| anyhow::anyhow!("keys were set already"))
+}
+
+fn request(
+    method: hyper::Method,
+    path: &str,
+    body: Bytes,
+    connection: usize,
+) -> anyhow::Result<Request<Full<Bytes>>> {
+    let mut builder = Request::builder()
         .method(method)
         .uri(path)
         .header("host", "bench")
-        .header("content-type", "application/json")
-        .body(Full::new(body))?)
+        .header("content-type", "application/json");
+    if let Some(keys) = KEYS.get().filter(|k| !k.is_empty()) {
+        builder = builder.header("authorization", keys[connection % keys.len()].clone());
+    }
+    Ok(builder.body(Full::new(body))?)
 }
 
 /// Drives `connections` connections until `until`; `call(i)` builds the
@@ -111,7 +133,7 @@ pub async fn run(
         Until::Elapsed(_) => u64::MAX,
     };
     let mut tasks = Vec::with_capacity(connections);
-    for _ in 0..connections {
+    for connection in 0..connections {
         let (call, next) = (call.clone(), next.clone());
         tasks.push(tokio::spawn(async move {
             let mut out = Outcome {
@@ -133,7 +155,7 @@ pub async fn run(
                     body,
                     sequence,
                 } = call(i);
-                let request = request(method, path, body)?;
+                let request = request(method, path, body, connection)?;
                 let sent = Instant::now();
                 let answer = async {
                     sender.ready().await?;
@@ -216,7 +238,7 @@ pub async fn send(
 ) -> anyhow::Result<(u16, Bytes)> {
     let mut sender = connect(addr).await?;
     sender.ready().await?;
-    let response = sender.send_request(request(method, path, body)?).await?;
+    let response = sender.send_request(request(method, path, body, 0)?).await?;
     let status = response.status().as_u16();
     Ok((status, response.into_body().collect().await?.to_bytes()))
 }

@@ -26,6 +26,11 @@ use serde_json::json;
 use load::{Call, Outcome, Until};
 use services::{Idpool, Postgres, Redis};
 
+/// The projects the scenarios use; every bench key may use all of them.
+const PROJECTS: [&str; 5] = ["BENCH", "IDLE", "DOCB", "DOCS", "DRAIN"];
+/// API keys, one per load connection (64 at most).
+const KEYS: usize = 64;
+
 const SCENARIOS: &[&str] = &[
     "delivery",
     "ratio",
@@ -358,6 +363,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     env.extend(extra_env);
     let idpool = Idpool::start(&args.binary, &env)?;
     let addr: SocketAddr = format!("127.0.0.1:{}", idpool.port).parse()?;
+    // Like customers: project keys from the CLI, one per load connection,
+    // each well within the default rate limit.
+    let keys = services::create_keys(&args.binary, &database, &PROJECTS, KEYS)?;
+    load::use_keys(&keys)?;
     let db = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .connect(&database)

@@ -285,6 +285,38 @@ impl Drop for Redis {
     }
 }
 
+/// `n` project keys made with `idpool keys create`; their secrets.
+pub fn create_keys(
+    binary: &Path,
+    database_url: &str,
+    projects: &[&str],
+    n: usize,
+) -> anyhow::Result<Vec<String>> {
+    (0..n)
+        .map(|i| {
+            let mut command = Command::new(binary);
+            command
+                .args(["keys", "create", "--name", &format!("bench-{i}")])
+                .env("DATABASE_URL", database_url);
+            for project in projects {
+                command.args(["--project", project]);
+            }
+            let output = command.output().context("idpool keys create")?;
+            if !output.status.success() {
+                bail!(
+                    "idpool keys create failed: {}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+            let created: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+            created["key"]
+                .as_str()
+                .map(str::to_owned)
+                .context("no key in the output of idpool keys create")
+        })
+        .collect()
+}
+
 pub struct Idpool {
     pub port: u16,
     child: Child,

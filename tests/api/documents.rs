@@ -278,11 +278,10 @@ async fn ten_concurrent_requests_with_one_key_make_one_document() {
     .await;
     assert_eq!(app.outbox_count(None).await, 1);
 
-    // Another caller's identical key is its own.
-    let other_caller = app
-        .client
+    // Another API key's identical Idempotency-Key is its own.
+    let other_key = crate::helpers::create_key(&app.state, &[], true).await;
+    let other_caller = crate::helpers::client_with_key(Some(&other_key))
         .post(app.url("/documents"))
-        .bearer_auth("another-tenant")
         .header("idempotency-key", "order-7")
         .json(&body)
         .send()

@@ -48,6 +48,10 @@ pub struct TestEnv {
     pub db_pool_size: u32,
     /// The webhook sink's signing key (Standard Webhooks form).
     pub webhook_secret: String,
+    /// Authentication on (the default, as in production).
+    pub auth: bool,
+    /// Requests per second per key: high, so load tests are not throttled.
+    pub rate_limit: u32,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -77,6 +81,8 @@ impl TestEnv {
             max_sequences_per_project: 1000,
             db_pool_size: 8,
             webhook_secret: TEST_WEBHOOK_SECRET.to_owned(),
+            auth: true,
+            rate_limit: 1_000_000,
         }
     }
 
@@ -111,6 +117,11 @@ impl TestEnv {
             ("IDPOOL_DB_POOL_SIZE", self.db_pool_size.to_string()),
             ("IDPOOL_WEBHOOK_SECRET", self.webhook_secret.clone()),
             ("IDPOOL_HEADER_TIMEOUT_S", self.header_timeout_s.to_string()),
+            (
+                "IDPOOL_AUTH",
+                if self.auth { "on" } else { "off" }.to_owned(),
+            ),
+            ("IDPOOL_RATE_LIMIT", self.rate_limit.to_string()),
             ("IDPOOL_RECONCILE", "off".to_owned()),
             ("RUST_LOG", "warn".to_owned()),
         ]
@@ -160,6 +171,8 @@ impl TestEnv {
             db_acquire_timeout_ms: 2_000,
             max_sequences_per_project: self.max_sequences_per_project,
             webhook_secret: Some(self.webhook_secret.clone()),
+            auth: if self.auth { Switch::On } else { Switch::Off },
+            rate_limit: self.rate_limit,
         }
     }
 
@@ -192,16 +205,15 @@ impl TestEnv {
         let address = format!("http://127.0.0.1:{}", app.port());
         let stop = app.stop_token();
         let state = app.state().clone();
+        let admin_key = create_key(&state, &[], true).await;
         tokio::spawn(async move {
             let _ = app.run_until_stopped().await;
         });
         let db = PgPool::connect(&self.database_url).await.expect("test db");
         let test_app = TestApp {
             address,
-            client: reqwest::Client::builder()
-                .pool_max_idle_per_host(256)
-                .build()
-                .expect("client"),
+            client: client_with_key(Some(&admin_key)),
+            admin_key,
             db,
             env: self.clone(),
             stop,
@@ -212,6 +224,49 @@ impl TestEnv {
             .await;
         test_app
     }
+}
+
+/// Creates an API key the way `idpool keys create` does; its secret.
+pub async fn create_key(state: &idpool::http::AppState, projects: &[&str], admin: bool) -> String {
+    create_key_with_id(state, projects, admin).await.1
+}
+
+/// The same; (id, secret).
+pub async fn create_key_with_id(
+    state: &idpool::http::AppState,
+    projects: &[&str],
+    admin: bool,
+) -> (String, String) {
+    let created = state
+        .auth
+        .keys()
+        .create(&idpool::auth::keys::NewKey {
+            name: Some("test".into()),
+            admin,
+            projects: projects
+                .iter()
+                .map(|p| idpool::sequence::ProjectCode::parse(p).expect("project code"))
+                .collect(),
+        })
+        .await
+        .expect("key created");
+    (created.id, created.key)
+}
+
+/// A client that sends `key` as its bearer token on every request.
+pub fn client_with_key(key: Option<&str>) -> reqwest::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(key) = key {
+        let mut value =
+            reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")).expect("header");
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .default_headers(headers)
+        .build()
+        .expect("client")
 }
 
 pub fn replace_database(url: &str, name: &str) -> String {
@@ -232,7 +287,9 @@ pub fn replace_database(url: &str, name: &str) -> String {
 
 pub struct TestApp {
     pub address: String,
+    /// Sends the admin key.
     pub client: reqwest::Client,
+    pub admin_key: String,
     pub db: PgPool,
     pub env: TestEnv,
     stop: CancellationToken,
@@ -504,18 +561,40 @@ pub struct ServeProcess {
 impl ServeProcess {
     /// Starts the binary on `env` and waits until it answers /readyz.
     pub async fn start(env: &TestEnv) -> Self {
+        Self::launch(env, std::process::Stdio::null(), None).await
+    }
+
+    /// The same, its logs (at `level`) written to `log`.
+    pub async fn start_logging(env: &TestEnv, log: &std::path::Path, level: &str) -> Self {
+        let file = std::fs::File::create(log).expect("log file");
+        let stdout = file.try_clone().expect("log file");
+        Self::launch(env, stdout.into(), Some((file, level))).await
+    }
+
+    async fn launch(
+        env: &TestEnv,
+        stdout: std::process::Stdio,
+        log: Option<(std::fs::File, &str)>,
+    ) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_idpool"))
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idpool"));
+        command
             .arg("serve")
             .envs(env.process_env(port))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("idpool binary starts");
+            .stdout(stdout);
+        match log {
+            Some((file, level)) => {
+                command.stderr(file).env("RUST_LOG", level);
+            }
+            None => {
+                command.stderr(std::process::Stdio::null());
+            }
+        }
+        let child = command.spawn().expect("idpool binary starts");
         let process = Self { child, port };
         let client = reqwest::Client::new();
         let started = Instant::now();
@@ -534,6 +613,22 @@ impl ServeProcess {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// SIGTERM, and waits (up to 10 s) for a clean stop.
+    pub fn stop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
     }
 
     /// SIGKILL: no shutdown, no cleanup.

@@ -405,7 +405,8 @@ async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
     let answer = raw_exchange(&app, with_nul.as_bytes(), Duration::from_secs(2)).await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     let mut high = format!(
-        "POST /ids HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nIdempotency-Key: a",
+        "POST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nIdempotency-Key: a",
+        app.admin_key,
         body.len()
     )
     .into_bytes();
@@ -643,7 +644,11 @@ async fn a_body_that_never_arrives_is_answered_408_and_the_connection_closed() {
     let started = Instant::now();
     let answer = raw_exchange(
         &app,
-        b"POST /documents HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"proj",
+        format!(
+            "POST /documents HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"proj",
+            app.admin_key
+        )
+        .as_bytes(),
         Duration::from_secs(5),
     )
     .await;

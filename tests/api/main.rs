@@ -1,5 +1,6 @@
 //! End-to-end tests against real Postgres and Redis.
 
+mod auth;
 mod documents;
 mod gaps;
 mod helpers;

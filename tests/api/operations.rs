@@ -68,8 +68,9 @@ async fn without_redis_at_start_ids_come_from_postgres() {
     let application = idpool::startup::Application::build(&config).await.unwrap();
     let address = format!("http://127.0.0.1:{}", application.port());
     let stop = application.stop_token();
+    let key = crate::helpers::create_key(application.state(), &["NOREDIS"], false).await;
     let server = tokio::spawn(application.run_until_stopped());
-    let client = reqwest::Client::new();
+    let client = crate::helpers::client_with_key(Some(&key));
     let ready: serde_json::Value = client
         .get(format!("{address}/readyz"))
         .send()
@@ -118,6 +119,8 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         )
         .env("IDPOOL_LISTEN", format!("127.0.0.1:{port}"))
         .env("IDPOOL_REDIS_PREFIX", format!("t{database}"))
+        // Local development mode: allowed on a loopback address.
+        .env("IDPOOL_AUTH", "off")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -1,0 +1,523 @@
+//! API keys: every protected operation of the OpenAPI document refuses a
+//! missing or revoked key, a key never reaches outside its projects, admin
+//! operations need an admin key, Idempotency-Keys and rate limits are per
+//! key, and no log line ever holds a secret.
+
+use std::collections::{BTreeSet, HashMap};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+
+use crate::helpers::{
+    ServeProcess, TestApp, TestEnv, assert_problem, client_with_key, create_key, create_key_with_id,
+};
+
+/// A request for an operation, aimed at `project`'s resources.
+struct Aimed {
+    method: Method,
+    path: String,
+    body: Option<Value>,
+}
+
+/// How to call each operation of the document at a project's resources.
+/// An operation missing here fails the test: a new route cannot be left
+/// out of the checks.
+fn aim(operation: &str, project: &str) -> Option<Aimed> {
+    let document = format!("{project}-T-2");
+    let (method, path, body) = match operation {
+        "issue_ids" => (
+            Method::POST,
+            "/api/v1/ids".to_owned(),
+            Some(json!({"project": project, "type": "T"})),
+        ),
+        "issue_ids_short" => (
+            Method::POST,
+            "/ids".to_owned(),
+            Some(json!({"project": project, "type": "T"})),
+        ),
+        "create_document" => (
+            Method::POST,
+            "/api/v1/documents".to_owned(),
+            Some(json!({"project": project, "type": "T", "metadata": {}})),
+        ),
+        "create_document_short" => (
+            Method::POST,
+            "/documents".to_owned(),
+            Some(json!({"project": project, "type": "T", "metadata": {}})),
+        ),
+        "create_batch" => (
+            Method::POST,
+            "/api/v1/documents/batch".to_owned(),
+            Some(json!({"documents": [{"project": project, "type": "T", "metadata": {}}]})),
+        ),
+        "get_document" => (Method::GET, format!("/api/v1/documents/{document}"), None),
+        "list_gaps" => (
+            Method::GET,
+            format!("/api/v1/ids/gaps?project={project}&type=T"),
+            None,
+        ),
+        "reconcile_now" => (Method::POST, "/api/v1/ids/gaps/reconcile".to_owned(), None),
+        "list_outbox" => (
+            Method::GET,
+            format!("/api/v1/outbox?project={project}"),
+            None,
+        ),
+        "retry_document" => (
+            Method::POST,
+            format!("/api/v1/outbox/{document}/retry"),
+            None,
+        ),
+        "abandon_document" => (
+            Method::POST,
+            format!("/api/v1/outbox/{document}/abandon"),
+            None,
+        ),
+        "list_sequences" => (Method::GET, "/api/v1/sequences".to_owned(), None),
+        "get_sequence" => (Method::GET, format!("/api/v1/sequences/{project}/T"), None),
+        "put_sequence" => (
+            Method::PUT,
+            format!("/api/v1/sequences/{project}/T"),
+            Some(json!({"pool_size": 50})),
+        ),
+        _ => return None,
+    };
+    Some(Aimed { method, path, body })
+}
+
+async fn send(app: &TestApp, client: &reqwest::Client, aimed: &Aimed) -> reqwest::Response {
+    let mut request = client.request(aimed.method.clone(), app.url(&aimed.path));
+    if let Some(body) = &aimed.body {
+        request = request.json(body);
+    }
+    request.send().await.expect("request")
+}
+
+/// Every operation of the served document that needs a key: (operation id,
+/// whether it needs an admin key).
+async fn protected_operations(app: &TestApp) -> Vec<(String, bool)> {
+    let (status, document) = app.get_json("/openapi.json").await;
+    assert_eq!(status, StatusCode::OK);
+    let mut operations = Vec::new();
+    for (path, item) in document["paths"].as_object().expect("paths") {
+        for (method, operation) in item.as_object().expect("path item") {
+            let id = operation["operationId"].as_str().expect("operationId");
+            let secured = operation["security"].is_array();
+            assert_eq!(
+                secured,
+                idpool::http::auth::is_protected(path),
+                "{method} {path}: the document and the layer disagree"
+            );
+            if secured {
+                let admin = operation["responses"]["403"].is_object();
+                operations.push((id.to_owned(), admin));
+            }
+        }
+    }
+    operations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outside_its_projects() {
+    let app = TestEnv::new().spawn().await;
+    // Project B has a sequence and documents; project Z never existed.
+    app.issue("B", "T", 1).await;
+    for _ in 0..2 {
+        let response = app
+            .post_document(&json!({"project": "B", "type": "T", "metadata": {}}), None)
+            .await;
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+    }
+    let b_ledger = crate::helpers::ledger_numbers(&app.db, "B", "T", "").await;
+    let key_a = client_with_key(Some(&create_key(&app.state, &["A"], false).await));
+    let (revoked_id, revoked) = create_key_with_id(&app.state, &["A", "B"], false).await;
+    app.state
+        .auth
+        .keys()
+        .revoke(&revoked_id)
+        .await
+        .expect("revoked");
+    let clients = [
+        ("no key", client_with_key(None)),
+        ("revoked key", client_with_key(Some(&revoked))),
+        ("malformed key", client_with_key(Some("idp_not_a_key"))),
+    ];
+
+    let operations = protected_operations(&app).await;
+    assert!(operations.len() >= 14, "{operations:?}");
+    let unknown: Vec<&str> = operations
+        .iter()
+        .filter(|(id, _)| aim(id, "B").is_none())
+        .map(|(id, _)| id.as_str())
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "operations without a test request: {unknown:?}"
+    );
+    let mut scopes = Vec::new();
+    for (operation, admin) in &operations {
+        let on_b = aim(operation, "B").expect("aimed");
+        for (what, client) in &clients {
+            let response = send(&app, client, &on_b).await;
+            let challenge = response
+                .headers()
+                .get("www-authenticate")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned();
+            assert!(
+                challenge.starts_with("Bearer"),
+                "{operation} with {what}: WWW-Authenticate {challenge:?}"
+            );
+            assert_problem(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
+        }
+        if *admin {
+            let response = send(&app, &key_a, &on_b).await;
+            assert_problem(response, StatusCode::FORBIDDEN, "forbidden").await;
+            scopes.push((operation.clone(), "admin"));
+            continue;
+        }
+        scopes.push((operation.clone(), "project"));
+        // Outside its projects, a key meets exactly what a project that
+        // does not exist answers.
+        let b = send(&app, &key_a, &on_b).await;
+        let b_status = b.status();
+        let b_body = b.text().await.expect("body");
+        let z = send(&app, &key_a, &aim(operation, "Z").expect("aimed")).await;
+        let z_status = z.status();
+        let z_body = z.text().await.expect("body").replace('Z', "B");
+        assert_eq!(
+            (b_status, &b_body),
+            (z_status, &z_body),
+            "{operation}: project B answered otherwise than a project that does not exist"
+        );
+        assert!(
+            b_status.is_client_error() || b_status == StatusCode::OK,
+            "{operation}: {b_status} {b_body}"
+        );
+        if b_status == StatusCode::OK {
+            assert!(
+                !b_body.contains("B-T-"),
+                "{operation} showed B's IDs: {b_body}"
+            );
+        }
+    }
+    // Nothing of B changed, and lists show only the key's projects.
+    assert_eq!(
+        crate::helpers::ledger_numbers(&app.db, "B", "T", "").await,
+        b_ledger
+    );
+    let listed: Value = key_a
+        .get(app.url("/api/v1/sequences"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["sequences"], json!([]), "{listed}");
+    let outbox: Value = key_a
+        .get(app.url("/api/v1/outbox"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(outbox["documents"], json!([]), "{outbox}");
+    // The table of the closing note.
+    for (operation, scope) in scopes {
+        println!("| {operation} | {scope} |");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_project_key_works_inside_its_projects() {
+    let app = TestEnv::new().spawn().await;
+    let key = client_with_key(Some(&create_key(&app.state, &["A", "C"], false).await));
+    for project in ["A", "C"] {
+        let issued = key
+            .post(app.url("/ids"))
+            .json(&json!({"project": project, "type": "1", "count": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(issued.status(), StatusCode::OK);
+    }
+    let document = key
+        .post(app.url("/documents"))
+        .json(&json!({"project": "A", "type": "1", "metadata": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(document.status(), StatusCode::ACCEPTED);
+    let id = document.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let read = key
+        .get(app.url(&format!("/api/v1/documents/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), StatusCode::OK);
+    let listed: Value = key
+        .get(app.url("/api/v1/sequences"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let projects: BTreeSet<&str> = listed["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["project"].as_str().unwrap())
+        .collect();
+    assert_eq!(projects, BTreeSet::from(["A", "C"]));
+    let define = key
+        .put(app.url("/api/v1/sequences/A/1"))
+        .json(&json!({"pool_size": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(define, StatusCode::FORBIDDEN, "forbidden").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_keys_sending_the_same_idempotency_key_each_get_their_own_answer() {
+    let app = TestEnv::new().spawn().await;
+    let first = client_with_key(Some(&create_key(&app.state, &["SHARED"], false).await));
+    let second = client_with_key(Some(&create_key(&app.state, &["SHARED"], false).await));
+    let body = json!({"project": "SHARED", "type": "1", "count": 3});
+    let mut answers = HashMap::new();
+    for (name, client) in [("first", &first), ("second", &second)] {
+        let response = client
+            .post(app.url("/ids"))
+            .header("idempotency-key", "import-2026-11-23")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(!response.headers().contains_key("idempotent-replayed"));
+        answers.insert(name, response.json::<Value>().await.unwrap()["ids"].clone());
+    }
+    assert_ne!(
+        answers["first"], answers["second"],
+        "one key saw the other's answer"
+    );
+    for (name, client) in [("first", &first), ("second", &second)] {
+        let replay = client
+            .post(app.url("/ids"))
+            .header("idempotency-key", "import-2026-11-23")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.json::<Value>().await.unwrap()["ids"], answers[name]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_over_the_rate_is_429_and_another_key_is_served_meanwhile() {
+    let mut env = TestEnv::new();
+    env.rate_limit = 5;
+    let app = env.spawn().await;
+    let flooder = client_with_key(Some(&create_key(&app.state, &["F"], false).await));
+    let other = client_with_key(Some(&create_key(&app.state, &["O"], false).await));
+    let started = Instant::now();
+    let flood = (0..40).map(|_| flooder.get(app.url("/api/v1/sequences")).send());
+    let calm = (0..5).map(|_| other.get(app.url("/api/v1/sequences")).send());
+    let (flood, calm) = tokio::join!(
+        futures::future::join_all(flood),
+        futures::future::join_all(calm)
+    );
+    assert!(started.elapsed() < Duration::from_secs(1), "not one second");
+    let mut limited = 0;
+    for response in flood {
+        let response = response.unwrap();
+        if response.status() == StatusCode::TOO_MANY_REQUESTS {
+            let wait: u64 = response.headers()["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(wait >= 1);
+            assert_problem(response, StatusCode::TOO_MANY_REQUESTS, "rate_limited").await;
+            limited += 1;
+        } else {
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+    }
+    // A burst of twice the rate passes, the rest is refused.
+    assert!((25..=30).contains(&limited), "{limited} of 40 limited");
+    for response in calm {
+        assert_eq!(
+            response.unwrap().status(),
+            StatusCode::OK,
+            "the calm key was throttled"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_use_is_recorded_and_listed_without_secrets() {
+    let app = TestEnv::new().spawn().await;
+    let (id, key) = create_key_with_id(&app.state, &["U"], false).await;
+    let used = client_with_key(Some(&key))
+        .get(app.url("/api/v1/sequences"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(used.status(), StatusCode::OK);
+    app.state.auth.keys().record_use().await.unwrap();
+    let listed = app.state.auth.keys().list().await.unwrap();
+    let entry = listed.iter().find(|k| k.id == id).expect("listed");
+    assert!(entry.last_used_at.is_some());
+    let line = serde_json::to_string(entry).unwrap();
+    let secret = &key[key.len() - 43..];
+    assert!(!line.contains(secret), "{line}");
+}
+
+/// `idpool keys ...` against the test's database; stdout.
+fn cli(env: &TestEnv, args: &[&str]) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
+        .args(args)
+        .env("DATABASE_URL", &env.database_url)
+        .output()
+        .expect("idpool runs");
+    assert!(
+        output.status.success(),
+        "idpool {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("utf-8")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
+    let env = TestEnv::new();
+    // The in-process app creates the database; the process under test logs.
+    let _setup = env.spawn().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut server = ServeProcess::start_logging(&env, log.path(), "debug").await;
+    let created: Value = serde_json::from_str(&cli(
+        &env,
+        &["keys", "create", "--project", "LOG", "--name", "logs"],
+    ))
+    .unwrap();
+    let (id, key) = (
+        created["id"].as_str().unwrap().to_owned(),
+        created["key"].as_str().unwrap().to_owned(),
+    );
+    // The secret is base64url: it may hold '_' itself.
+    let secret = key[key.len() - 43..].to_owned();
+    assert_eq!(secret.len(), 43);
+    let url = |path: &str| format!("http://127.0.0.1:{}{path}", server.port);
+    let good = client_with_key(Some(&key));
+    let wrong = client_with_key(Some(&format!("{}x", &key[..key.len() - 1])));
+    let basic = reqwest::Client::new();
+    for _ in 0..3 {
+        let ok = good
+            .post(url("/ids"))
+            .json(&json!({"project": "LOG", "type": "1"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ok.status(), StatusCode::OK);
+        let refused = wrong.get(url("/api/v1/sequences")).send().await.unwrap();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+        let refused = basic
+            .get(url("/api/v1/sequences"))
+            .header("authorization", format!("Basic {key}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+    }
+    let revoked: Value = serde_json::from_str(&cli(&env, &["keys", "revoke", &id])).unwrap();
+    assert!(revoked["revoked_at"].is_string());
+    // Every instance hears of it at once.
+    let started = Instant::now();
+    loop {
+        let status = good
+            .get(url("/api/v1/sequences"))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        if status == StatusCode::UNAUTHORIZED {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "revocation not seen"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let listed = cli(&env, &["keys", "list"]);
+    assert!(
+        listed.contains(&id) && !listed.contains(&secret),
+        "{listed}"
+    );
+    server.stop();
+    let logs = std::fs::read_to_string(log.path()).unwrap();
+    assert!(
+        logs.lines().count() > 10,
+        "the process logged little: {logs}"
+    );
+    assert!(!logs.contains(&secret), "a log line holds the secret");
+    assert!(
+        !logs.contains("Bearer"),
+        "a log line holds an Authorization value"
+    );
+    let named: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("\"/ids\"") && l.contains(&id))
+        .collect();
+    assert!(!named.is_empty(), "no request line names the key {id}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_is_off_only_when_asked_and_only_on_a_loopback_address() {
+    let env = TestEnv::new();
+    let _setup = env.spawn().await;
+    let refused = Command::new(env!("CARGO_BIN_EXE_idpool"))
+        .arg("serve")
+        .env("DATABASE_URL", &env.database_url)
+        .env("IDPOOL_AUTH", "off")
+        .env("IDPOOL_LISTEN", "0.0.0.0:0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("idpool runs");
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("IDPOOL_AUTH=off") && said.contains("loopback"),
+        "{said}"
+    );
+
+    let mut off = env.clone();
+    off.auth = false;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut server = ServeProcess::start_logging(&off, log.path(), "info").await;
+    let open = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{}/ids", server.port))
+        .json(&json!({"project": "DEV", "type": "1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(open.status(), StatusCode::OK);
+    server.stop();
+    let logs = std::fs::read_to_string(log.path()).unwrap();
+    let first = logs.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("authentication is OFF"),
+        "first line: {first}"
+    );
+}
