@@ -23,7 +23,10 @@ RUN apt-get update \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin idpool
 COPY --from=build /src/target/release/idpool /usr/local/bin/idpool
 USER 10001
+# Authentication stays on: idpool refuses IDPOOL_AUTH=off on 0.0.0.0.
+# Keys: docker run --rm -e DATABASE_URL=... <image> keys create --admin
 ENV IDPOOL_LISTEN=0.0.0.0:8080 \
+    IDPOOL_AUTH=on \
     RUST_LOG=info
 EXPOSE 8080
 ENTRYPOINT ["/usr/local/bin/idpool"]

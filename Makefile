@@ -6,7 +6,7 @@ export REDIS_URL ?= redis://127.0.0.1:6379
 .PHONY: help run test lint openapi services services-down clean-test-dbs bench bench-quick bench-build
 
 help:
-	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080"
+	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080 (no API keys)"
 	@echo "make test           start Postgres/Redis if needed, then the whole test suite"
 	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
 	@echo "make bench-quick    the same scenarios at about a tenth of the size"
@@ -20,8 +20,10 @@ services:
 services-down:
 	@scripts/dev-services.sh down
 
+# Local development: no API keys (idpool says so in its first log line and
+# refuses this anywhere but a loopback address).
 run: services
-	cargo run --release -- serve
+	IDPOOL_AUTH=off IDPOOL_LISTEN=127.0.0.1:8080 cargo run --release -- serve
 
 # Every test makes its own database (idpool_test_*); drop those of earlier runs.
 clean-test-dbs:
