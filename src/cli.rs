@@ -35,11 +35,40 @@ enum Command {
     },
     /// Print the OpenAPI document.
     Openapi,
+    /// Import legacy documents (JSON lines or CSV) through the batch API.
+    Import(ImportArgs),
     /// API keys: create (the secret is shown once), list, revoke.
     Keys {
         #[command(subcommand)]
         action: KeysAction,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct ImportArgs {
+    /// JSON lines (`{"source_id": ..., "metadata": {...}}`), CSV with a
+    /// `source_id` column (by extension), or `-` for standard input.
+    file: String,
+    #[arg(long)]
+    project: String,
+    #[arg(long = "type")]
+    doc_type: String,
+    /// The idpool to import into.
+    #[arg(long, env = "IDPOOL_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// The API key (a project key of the project will do).
+    #[arg(long, env = "IDPOOL_KEY", hide_env_values = true)]
+    key: Option<String>,
+    /// Documents per batch (1 to 1000).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    batch: u64,
+    /// Batches in flight at once.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=64))]
+    concurrency: u64,
+    /// Where the mapping goes (JSON lines, in input order); standard output
+    /// by default. Rejects go to `<name>.rejects.jsonl` beside it.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -95,6 +124,7 @@ pub fn run() -> ExitCode {
             stop_on_signals(app.stop_token());
             app.run_until_stopped().await
         }),
+        Command::Import(args) => import(args),
         Command::Keys { action } => with_runtime(async move {
             let pool = db::connect(
                 &cli.config.database_url,
@@ -121,6 +151,54 @@ pub fn run() -> ExitCode {
             tracing::info!("migrations applied");
             Ok(())
         }),
+    }
+}
+
+/// Exit 0: all imported; 1: some lines rejected (see the rejects file);
+/// 2: the run failed.
+fn import(args: ImportArgs) -> ExitCode {
+    let settings = || -> anyhow::Result<crate::import::Settings> {
+        Ok(crate::import::Settings {
+            project: ProjectCode::parse(&args.project)
+                .map_err(|e| anyhow::anyhow!("--project: {e}"))?,
+            doc_type: crate::sequence::TypeCode::parse(&args.doc_type)
+                .map_err(|e| anyhow::anyhow!("--type: {e}"))?,
+            file: args.file.clone(),
+            url: args.url.clone(),
+            key: args.key.clone(),
+            batch: args.batch as usize,
+            concurrency: args.concurrency as usize,
+            out: args.out.clone(),
+        })
+    };
+    let settings = match settings() {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("idpool import: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("idpool import: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(crate::import::run(settings)) {
+        Ok(report) if report.rejected == 0 => ExitCode::SUCCESS,
+        Ok(report) => {
+            eprintln!(
+                "idpool import: {} lines rejected; see {}",
+                report.rejected,
+                crate::import::rejects_path(args.out.as_deref()).display()
+            );
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("idpool import: {e:#}");
+            ExitCode::from(2)
+        }
     }
 }
 

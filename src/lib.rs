@@ -12,6 +12,7 @@ pub mod documents;
 pub mod gaps;
 pub mod http;
 pub mod idempotency;
+pub mod import;
 pub mod issuance;
 pub mod ledger;
 mod listen;

@@ -1,0 +1,619 @@
+//! `idpool import`: a customer's legacy documents, streamed from a JSON-lines
+//! or CSV file into `POST /api/v1/documents/batch`.
+//!
+//! Every document's Idempotency-Key is derived from the project, the type
+//! and its `source_id`, so a run killed at any moment and started again gets
+//! every document it already sent answered from the server's records (same
+//! ID, `replayed`) and creates no document twice. The file is read as it is
+//! sent: memory holds the batches in flight and 8 bytes per source id seen
+//! (to find duplicates), whatever the file's size.
+
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
+
+use crate::documents::{MAX_BATCH, MAX_METADATA_BYTES};
+use crate::sequence::{ProjectCode, TypeCode};
+
+/// Bodies stay well under the server's 32 MiB batch limit.
+const MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
+/// Retries of one batch the server cannot take now (429, 503, a lost
+/// connection) before the run gives up.
+const MAX_ATTEMPTS: u32 = 12;
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// A file path, or `-` for standard input.
+    pub file: String,
+    pub project: ProjectCode,
+    pub doc_type: TypeCode,
+    pub url: String,
+    pub key: Option<String>,
+    pub batch: usize,
+    pub concurrency: usize,
+    /// The mapping; standard output when `None`.
+    pub out: Option<PathBuf>,
+}
+
+/// What a run did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    pub imported: u64,
+    pub replayed: u64,
+    pub rejected: u64,
+}
+
+/// One line of the mapping, in input order.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Mapped {
+    pub source_id: String,
+    pub id: String,
+    pub replayed: bool,
+}
+
+/// One line the run could not import, and why.
+#[derive(Debug, Serialize)]
+struct Reject {
+    line: u64,
+    source_id: Option<String>,
+    reason: String,
+}
+
+/// A line read from the file.
+enum Entry {
+    Document { source_id: String, body: String },
+    Reject(Reject),
+}
+
+/// What became of a line.
+enum Fate {
+    Mapped(Mapped),
+    Reject(Reject),
+}
+
+/// The Idempotency-Key of a document: the same for the same source id on
+/// every run, and for nothing else.
+pub fn idempotency_key(project: &str, doc_type: &str, source_id: &str) -> String {
+    let digest = Sha256::digest(format!("{project}\n{doc_type}\n{source_id}").as_bytes());
+    format!("import-{}", hex::encode(digest))
+}
+
+/// Where rejects go: `MAP.rejects.jsonl` beside `--out MAP.jsonl`, else
+/// `import.rejects.jsonl` in the working directory.
+pub fn rejects_path(out: Option<&Path>) -> PathBuf {
+    match out {
+        Some(out) => {
+            let stem = out
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "import".into());
+            out.with_file_name(format!("{stem}.rejects.jsonl"))
+        }
+        None => PathBuf::from("import.rejects.jsonl"),
+    }
+}
+
+pub async fn run(settings: Settings) -> anyhow::Result<Report> {
+    let settings = std::sync::Arc::new(settings);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    let (chunks_tx, chunks_rx) =
+        tokio::sync::mpsc::channel::<Vec<(u64, Entry)>>(settings.concurrency.max(1));
+    let total_bytes = (settings.file != "-")
+        .then(|| std::fs::metadata(&settings.file).map(|m| m.len()).ok())
+        .flatten();
+    let progress = Progress::new(total_bytes);
+    let read_progress = progress.bytes_handle();
+    let reader_settings = settings.clone();
+    let reader = tokio::task::spawn_blocking(move || {
+        read_file(&reader_settings, &chunks_tx, &read_progress)
+    });
+    let mut out: Box<dyn Write + Send> = match &settings.out {
+        Some(path) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        )),
+        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
+    };
+    let rejects_at = rejects_path(settings.out.as_deref());
+    let mut rejects: Option<std::io::BufWriter<std::fs::File>> = None;
+    let mut report = Report::default();
+    // Batches go out `concurrency` at a time and come back in input order.
+    let mut results = tokio_stream_of(chunks_rx)
+        .map(|chunk| {
+            let (client, settings) = (client.clone(), settings.clone());
+            async move { send_chunk(&client, &settings, chunk).await }
+        })
+        .buffered(settings.concurrency.max(1));
+    while let Some(fates) = results.next().await {
+        for fate in fates? {
+            match fate {
+                Fate::Mapped(mapped) => {
+                    report.imported += 1;
+                    report.replayed += u64::from(mapped.replayed);
+                    serde_json::to_writer(&mut out, &mapped)?;
+                    out.write_all(b"\n")?;
+                }
+                Fate::Reject(reject) => {
+                    report.rejected += 1;
+                    let file = match &mut rejects {
+                        Some(file) => file,
+                        None => rejects.insert(std::io::BufWriter::new(
+                            std::fs::File::create(&rejects_at)
+                                .with_context(|| format!("creating {}", rejects_at.display()))?,
+                        )),
+                    };
+                    serde_json::to_writer(&mut *file, &reject)?;
+                    file.write_all(b"\n")?;
+                }
+            }
+        }
+        out.flush()?;
+        progress.update(&report);
+    }
+    reader.await??;
+    if let Some(mut file) = rejects {
+        file.flush()?;
+    }
+    progress.finish(&report);
+    Ok(report)
+}
+
+fn tokio_stream_of<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// Reads the file into chunks of at most `batch` documents (and
+/// `MAX_BATCH_BYTES`), rejecting lines it can tell are bad.
+fn read_file(
+    settings: &Settings,
+    chunks: &tokio::sync::mpsc::Sender<Vec<(u64, Entry)>>,
+    bytes_read: &std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> anyhow::Result<()> {
+    let input: Box<dyn BufRead> = if settings.file == "-" {
+        Box::new(std::io::BufReader::new(std::io::stdin()))
+    } else {
+        Box::new(std::io::BufReader::new(
+            std::fs::File::open(&settings.file)
+                .with_context(|| format!("opening {}", settings.file))?,
+        ))
+    };
+    let csv = settings.file.to_ascii_lowercase().ends_with(".csv");
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut chunk: Vec<(u64, Entry)> = Vec::new();
+    let mut chunk_documents = 0;
+    let mut chunk_bytes = 0;
+    let batch = settings.batch.clamp(1, MAX_BATCH);
+    let send = |chunk: Vec<(u64, Entry)>| -> anyhow::Result<()> {
+        chunks
+            .blocking_send(chunk)
+            .map_err(|_| anyhow::anyhow!("the sender stopped"))
+    };
+    let mut accept =
+        |line: u64, parsed: Result<(String, String), (Option<String>, String)>| match parsed {
+            Err((source_id, reason)) => Entry::Reject(Reject {
+                line,
+                source_id,
+                reason,
+            }),
+            Ok((source_id, metadata)) => {
+                let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                source_id.hash(&mut hasher);
+                if !seen.insert(hasher.finish()) {
+                    Entry::Reject(Reject {
+                        line,
+                        source_id: Some(source_id),
+                        reason: "duplicate source_id: an earlier line has it".into(),
+                    })
+                } else if let Some(what) =
+                    crate::http::extract::unstorable_escape(metadata.as_bytes())
+                {
+                    Entry::Reject(Reject {
+                        line,
+                        source_id: Some(source_id),
+                        reason: format!("metadata contains {what}, which cannot be stored"),
+                    })
+                } else if metadata.len() > MAX_METADATA_BYTES {
+                    Entry::Reject(Reject {
+                        line,
+                        source_id: Some(source_id),
+                        reason: format!(
+                            "metadata is {} bytes; the limit is {MAX_METADATA_BYTES}",
+                            metadata.len()
+                        ),
+                    })
+                } else {
+                    let body = document_body(settings, &source_id, &metadata);
+                    Entry::Document { source_id, body }
+                }
+            }
+        };
+    let mut push = |entry: (u64, Entry)| -> anyhow::Result<()> {
+        if let Entry::Document { body, .. } = &entry.1 {
+            if chunk_documents >= batch || chunk_bytes + body.len() > MAX_BATCH_BYTES {
+                send(std::mem::take(&mut chunk))?;
+                chunk_documents = 0;
+                chunk_bytes = 0;
+            }
+            chunk_documents += 1;
+            chunk_bytes += body.len() + 1;
+        }
+        chunk.push(entry);
+        Ok(())
+    };
+    if csv {
+        let mut reader = csv::ReaderBuilder::new().flexible(false).from_reader(input);
+        let headers = reader.headers().context("reading the CSV header")?.clone();
+        let Some(source_column) = headers.iter().position(|h| h == "source_id") else {
+            bail!("the CSV file has no source_id column");
+        };
+        for (n, record) in reader.records().enumerate() {
+            let line = n as u64 + 2;
+            let parsed = match record {
+                Err(e) => Err((None, format!("not a CSV record: {e}"))),
+                Ok(record) => {
+                    bytes_read.store(
+                        record.position().map_or(0, |p| p.byte()),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    csv_document(&headers, source_column, &record)
+                }
+            };
+            push((line, accept(line, parsed)))?;
+        }
+    } else {
+        let mut read = 0u64;
+        for (n, text) in input.lines().enumerate() {
+            let text = text.context("reading the input")?;
+            read += text.len() as u64 + 1;
+            bytes_read.store(read, std::sync::atomic::Ordering::Relaxed);
+            if text.trim().is_empty() {
+                continue;
+            }
+            let line = n as u64 + 1;
+            push((line, accept(line, json_document(&text))))?;
+        }
+    }
+    if !chunk.is_empty() {
+        send(chunk)?;
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct JsonLine<'a> {
+    #[serde(borrow)]
+    source_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    metadata: Option<&'a RawValue>,
+}
+
+/// `(source_id, metadata)` of a JSON line.
+fn json_document(text: &str) -> Result<(String, String), (Option<String>, String)> {
+    let line: JsonLine =
+        serde_json::from_str(text).map_err(|e| (None, format!("not a JSON object: {e}")))?;
+    let source_id = match line
+        .source_id
+        .map(|raw| serde_json::from_str::<Value>(raw.get()))
+    {
+        Some(Ok(Value::String(s))) if !s.is_empty() => s,
+        Some(Ok(Value::Number(n))) => n.to_string(),
+        _ => return Err((None, "no source_id (a non-empty string or a number)".into())),
+    };
+    let metadata = match line.metadata {
+        Some(raw) if raw.get().trim_start().starts_with('{') => raw.get().to_owned(),
+        Some(_) => return Err((Some(source_id), "metadata must be a JSON object".into())),
+        None => "{}".to_owned(),
+    };
+    Ok((source_id, metadata))
+}
+
+/// A CSV record: `source_id` and the other columns as metadata strings.
+fn csv_document(
+    headers: &csv::StringRecord,
+    source_column: usize,
+    record: &csv::StringRecord,
+) -> Result<(String, String), (Option<String>, String)> {
+    let source_id = record.get(source_column).unwrap_or("").to_owned();
+    if source_id.is_empty() {
+        return Err((None, "no source_id".into()));
+    }
+    let metadata: serde_json::Map<String, Value> = headers
+        .iter()
+        .zip(record.iter())
+        .enumerate()
+        .filter(|(i, _)| *i != source_column)
+        .map(|(_, (name, value))| (name.to_owned(), Value::String(value.to_owned())))
+        .collect();
+    let metadata =
+        serde_json::to_string(&metadata).map_err(|e| (Some(source_id.clone()), e.to_string()))?;
+    Ok((source_id, metadata))
+}
+
+/// One item of the batch body, ready to join.
+fn document_body(settings: &Settings, source_id: &str, metadata: &str) -> String {
+    let key = idempotency_key(
+        settings.project.as_str(),
+        settings.doc_type.as_str(),
+        source_id,
+    );
+    format!(
+        r#"{{"project":"{}","type":"{}","idempotency_key":"{key}","metadata":{metadata}}}"#,
+        settings.project, settings.doc_type
+    )
+}
+
+#[derive(Deserialize)]
+struct Accepted {
+    documents: Vec<AcceptedItem>,
+}
+
+#[derive(Deserialize)]
+struct AcceptedItem {
+    id: String,
+    #[serde(default)]
+    replayed: bool,
+}
+
+#[derive(Deserialize)]
+struct Problem {
+    code: Option<String>,
+    detail: Option<String>,
+    index: Option<usize>,
+}
+
+/// Sends a chunk's documents until each is accepted or rejected.
+async fn send_chunk(
+    client: &reqwest::Client,
+    settings: &Settings,
+    chunk: Vec<(u64, Entry)>,
+) -> anyhow::Result<Vec<Fate>> {
+    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(chunk.len());
+    let mut pending: Vec<(usize, u64, String, String)> = Vec::new();
+    for (line, entry) in chunk {
+        match entry {
+            Entry::Reject(reject) => fates.push(Some(Fate::Reject(reject))),
+            Entry::Document { source_id, body } => {
+                pending.push((fates.len(), line, source_id, body));
+                fates.push(None);
+            }
+        }
+    }
+    let url = format!(
+        "{}/api/v1/documents/batch",
+        settings.url.trim_end_matches('/')
+    );
+    let mut attempt = 0;
+    while !pending.is_empty() {
+        let mut body =
+            String::with_capacity(pending.iter().map(|p| p.3.len() + 1).sum::<usize>() + 20);
+        body.push_str(r#"{"documents":["#);
+        for (i, (_, _, _, item)) in pending.iter().enumerate() {
+            if i > 0 {
+                body.push(',');
+            }
+            body.push_str(item);
+        }
+        body.push_str("]}");
+        let mut request = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(key) = &settings.key {
+            request = request.bearer_auth(key);
+        }
+        let answer = request.send().await;
+        let (status, text) = match answer {
+            Ok(response) => {
+                let status = response.status();
+                (Some(status), response.text().await.unwrap_or_default())
+            }
+            Err(e) => (None, e.without_url().to_string()),
+        };
+        match status {
+            Some(s) if s.as_u16() == 202 => {
+                let accepted: Accepted =
+                    serde_json::from_str(&text).context("reading the batch answer")?;
+                if accepted.documents.len() != pending.len() {
+                    bail!(
+                        "the server answered {} results for {} documents",
+                        accepted.documents.len(),
+                        pending.len()
+                    );
+                }
+                for ((slot, _, source_id, _), item) in pending.drain(..).zip(accepted.documents) {
+                    fates[slot] = Some(Fate::Mapped(Mapped {
+                        source_id,
+                        id: item.id,
+                        replayed: item.replayed,
+                    }));
+                }
+            }
+            Some(s) if s.is_client_error() && !matches!(s.as_u16(), 408 | 409 | 429) => {
+                let problem: Option<Problem> = serde_json::from_str(&text).ok();
+                let index = problem
+                    .as_ref()
+                    .and_then(|p| p.index)
+                    .filter(|i| *i < pending.len());
+                let Some(index) = index else {
+                    let detail = problem.and_then(|p| p.detail.or(p.code)).unwrap_or(text);
+                    bail!("the server refused a batch: {s} {detail}");
+                };
+                // One document is at fault: it is rejected, the rest go again.
+                let (slot, line, source_id, _) = pending.remove(index);
+                let reason = problem
+                    .map(|p| {
+                        let code = p.code.unwrap_or_default();
+                        let detail = p.detail.unwrap_or_default();
+                        let detail = detail
+                            .split_once(": ")
+                            .filter(|(head, _)| head.starts_with("documents["))
+                            .map_or(detail.as_str(), |(_, rest)| rest)
+                            .to_owned();
+                        format!("{code}: {detail}")
+                    })
+                    .unwrap_or_else(|| s.to_string());
+                fates[slot] = Some(Fate::Reject(Reject {
+                    line,
+                    source_id: Some(source_id),
+                    reason,
+                }));
+                attempt = 0;
+            }
+            // 408, 409 (a key still in use by a run that was killed), 429,
+            // 5xx, no answer: the same batch again, after a while.
+            _ => {
+                attempt += 1;
+                if attempt >= MAX_ATTEMPTS {
+                    let what = status.map_or_else(|| text.clone(), |s| format!("{s} {text}"));
+                    bail!("a batch failed {MAX_ATTEMPTS} times; the last answer: {what}");
+                }
+                tokio::time::sleep(backoff(attempt)).await;
+            }
+        }
+    }
+    Ok(fates.into_iter().flatten().collect())
+}
+
+/// 200 ms doubling up to 10 s, with jitter so concurrent batches spread.
+fn backoff(attempt: u32) -> Duration {
+    let base = 200u64.saturating_mul(1 << attempt.min(6)).min(10_000);
+    let jitter = rand::random_range(0..=base / 2);
+    Duration::from_millis(base / 2 + jitter)
+}
+
+/// A progress bar on a terminal; a line every few seconds otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    started: Instant,
+    last_line: std::sync::Mutex<Instant>,
+}
+
+impl Progress {
+    fn new(total_bytes: Option<u64>) -> Self {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = match total_bytes {
+                Some(total) => indicatif::ProgressBar::new(total),
+                None => indicatif::ProgressBar::new_spinner(),
+            };
+            let style = indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {percent}% ETA {eta} {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar
+        });
+        Self {
+            bar,
+            bytes: Default::default(),
+            started: Instant::now(),
+            last_line: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+
+    fn bytes_handle(&self) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+        self.bytes.clone()
+    }
+
+    fn rate(&self, report: &Report) -> f64 {
+        (report.imported + report.rejected) as f64 / self.started.elapsed().as_secs_f64().max(0.001)
+    }
+
+    fn update(&self, report: &Report) {
+        let rate = self.rate(report);
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(self.bytes.load(std::sync::atomic::Ordering::Relaxed));
+                bar.set_message(format!(
+                    "{} documents ({} replayed), {} rejected, {rate:.0}/s",
+                    report.imported, report.replayed, report.rejected
+                ));
+            }
+            None => {
+                let mut last = self.last_line.lock().unwrap_or_else(|e| e.into_inner());
+                if last.elapsed() >= Duration::from_secs(5) {
+                    *last = Instant::now();
+                    eprintln!(
+                        "idpool import: {} documents ({} replayed), {} rejected, {rate:.0}/s",
+                        report.imported, report.replayed, report.rejected
+                    );
+                }
+            }
+        }
+    }
+
+    fn finish(&self, report: &Report) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        eprintln!(
+            "idpool import: done in {:.1} s: {} documents ({} replayed), {} rejected, {:.0}/s",
+            self.started.elapsed().as_secs_f64(),
+            report.imported,
+            report.replayed,
+            report.rejected,
+            self.rate(report)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_name_the_project_type_and_source_id_alone() {
+        let key = idempotency_key("PROJ", "9012", "legacy-1");
+        assert_eq!(key, idempotency_key("PROJ", "9012", "legacy-1"));
+        assert_ne!(key, idempotency_key("PROJ", "9012", "legacy-2"));
+        assert_ne!(key, idempotency_key("PROJ", "9013", "legacy-1"));
+        // Codes never hold the separator, so no two splits read alike.
+        assert_ne!(
+            idempotency_key("PA", "B", "x"),
+            idempotency_key("P", "AB", "x")
+        );
+        assert_ne!(
+            idempotency_key("P", "T", "x\nT\ny"),
+            idempotency_key("P", "T", "x")
+        );
+        assert!(key.len() <= 255 && key.bytes().all(|b| (0x20..0x7f).contains(&b)));
+    }
+
+    #[test]
+    fn lines_are_read_or_rejected_with_a_reason() {
+        assert_eq!(
+            json_document(r#"{"source_id": "a-1", "metadata": {"x": 1}}"#).ok(),
+            Some(("a-1".into(), r#"{"x": 1}"#.into()))
+        );
+        assert_eq!(
+            json_document(r#"{"source_id": 42}"#).ok(),
+            Some(("42".into(), "{}".into()))
+        );
+        assert!(json_document(r#"{"metadata": {}}"#).is_err());
+        assert!(json_document(r#"{"source_id": ""}"#).is_err());
+        assert!(json_document(r#"{"source_id": "a", "metadata": [1]}"#).is_err());
+        assert!(json_document("not json").is_err());
+    }
+
+    #[test]
+    fn rejects_sit_beside_the_mapping() {
+        assert_eq!(
+            rejects_path(Some(Path::new("/tmp/out/map.jsonl"))),
+            PathBuf::from("/tmp/out/map.rejects.jsonl")
+        );
+        assert_eq!(rejects_path(None), PathBuf::from("import.rejects.jsonl"));
+    }
+}
