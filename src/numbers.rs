@@ -91,10 +91,64 @@ pub fn subtract(whole: SeqRange, taken: &[SeqRange]) -> Vec<SeqRange> {
     out
 }
 
+/// Integers as JSON Schema counts them: `5` and `5.0` are the same
+/// integer, `5.5` is none. (serde alone refuses `5.0` for an integer field,
+/// which a client generated from the document may well send.)
+pub mod whole {
+    use serde::de::{Deserialize, Deserializer, Error};
+
+    fn integer<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+        let number = serde_json::Number::deserialize(d)?;
+        number
+            .as_i64()
+            .or_else(|| {
+                number
+                    .as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15)
+                    .map(|f| f as i64)
+            })
+            .ok_or_else(|| D::Error::custom(format!("expected an integer, got {number}")))
+    }
+
+    pub fn i64<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+        integer(d)
+    }
+
+    pub fn option_i64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+        Option::<serde_json::Number>::deserialize(d)?
+            .map(|n| integer(n).map_err(D::Error::custom))
+            .transpose()
+    }
+
+    pub fn option_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+        option_i64(d)?
+            .map(|n| u32::try_from(n).map_err(|_| D::Error::custom(format!("{n} is out of range"))))
+            .transpose()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn whole_floats_are_integers_and_fractions_are_not() {
+        #[derive(serde::Deserialize)]
+        struct T {
+            #[serde(deserialize_with = "whole::i64")]
+            n: i64,
+            #[serde(default, deserialize_with = "whole::option_u32")]
+            m: Option<u32>,
+        }
+        let t: T = serde_json::from_str(r#"{"n": 4812475.0, "m": 7.0}"#).unwrap();
+        assert_eq!((t.n, t.m), (4812475, Some(7)));
+        assert!(serde_json::from_str::<T>(r#"{"n": 1.5}"#).is_err());
+        assert!(serde_json::from_str::<T>(r#"{"n": 1, "m": -1}"#).is_err());
+        assert!(serde_json::from_str::<T>(r#"{"n": "3"}"#).is_err());
+        let t: T = serde_json::from_str(r#"{"n": -3}"#).unwrap();
+        assert_eq!((t.n, t.m), (-3, None));
+    }
 
     #[test]
     fn runs_merge_neighbours() {

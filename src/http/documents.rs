@@ -31,30 +31,62 @@ pub const BATCH_BODY_LIMIT: usize = 32 * 1024 * 1024;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateDocument {
-    #[schema(example = "PROJ")]
+    /// Project code, `[A-Za-z0-9_]{1,32}`.
+    #[schema(
+        example = "PROJ",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub project: String,
+    /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(
+        example = "9012",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub doc_type: String,
-    /// A JSON object, at most 256 KiB.
-    #[schema(value_type = Object, example = json!({"title": "Level 3 drawing"}))]
+    #[schema(value_type = super::schema::Metadata)]
     pub metadata: Box<RawValue>,
     /// An ID this project got from `POST /ids` and has not attached yet.
+    #[schema(min_length = 1, max_length = 64, example = "PROJ-9012-1001")]
     pub id: Option<String>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchItem {
-    #[schema(example = "PROJ")]
+    /// Project code, `[A-Za-z0-9_]{1,32}`.
+    #[schema(
+        example = "PROJ",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub project: String,
+    /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(
+        example = "9012",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub doc_type: String,
-    #[schema(value_type = Object, example = json!({"title": "Level 3 drawing"}))]
+    #[schema(value_type = super::schema::Metadata)]
     pub metadata: Box<RawValue>,
+    /// An ID this project got from `POST /ids` and has not attached yet.
+    #[schema(min_length = 1, max_length = 64)]
     pub id: Option<String>,
     /// Makes this item idempotent: sent again, it returns its first result.
+    #[schema(
+        pattern = r"^[ -~]{1,255}$",
+        min_length = 1,
+        max_length = 255,
+        example = "legacy-42"
+    )]
     pub idempotency_key: Option<String>,
 }
 
@@ -62,6 +94,7 @@ pub struct BatchItem {
 #[serde(deny_unknown_fields)]
 pub struct BatchRequest {
     /// 1 to 1,000 documents, accepted in one transaction: all or none.
+    #[schema(min_items = 1, max_items = 1000)]
     pub documents: Vec<BatchItem>,
 }
 
@@ -186,7 +219,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
     operation_id = "create_document",
     request_body = CreateDocument,
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; kept 24 h"),
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; kept 24 h", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
     ),
     responses(
         (status = 202, description = "Accepted", body = AcceptedDocument,
@@ -195,7 +228,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
@@ -295,7 +328,7 @@ pub async fn create_document(
     operation_id = "create_document_short",
     request_body = CreateDocument,
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; kept 24 h"),
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; kept 24 h", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
     ),
     responses(
         (status = 202, description = "Accepted", body = AcceptedDocument,
@@ -304,7 +337,7 @@ pub async fn create_document(
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
@@ -339,7 +372,7 @@ fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
         (status = 400, description = "A bad item (see index) or batch size", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "An item's id is not attachable, a sequence is exhausted, a key is in use, or a new sequence cannot be created (format_conflict, sequence_limit_reached)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "An item's id is not attachable, a sequence is exhausted, a key is in use, or a new sequence cannot be created (format_conflict, sequence_limit_reached, sequence_not_defined)", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or an item's metadata too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "An item's key was used for another document", body = Problem, content_type = "application/problem+json"),
@@ -542,9 +575,9 @@ async fn accept_batch(
     get,
     path = "/api/v1/documents/{id}",
     tag = "documents",
-    params(("id" = String, Path, description = "The document ID, e.g. PROJ-9012-1001 (percent-encoded)")),
+    params(("id" = String, Path, description = "The document ID, e.g. PROJ-9012-1001 (percent-encoded)", min_length = 1, max_length = 64)),
     responses(
-        (status = 200, body = DocumentView),
+        (status = 200, description = "The document and its delivery status", body = DocumentView),
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -89,7 +89,10 @@ pub fn unstorable_escape(json: &[u8]) -> Option<&'static str> {
         u32::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
     };
     let mut i = 0;
-    while let Some(found) = json[i..].iter().position(|b| *b == b'\\') {
+    while let Some(found) = json
+        .get(i..)
+        .and_then(|rest| rest.iter().position(|b| *b == b'\\'))
+    {
         let at = i + found;
         if json.get(at + 1) != Some(&b'u') {
             // Any other escape is two bytes; skipping both keeps `\\u0000`
@@ -160,6 +163,19 @@ mod tests {
         assert!(unstorable_escape(br#"{"a":"\ud83d\ude00"}"#).is_none());
         assert!(unstorable_escape(br#"{"a":"\\u0000"}"#).is_none());
         assert!(unstorable_escape(br#"{"a":"\n\u0041"}"#).is_none());
+        // Cut off inside an escape: not JSON (the parser says so), and
+        // nothing for the scan to report.
+        for body in [&b"\\"[..], b"x\\", b"\\u", b"\\u00"] {
+            assert_eq!(unstorable_escape(body), None);
+        }
+        assert!(unstorable_escape(b"\\ud800\\").is_some());
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_are_scanned_without_failing(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = unstorable_escape(&bytes);
+        }
     }
 
     proptest! {

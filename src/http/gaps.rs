@@ -20,19 +20,35 @@ use crate::gaps::{self, Gap, GapQuery, Reason};
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct GapsQuery {
-    /// Project code (required).
+    /// Project code.
+    #[param(
+        required = true,
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub project: Option<String>,
-    /// Document type code (required).
+    /// Document type code.
     #[serde(rename = "type")]
-    #[param(rename = "type")]
+    #[param(
+        rename = "type",
+        required = true,
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub doc_type: Option<String>,
     /// Only this period, e.g. `20261122` for a daily sequence (`""` never resets).
+    #[param(pattern = r"^([0-9]{4}([0-9]{2}([0-9]{2})?)?)?$")]
     pub period: Option<String>,
-    /// Only this reason: issued_unattached, outbox_dlq, abandoned, pool_discarded, untracked_loss.
+    /// Only this reason.
+    #[param(value_type = Option<Reason>)]
     pub reason: Option<String>,
     /// Page size, 1 to 1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(pattern = r"^([0-9]{4}([0-9]{2}([0-9]{2})?)?)?:-?[0-9]{1,18}$")]
     pub cursor: Option<String>,
 }
 
@@ -66,7 +82,7 @@ pub fn router() -> OpenApiRouter<AppState> {
     tag = "gaps",
     params(GapsQuery),
     responses(
-        (status = 200, body = GapList),
+        (status = 200, description = "Open gaps in (period, position) order", body = GapList),
         (status = 400, description = "Missing or invalid project, type, period, reason, limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -83,6 +99,14 @@ pub async fn list_gaps(
         ));
     };
     let (project, doc_type) = parse_codes(project, doc_type)?;
+    if let Some(period) = &query.period
+        && !is_period_key(period)
+    {
+        return Err(ApiError::bad_request(
+            "invalid_period",
+            format!("{period:?} is not a period: \"\", YYYY, YYYYMM or YYYYMMDD"),
+        ));
+    }
     let reason = match query.reason.as_deref() {
         None => None,
         Some(text) => Some(Reason::parse(text).ok_or_else(|| {
@@ -168,13 +192,18 @@ pub async fn list_gaps(
     }))
 }
 
+/// `""`, `YYYY`, `YYYYMM` or `YYYYMMDD`: what a period key can look like.
+fn is_period_key(text: &str) -> bool {
+    matches!(text.len(), 0 | 4 | 6 | 8) && text.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// Run reconciliation now and return its summary (admin).
 #[utoipa::path(
     post,
     path = "/api/v1/ids/gaps/reconcile",
     tag = "gaps",
     responses(
-        (status = 200, body = Summary),
+        (status = 200, description = "What the run did", body = Summary),
         (status = 403, description = "forbidden: reconciling needs an admin key", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Another instance is reconciling", body = Problem, content_type = "application/problem+json"),
     )

@@ -49,7 +49,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 /// The process is up (no dependency is checked).
-#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Health)))]
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "The process is up", body = Health)))]
 pub async fn healthz() -> axum::Json<Health> {
     axum::Json(Health { status: "ok" })
 }
@@ -60,7 +60,7 @@ pub async fn healthz() -> axum::Json<Health> {
     get,
     path = "/readyz",
     tag = "operations",
-    responses((status = 200, body = Readiness), (status = 503, body = Readiness))
+    responses((status = 200, description = "Postgres answers: IDs can be served", body = Readiness), (status = 503, description = "Postgres does not answer", body = Readiness))
 )]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Readiness>) {
     let postgres = tokio::time::timeout(
@@ -105,7 +105,7 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
     get,
     path = "/metrics",
     tag = "operations",
-    responses((status = 200, content_type = "text/plain; version=0.0.4", body = String))
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String))
 )]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (

@@ -21,14 +21,24 @@ use crate::sequence::{ProjectCode, TypeCode};
 #[serde(deny_unknown_fields)]
 pub struct IssueIdsRequest {
     /// Project code, `[A-Za-z0-9_]{1,32}`.
-    #[schema(example = "PROJ")]
+    #[schema(
+        example = "PROJ",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub project: String,
     /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(
+        example = "9012",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub doc_type: String,
     /// How many IDs, 1 to 10,000 (default 1).
-    #[serde(default = "one")]
+    #[serde(default = "one", deserialize_with = "crate::numbers::whole::i64")]
     #[schema(example = 1, minimum = 1, maximum = 10000)]
     pub count: i64,
 }
@@ -106,7 +116,7 @@ impl IdsInput {
     operation_id = "issue_ids",
     request_body = IssueIdsRequest,
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)"),
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
     ),
     responses(
         (status = 200, description = "IDs issued", body = IssuedIds,
@@ -114,7 +124,7 @@ impl IdsInput {
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
@@ -212,7 +222,7 @@ async fn issue_once(
     operation_id = "issue_ids_short",
     request_body = IssueIdsRequest,
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)"),
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
     ),
     responses(
         (status = 200, description = "IDs issued", body = IssuedIds,
@@ -220,7 +230,7 @@ async fn issue_once(
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict or sequence_limit_reached (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),

@@ -9,6 +9,7 @@ mod health;
 pub mod ids;
 mod outbox;
 pub mod problem;
+mod schema;
 mod sequences;
 pub mod server;
 

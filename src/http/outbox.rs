@@ -18,13 +18,23 @@ use crate::documents::outbox::{self, DocumentStatus, DocumentView, ListFilter, T
 pub struct OutboxQuery {
     /// Only documents with this status (all when left out).
     pub status: Option<DocumentStatus>,
+    /// Only this project's documents.
+    #[param(pattern = r"^[A-Za-z0-9_]{1,32}$", min_length = 1, max_length = 32)]
     pub project: Option<String>,
+    /// Only this document type's documents.
     #[serde(rename = "type")]
-    #[param(rename = "type")]
+    #[param(
+        rename = "type",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
     pub doc_type: Option<String>,
     /// Page size, 1 to 1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(pattern = r"^[0-9]{1,18}$")]
     pub cursor: Option<String>,
 }
 
@@ -49,7 +59,7 @@ pub fn router() -> OpenApiRouter<AppState> {
     tag = "outbox",
     params(OutboxQuery),
     responses(
-        (status = 200, body = OutboxPage),
+        (status = 200, description = "One page of outbox entries", body = OutboxPage),
         (status = 400, description = "Invalid filter, limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -64,6 +74,15 @@ pub async fn list_outbox(
             "invalid_limit",
             format!("limit must be between 1 and 1000, got {limit}"),
         ));
+    }
+    // Filters name codes: anything else is no code, and said so.
+    if let Some(project) = &query.project {
+        crate::sequence::ProjectCode::parse(project)
+            .map_err(|e| ApiError::bad_request("invalid_project", format!("project: {e}")))?;
+    }
+    if let Some(doc_type) = &query.doc_type {
+        crate::sequence::TypeCode::parse(doc_type)
+            .map_err(|e| ApiError::bad_request("invalid_type", format!("type: {e}")))?;
     }
     let after_row = match &query.cursor {
         None => 0,
@@ -109,9 +128,9 @@ fn transition_error(e: TransitionError) -> ApiError {
     post,
     path = "/api/v1/outbox/{id}/retry",
     tag = "outbox",
-    params(("id" = String, Path, description = "The document ID")),
+    params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64)),
     responses(
-        (status = 200, body = DocumentView),
+        (status = 200, description = "Back to pending, retry count reset", body = DocumentView),
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Not a dead letter (or abandoned)", body = Problem, content_type = "application/problem+json"),
     )
@@ -132,9 +151,9 @@ pub async fn retry_document(
     post,
     path = "/api/v1/outbox/{id}/abandon",
     tag = "outbox",
-    params(("id" = String, Path, description = "The document ID")),
+    params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64)),
     responses(
-        (status = 200, body = DocumentView),
+        (status = 200, description = "Abandoned: its number is a gap", body = DocumentView),
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Already committed", body = Problem, content_type = "application/problem+json"),
     )

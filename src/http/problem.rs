@@ -172,6 +172,7 @@ impl From<StoreError> for ApiError {
             StoreError::Definition(e) => Self::bad_request("invalid_definition", e.to_string()),
             StoreError::Conflict { .. } => Self::conflict("format_conflict", e.to_string()),
             StoreError::TooMany { .. } => Self::conflict("sequence_limit_reached", e.to_string()),
+            StoreError::NoDefault { .. } => Self::conflict("sequence_not_defined", e.to_string()),
             StoreError::Corrupt(..) => Self::internal(e),
         }
     }

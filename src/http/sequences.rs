@@ -95,8 +95,10 @@ pub struct SequenceList {
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Page size, 1 to 1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(pattern = r"^[A-Za-z0-9_]{1,32}/[A-Za-z0-9_]{1,32}$")]
     pub cursor: Option<String>,
 }
 
@@ -113,7 +115,7 @@ pub fn router() -> OpenApiRouter<AppState> {
     tag = "sequences",
     params(ListQuery),
     responses(
-        (status = 200, body = SequenceList),
+        (status = 200, description = "One page of sequences", body = SequenceList),
         (status = 400, description = "Invalid limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -160,9 +162,9 @@ pub async fn list_sequences(
     get,
     path = "/api/v1/sequences/{project}/{type}",
     tag = "sequences",
-    params(("project" = String, Path, description = "Project code"), ("type" = String, Path, description = "Document type code")),
+    params(("project" = String, Path, description = "Project code", pattern = r"^[A-Za-z0-9_]{1,32}$", min_length = 1, max_length = 32), ("type" = String, Path, description = "Document type code", pattern = r"^[A-Za-z0-9_]{1,32}$", min_length = 1, max_length = 32)),
     responses(
-        (status = 200, body = SequenceView),
+        (status = 200, description = "The definition and its live figures", body = SequenceView),
         (status = 400, description = "Invalid project or type", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "Never defined nor used", body = Problem, content_type = "application/problem+json"),
     )
@@ -245,7 +247,7 @@ async fn live_figures(
     put,
     path = "/api/v1/sequences/{project}/{type}",
     tag = "sequences",
-    params(("project" = String, Path, description = "Project code"), ("type" = String, Path, description = "Document type code")),
+    params(("project" = String, Path, description = "Project code", pattern = r"^[A-Za-z0-9_]{1,32}$", min_length = 1, max_length = 32), ("type" = String, Path, description = "Document type code", pattern = r"^[A-Za-z0-9_]{1,32}$", min_length = 1, max_length = 32)),
     request_body = DefinitionInput,
     responses(
         (status = 200, description = "Replaced", body = SequenceView),
@@ -253,6 +255,8 @@ async fn live_figures(
         (status = 400, description = "Invalid definition", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "forbidden: defining a sequence needs an admin key", body = Problem, content_type = "application/problem+json"),
         (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "sequence_in_use (an identity change without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -59,22 +59,29 @@ pub fn default_int64_epoch() -> DateTime<Utc> {
 #[serde(deny_unknown_fields)]
 pub struct DefinitionInput {
     /// Template with `{project}`, `{type}`, `{seq}`, `{seq:N}`, `{date:FMT}`.
-    #[schema(example = "{project}-{type}-{seq}")]
+    #[schema(example = "{project}-{type}-{seq}", min_length = 1, max_length = 256)]
     pub format: Option<String>,
     pub layout: Option<LayoutKind>,
     /// Epoch of the `int64` layout (RFC 3339); default 2022-01-01T00:00:00Z.
     pub epoch: Option<DateTime<Utc>>,
     /// First number of each period (default 1).
+    #[serde(default, deserialize_with = "crate::numbers::whole::option_i64")]
+    #[schema(minimum = 0, maximum = 9007199254740991_i64)]
     pub start: Option<i64>,
     /// Last number of each period; past it the sequence is exhausted.
+    #[serde(default, deserialize_with = "crate::numbers::whole::option_i64")]
+    #[schema(minimum = 0, maximum = 9007199254740991_i64)]
     pub max: Option<i64>,
     pub reset: Option<Reset>,
     /// IANA time zone of the periods and `{date}` tokens (default `UTC`).
     #[schema(example = "UTC")]
     pub timezone: Option<String>,
     /// Numbers kept ready in the Redis pool (default 1000).
+    #[serde(default, deserialize_with = "crate::numbers::whole::option_u32")]
+    #[schema(minimum = 1, maximum = 100000)]
     pub pool_size: Option<u32>,
     /// Fraction of the pool consumed that triggers a refill (default 0.75).
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     pub refill_at: Option<f64>,
     /// Allow changing `format`, `layout`, `reset` or `timezone` after numbers were issued.
     #[serde(default)]

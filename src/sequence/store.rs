@@ -49,6 +49,14 @@ pub enum StoreError {
     },
     #[error("project {project} has {limit} sequences, the most one project may have")]
     TooMany { project: String, limit: usize },
+    #[error(
+        "{sequence} was never defined, and the default definition does not fit it ({reason}); \
+         define it with PUT /api/v1/sequences/{sequence} first"
+    )]
+    NoDefault {
+        sequence: String,
+        reason: DefinitionError,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -228,7 +236,11 @@ impl SequenceStore {
         if let Some(sequence) = self.load(project.as_str(), doc_type.as_str()).await? {
             return Ok(self.remember(sequence));
         }
-        let definition = Definition::defaults(project, doc_type)?;
+        let definition =
+            Definition::defaults(project, doc_type).map_err(|reason| StoreError::NoDefault {
+                sequence: cache_key(project.as_str(), doc_type.as_str()),
+                reason,
+            })?;
         let mut tx = self.db.begin().await?;
         lock_project(&mut tx, project).await?;
         // Another request may have created it while we waited for the lock.
