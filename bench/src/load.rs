@@ -82,33 +82,52 @@ async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
     Ok(sender)
 }
 
-/// `Authorization` values the connections send, one key per connection
-/// in turn: the bench is many customers, each within its rate.
-static KEYS: OnceLock<Vec<hyper::header::HeaderValue>> = OnceLock::new();
+/// `Authorization` values: the load connections send project keys, one
+/// per connection in turn (the bench is many customers, each within its
+/// rate); single requests (setting up, polling) send the admin key.
+static KEYS: OnceLock<Keys> = OnceLock::new();
+
+struct Keys {
+    load: Vec<hyper::header::HeaderValue>,
+    admin: hyper::header::HeaderValue,
+}
 
 /// Sets the API keys every later request sends (once per run).
-pub fn use_keys(keys: &[String]) -> anyhow::Result<()> {
-    let values = keys
-        .iter()
-        .map(|k| hyper::header::HeaderValue::from_str(&format!("Bearer {k}")))
-        .collect::<Result<Vec<_>, _>>()?;
-    KEYS.set(values)
+pub fn use_keys(load: &[String], admin: &str) -> anyhow::Result<()> {
+    let bearer = |k: &str| hyper::header::HeaderValue::from_str(&format!("Bearer {k}"));
+    let keys = Keys {
+        load: load
+            .iter()
+            .map(|k| bearer(k))
+            .collect::<Result<Vec<_>, _>>()?,
+        admin: bearer(admin)?,
+    };
+    KEYS.set(keys)
         .map_err(|_| anyhow::anyhow!("keys were set already"))
+}
+
+/// The key of load connection `connection`, or the admin key (`None`).
+fn key_for(connection: Option<usize>) -> Option<hyper::header::HeaderValue> {
+    let keys = KEYS.get()?;
+    match connection {
+        Some(c) if !keys.load.is_empty() => Some(keys.load[c % keys.load.len()].clone()),
+        _ => Some(keys.admin.clone()),
+    }
 }
 
 fn request(
     method: hyper::Method,
     path: &str,
     body: Bytes,
-    connection: usize,
+    connection: Option<usize>,
 ) -> anyhow::Result<Request<Full<Bytes>>> {
     let mut builder = Request::builder()
         .method(method)
         .uri(path)
         .header("host", "bench")
         .header("content-type", "application/json");
-    if let Some(keys) = KEYS.get().filter(|k| !k.is_empty()) {
-        builder = builder.header("authorization", keys[connection % keys.len()].clone());
+    if let Some(key) = key_for(connection) {
+        builder = builder.header("authorization", key);
     }
     Ok(builder.body(Full::new(body))?)
 }
@@ -155,7 +174,7 @@ pub async fn run(
                     body,
                     sequence,
                 } = call(i);
-                let request = request(method, path, body, connection)?;
+                let request = request(method, path, body, Some(connection))?;
                 let sent = Instant::now();
                 let answer = async {
                     sender.ready().await?;
@@ -238,7 +257,9 @@ pub async fn send(
 ) -> anyhow::Result<(u16, Bytes)> {
     let mut sender = connect(addr).await?;
     sender.ready().await?;
-    let response = sender.send_request(request(method, path, body, 0)?).await?;
+    let response = sender
+        .send_request(request(method, path, body, None)?)
+        .await?;
     let status = response.status().as_u16();
     Ok((status, response.into_body().collect().await?.to_bytes()))
 }

@@ -366,7 +366,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Like customers: project keys from the CLI, one per load connection,
     // each well within the default rate limit.
     let keys = services::create_keys(&args.binary, &database, &PROJECTS, KEYS)?;
-    load::use_keys(&keys)?;
+    let admin = services::create_keys(&args.binary, &database, &[], 1)?;
+    load::use_keys(&keys, &admin[0])?;
     let db = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .connect(&database)

@@ -285,7 +285,8 @@ impl Drop for Redis {
     }
 }
 
-/// `n` project keys made with `idpool keys create`; their secrets.
+/// `n` keys made with `idpool keys create`, of `projects` (an admin key
+/// when there are none); their secrets.
 pub fn create_keys(
     binary: &Path,
     database_url: &str,
@@ -300,6 +301,9 @@ pub fn create_keys(
                 .env("DATABASE_URL", database_url);
             for project in projects {
                 command.args(["--project", project]);
+            }
+            if projects.is_empty() {
+                command.arg("--admin");
             }
             let output = command.output().context("idpool keys create")?;
             if !output.status.success() {
