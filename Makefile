@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
 export REDIS_URL ?= redis://127.0.0.1:6379
 
-.PHONY: help run test lint openapi services services-down clean-test-dbs bench bench-quick bench-build
+.PHONY: help run test lint openapi services services-down clean-test-dbs bench bench-quick bench-build sdk-tools
 
 help:
 	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080 (no API keys)"
@@ -33,7 +33,12 @@ clean-test-dbs:
 	    | psql "$$base/postgres" -q >/dev/null 2>&1 || true; \
 	fi
 
-test: services clean-test-dbs
+# The client tools the tests drive (pinned; a venv and node_modules under
+# target/sdk, installed once).
+sdk-tools:
+	@scripts/sdk-tools.sh
+
+test: services clean-test-dbs sdk-tools
 	@if cargo nextest --version >/dev/null 2>&1; then \
 	  cargo nextest run --workspace --all-targets; \
 	else \

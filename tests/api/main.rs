@@ -1,11 +1,13 @@
 //! End-to-end tests against real Postgres and Redis.
 
 mod auth;
+mod clients;
 mod documents;
 mod gaps;
 mod helpers;
 mod hostile;
 mod ids;
+mod import;
 mod inputs;
 mod operations;
 mod pools;

@@ -1,0 +1,271 @@
+//! `idpool import`, the customer migration tool, as a customer runs it: a
+//! child process against a running idpool, killed and run again.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, TestEnv, create_key};
+
+fn import(app: &TestApp, key: &str, file: &Path, out: &Path, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idpool"));
+    command
+        .arg("import")
+        .arg(file)
+        .args([
+            "--project",
+            "IMP",
+            "--type",
+            "1",
+            "--url",
+            &app.address,
+            "--key",
+            key,
+        ])
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    command
+}
+
+fn mapping(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        // A line cut off by SIGKILL is not a line yet.
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect()
+}
+
+async fn count(app: &TestApp, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&app.db).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_killed_midway_and_run_again_gives_every_source_id_one_document() {
+    let app = TestEnv::new().spawn().await;
+    let key = create_key(&app.state, &["IMP"], false).await;
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("legacy.jsonl");
+    let mut file = std::fs::File::create(&input).unwrap();
+    for i in 0..5000 {
+        let line = json!({"source_id": format!("legacy-{i}"), "metadata": {"n": i, "pad": "x".repeat(200)}});
+        writeln!(file, "{line}").unwrap();
+    }
+    drop(file);
+
+    let first_out = work.path().join("first.jsonl");
+    let mut first = import(
+        &app,
+        &key,
+        &input,
+        &first_out,
+        &["--batch", "50", "--concurrency", "2"],
+    )
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    while mapping(&first_out).len() < 1000 {
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "the first run finished before it could be killed"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the first run is stuck"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let before = mapping(&first_out);
+    println!("killed after {} of 5000 lines", before.len());
+    assert!(before.len() < 5000);
+
+    let second_out = work.path().join("second.jsonl");
+    let second = import(&app, &key, &input, &second_out, &[])
+        .output()
+        .unwrap();
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let after = mapping(&second_out);
+    assert_eq!(after.len(), 5000, "every line mapped");
+    for (i, line) in after.iter().enumerate() {
+        assert_eq!(line["source_id"], format!("legacy-{i}"), "input order");
+    }
+    let ids: HashSet<&str> = after.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 5000, "one ID per source id");
+    // What the first run wrote, the second says again, as a replay.
+    for (first, second) in before.iter().zip(&after) {
+        assert_eq!(
+            (&first["source_id"], &first["id"]),
+            (&second["source_id"], &second["id"])
+        );
+        assert_eq!(second["replayed"], true);
+    }
+    assert_eq!(
+        count(
+            &app,
+            "SELECT count(*) FROM id_outbox WHERE tenant_code = 'IMP'"
+        )
+        .await,
+        5000,
+        "no document twice"
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(&app, "SELECT count(*) FROM documents WHERE project = 'IMP'").await < 5000 {
+        assert!(Instant::now() < deadline, "not all delivered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        count(
+            &app,
+            "SELECT count(*) FROM id_outbox WHERE tenant_code = 'IMP' AND status <> 'committed'"
+        )
+        .await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_lines_are_rejected_with_their_reason_and_every_good_line_is_imported() {
+    let app = TestEnv::new().spawn().await;
+    let key = create_key(&app.state, &["IMP"], false).await;
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("mixed.jsonl");
+    let huge = "y".repeat(300 * 1024);
+    let lines = [
+        json!({"source_id": "a-1", "metadata": {"ok": true}}).to_string(),
+        json!({"metadata": {"no": "source id"}}).to_string(),
+        json!({"source_id": "a-2", "metadata": {"ok": true}}).to_string(),
+        json!({"source_id": "a-1", "metadata": {"again": true}}).to_string(),
+        "{not json".to_owned(),
+        json!({"source_id": "a-3", "metadata": {"big": huge}}).to_string(),
+        r#"{"source_id": "a-4", "metadata": {"nul": "x\u0000"}}"#.to_owned(),
+        json!({"source_id": 5, "metadata": {}}).to_string(),
+    ];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = work.path().join("map.jsonl");
+    let run = import(&app, &key, &input, &out, &[]).output().unwrap();
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let mapped = mapping(&out);
+    let sources: Vec<&str> = mapped
+        .iter()
+        .map(|l| l["source_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(sources, ["a-1", "a-2", "5"]);
+    let rejects = mapping(&work.path().join("map.rejects.jsonl"));
+    let reasons: Vec<(i64, String)> = rejects
+        .iter()
+        .map(|r| {
+            (
+                r["line"].as_i64().unwrap(),
+                r["reason"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let expected = [
+        (2, "source_id"),
+        (4, "duplicate"),
+        (5, "JSON"),
+        (6, "limit"),
+        (7, "NUL"),
+    ];
+    assert_eq!(reasons.len(), expected.len(), "{reasons:?}");
+    for ((line, reason), (want_line, mention)) in reasons.iter().zip(expected) {
+        assert_eq!(*line, want_line, "{reasons:?}");
+        assert!(reason.contains(mention), "line {line}: {reason}");
+    }
+    assert_eq!(
+        count(
+            &app,
+            "SELECT count(*) FROM id_outbox WHERE tenant_code = 'IMP'"
+        )
+        .await,
+        3
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csv_file_is_imported_with_its_columns_as_metadata() {
+    let app = TestEnv::new().spawn().await;
+    let key = create_key(&app.state, &["IMP"], false).await;
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("legacy.csv");
+    std::fs::write(
+        &input,
+        "title,source_id,amount\n\"Level 3, east\",L-1,12.50\nLevel 4,L-2,7\n",
+    )
+    .unwrap();
+    let out = work.path().join("map.jsonl");
+    let run = import(&app, &key, &input, &out, &[]).output().unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let mapped = mapping(&out);
+    assert_eq!(mapped.len(), 2);
+    let metadata: Value =
+        sqlx::query_scalar("SELECT payload FROM id_outbox WHERE document_id = $1")
+            .bind(mapped[0]["id"].as_str().unwrap())
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        metadata,
+        json!({"title": "Level 3, east", "amount": "12.50"})
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_over_its_keys_rate_waits_and_retries_until_done() {
+    let mut env = TestEnv::new();
+    env.rate_limit = 2;
+    let app = env.spawn().await;
+    let key = create_key(&app.state, &["IMP"], false).await;
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("legacy.jsonl");
+    let lines: Vec<String> = (0..100)
+        .map(|i| json!({"source_id": i, "metadata": {}}).to_string())
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = work.path().join("map.jsonl");
+    let run = import(
+        &app,
+        &key,
+        &input,
+        &out,
+        &["--batch", "10", "--concurrency", "4"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(mapping(&out).len(), 100);
+    assert_eq!(
+        count(
+            &app,
+            "SELECT count(*) FROM id_outbox WHERE tenant_code = 'IMP'"
+        )
+        .await,
+        100
+    );
+}
