@@ -86,6 +86,17 @@ pub struct Config {
     )]
     pub redis_timeout_ms: u64,
 
+    /// How long `serve` waits at start for Redis before serving from
+    /// Postgres alone (so the first requests take from the pools, in order).
+    #[arg(
+        long = "idpool-redis-start-wait-ms",
+        env = "IDPOOL_REDIS_START_WAIT_MS",
+        default_value_t = 5000,
+        value_parser = clap::value_parser!(u64).range(0..=600_000),
+        global = true
+    )]
+    pub redis_start_wait_ms: u64,
+
     /// Postgres connections of this instance.
     #[arg(
         long = "idpool-db-pool-size",

@@ -35,10 +35,30 @@ pub enum Reserved<T> {
     /// The sequence's definition changed since it was read: numbers placed
     /// under the old one could print IDs the new one prints.
     Stale,
+    /// Postgres is on another timeline than the one its counters were last
+    /// checked against Redis on (a failover): nothing was handed out, and
+    /// nothing is until the pools' service has fenced the counters.
+    Unfenced,
+}
+
+/// SQL for the timeline of the Postgres a statement runs on (a promoted
+/// standby starts a new one), readable by any role on a primary.
+macro_rules! timeline_sql {
+    () => {
+        "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)"
+    };
 }
 
 /// Most periods one instance remembers having seen a counter for.
 const MAX_KNOWN_PERIODS: usize = 100_000;
+
+/// Which Postgres server and history the counters are on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresIdentity {
+    /// None where the role may not read it.
+    pub system: Option<String>,
+    pub timeline: String,
+}
 
 /// A block reserved for a Redis pool.
 #[derive(Debug, Clone, Copy)]
@@ -54,6 +74,11 @@ pub struct Counter {
     instance_id: String,
     /// Periods whose counter row this instance has already seen to exist.
     known_periods: Mutex<HashSet<(i64, String)>>,
+    /// The Postgres timeline the counters were last fenced on (None until
+    /// the first reservation or check).
+    fenced_timeline: Mutex<Option<String>>,
+    /// Woken when a reservation found another timeline.
+    moved: tokio::sync::Notify,
 }
 
 impl Counter {
@@ -62,7 +87,51 @@ impl Counter {
             refill_db,
             instance_id,
             known_periods: Mutex::new(HashSet::new()),
+            fenced_timeline: Mutex::new(None),
+            moved: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Whether a reservation made on `timeline` may be handed out: it is the
+    /// timeline the counters were fenced on (the first one seen counts as
+    /// fenced: at start, the pools' check runs before anything is served).
+    fn on_fenced_timeline(&self, timeline: &str) -> bool {
+        let mut fenced = self
+            .fenced_timeline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match fenced.as_deref() {
+            Some(known) if known == timeline => true,
+            Some(_) => {
+                drop(fenced);
+                self.moved.notify_one();
+                false
+            }
+            None => {
+                *fenced = Some(timeline.to_owned());
+                true
+            }
+        }
+    }
+
+    /// The counters were checked against Redis on `timeline`.
+    pub fn fenced_on(&self, timeline: String) {
+        *self
+            .fenced_timeline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(timeline);
+    }
+
+    /// Until a reservation finds Postgres on another timeline.
+    pub async fn moved(&self) {
+        self.moved.notified().await
+    }
+
+    /// The timeline of the Postgres the counters are on now.
+    pub async fn timeline(&self) -> Result<String, sqlx::Error> {
+        sqlx::query_scalar(concat!("SELECT ", timeline_sql!()))
+            .fetch_one(&self.refill_db)
+            .await
     }
 
     pub fn refill_db(&self) -> &PgPool {
@@ -119,7 +188,10 @@ impl Counter {
     ) -> Result<Reserved<PoolBlock>, sqlx::Error> {
         self.ensure_period(&self.refill_db, sequence, period)
             .await?;
-        let row: Option<(i64, i64, i64)> = sqlx::query_as(
+        // In a transaction, so a block taken on a timeline the counters were
+        // not fenced on is undone rather than pushed.
+        let mut tx = self.refill_db.begin().await?;
+        let row: Option<(i64, i64, i64, String)> = sqlx::query_as(concat!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = LEAST($3, $4 - next_seq + 1), \
                                      next_seq = next_seq + LEAST($3, $4 - next_seq + 1) \
@@ -129,8 +201,9 @@ impl Counter {
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id, lock_acquired_at) \
              SELECT $1, $2, int8range(first, next), 'pool', $5, $6 FROM taken \
-             RETURNING id, lower(seqs), upper(seqs)",
-        )
+             RETURNING id, lower(seqs), upper(seqs), ",
+            timeline_sql!()
+        ))
         .bind(sequence.id)
         .bind(period.key())
         .bind(want)
@@ -138,14 +211,24 @@ impl Counter {
         .bind(&self.instance_id)
         .bind(lock_acquired_at)
         .bind(sequence.identity_version)
-        .fetch_optional(&self.refill_db)
+        .fetch_optional(&mut *tx)
         .await?;
         match row {
-            Some((id, start, end)) => Ok(Reserved::Got(PoolBlock {
-                id,
-                range: SeqRange::new(start, end),
-            })),
-            None => self.why_not(&self.refill_db, sequence).await,
+            Some((_, _, _, timeline)) if !self.on_fenced_timeline(&timeline) => {
+                tx.rollback().await?;
+                Ok(Reserved::Unfenced)
+            }
+            Some((id, start, end, _)) => {
+                tx.commit().await?;
+                Ok(Reserved::Got(PoolBlock {
+                    id,
+                    range: SeqRange::new(start, end),
+                }))
+            }
+            None => {
+                tx.rollback().await?;
+                self.why_not(&self.refill_db, sequence).await
+            }
         }
     }
 
@@ -168,6 +251,96 @@ impl Counter {
         })
     }
 
+    /// Postgres was found behind Redis: a pool of this period was filled
+    /// up to `max_end`, but the counter is below it (a failover to a standby
+    /// that missed the last commits). Moves the counter past `max_end` and
+    /// records the numbers it skips as a block taken, so they are never
+    /// reserved again and reconciliation accounts for them. The skipped
+    /// range, if the counter was behind.
+    pub async fn fence(
+        &self,
+        sequence: &Sequence,
+        period: &Period,
+        max_end: i64,
+    ) -> Result<Option<SeqRange>, sqlx::Error> {
+        let mut tx = self.refill_db.begin().await?;
+        sqlx::query(
+            "INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, $2, $3) \
+             ON CONFLICT (sequence_id, period) DO NOTHING",
+        )
+        .bind(sequence.id)
+        .bind(period.key())
+        .bind(sequence.first_number(period))
+        .execute(&mut *tx)
+        .await?;
+        let next: i64 = sqlx::query_scalar(
+            "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2 FOR UPDATE",
+        )
+        .bind(sequence.id)
+        .bind(period.key())
+        .fetch_one(&mut *tx)
+        .await?;
+        if next >= max_end {
+            return Ok(None);
+        }
+        sqlx::query("UPDATE counters SET next_seq = $3 WHERE sequence_id = $1 AND period = $2")
+            .bind(sequence.id)
+            .bind(period.key())
+            .bind(max_end)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
+             VALUES ($1, $2, int8range($3, $4), 'pool', $5)",
+        )
+        .bind(sequence.id)
+        .bind(period.key())
+        .bind(next)
+        .bind(max_end)
+        .bind(format!("fence:{}", self.instance_id))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(SeqRange::new(next, max_end)))
+    }
+
+    /// Of `seen` (project, type, period, highest block end in Redis), those
+    /// whose counter in Postgres is below that end, or missing.
+    pub async fn behind(
+        &self,
+        seen: &[(String, String, String, i64)],
+    ) -> Result<Vec<(String, String, String, i64)>, sqlx::Error> {
+        let projects: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
+        let types: Vec<&str> = seen.iter().map(|s| s.1.as_str()).collect();
+        let periods: Vec<&str> = seen.iter().map(|s| s.2.as_str()).collect();
+        let ends: Vec<i64> = seen.iter().map(|s| s.3).collect();
+        sqlx::query_as(
+            "SELECT w.p, w.t, w.pe, w.e \
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[]) AS w(p, t, pe, e) \
+             LEFT JOIN sequences s ON s.project = w.p AND s.doc_type = w.t \
+             LEFT JOIN counters c ON c.sequence_id = s.id AND c.period = w.pe \
+             WHERE c.next_seq IS NULL OR c.next_seq < w.e",
+        )
+        .bind(&projects)
+        .bind(&types)
+        .bind(&periods)
+        .bind(&ends)
+        .fetch_all(&self.refill_db)
+        .await
+    }
+
+    /// Which Postgres this is: its system identifier (where the role may
+    /// read it) and its timeline, which a promoted standby changes.
+    pub async fn postgres_identity(&self) -> Result<PostgresIdentity, sqlx::Error> {
+        let timeline = self.timeline().await?;
+        let system: Option<String> =
+            sqlx::query_scalar("SELECT system_identifier::text FROM pg_control_system()")
+                .fetch_one(&self.refill_db)
+                .await
+                .ok();
+        Ok(PostgresIdentity { system, timeline })
+    }
+
     pub async fn mark_pushed(&self, block_id: i64) -> Result<(), sqlx::Error> {
         sqlx::query("UPDATE blocks SET pushed_at = clock_timestamp() WHERE id = $1")
             .bind(block_id)
@@ -188,7 +361,7 @@ impl Counter {
         n: i64,
     ) -> Result<Reserved<SeqRange>, sqlx::Error> {
         self.ensure_period(&mut *conn, sequence, period).await?;
-        let first: Option<i64> = sqlx::query_scalar(
+        let taken: Option<(i64, String)> = sqlx::query_as(concat!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
@@ -197,8 +370,9 @@ impl Counter {
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
              SELECT $1, $2, int8range(first, next), 'direct', $5 FROM taken \
-             RETURNING lower(seqs)",
-        )
+             RETURNING lower(seqs), ",
+            timeline_sql!()
+        ))
         .bind(sequence.id)
         .bind(period.key())
         .bind(n)
@@ -207,8 +381,11 @@ impl Counter {
         .bind(sequence.identity_version)
         .fetch_optional(&mut *conn)
         .await?;
-        match first {
-            Some(first) => Ok(Reserved::Got(SeqRange::new(first, first + n))),
+        match taken {
+            // The caller's transaction rolls back; without one the numbers
+            // stay taken and are never handed out.
+            Some((_, timeline)) if !self.on_fenced_timeline(&timeline) => Ok(Reserved::Unfenced),
+            Some((first, _)) => Ok(Reserved::Got(SeqRange::new(first, first + n))),
             None => self.why_not(&mut *conn, sequence).await,
         }
     }

@@ -20,6 +20,11 @@ pub struct Limits {
     pub idle_in_transaction: Duration,
     /// How long a request waits for a free connection before its 503.
     pub acquire: Duration,
+    /// Ping a connection before handing it out. Off on the request path
+    /// (a round trip per statement; a dead connection shows up as its
+    /// statement's error), on for background work, which must not fail
+    /// once per connection after a Postgres restart.
+    pub ping_on_acquire: bool,
 }
 
 impl Default for Limits {
@@ -29,6 +34,7 @@ impl Default for Limits {
             lock: Duration::from_secs(2),
             idle_in_transaction: Duration::from_secs(30),
             acquire: Duration::from_secs(2),
+            ping_on_acquire: false,
         }
     }
 }
@@ -41,6 +47,7 @@ impl Limits {
             lock: Duration::from_secs(30),
             idle_in_transaction: Duration::from_secs(300),
             acquire: Duration::from_secs(30),
+            ping_on_acquire: true,
         }
     }
 
@@ -91,10 +98,7 @@ pub async fn pool(
 ) -> anyhow::Result<PgPool> {
     let options = limits.apply(options);
     let pool = PgPoolOptions::new()
-        // sqlx pings every connection it hands out by default: a round
-        // trip per statement on the request path. A dead connection shows
-        // up as an error of the statement itself.
-        .test_before_acquire(false)
+        .test_before_acquire(limits.ping_on_acquire)
         .max_connections(max_connections.max(2))
         .min_connections(1)
         .acquire_timeout(limits.acquire)
@@ -137,4 +141,29 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     MIGRATOR.run(pool).await?;
     Ok(())
+}
+
+/// Asynchronous replication can lose the last commits in a failover; idpool
+/// fences what it can (see `PoolService::resync`), synchronous replication
+/// loses nothing. Says so when the primary has replicas but none is
+/// synchronous.
+pub async fn warn_without_synchronous_standby(db: &PgPool) {
+    let seen: Result<(i64, String), _> = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pg_stat_replication), \
+                current_setting('synchronous_standby_names')",
+    )
+    .fetch_one(db)
+    .await;
+    if let Ok((replicas, names)) = seen
+        && replicas > 0
+        && names.trim().is_empty()
+    {
+        tracing::warn!(
+            replicas,
+            "Postgres replicates asynchronously (synchronous_standby_names is empty): a failover \
+             may lose the last commits; idpool then moves its counters past what Redis has seen, \
+             and numbers taken directly from Postgres meanwhile may be lost. Set a synchronous \
+             standby to lose nothing"
+        );
+    }
 }

@@ -46,6 +46,11 @@ pub enum IssueError {
     },
     #[error("the definition of {project}/{doc_type} changed while this request ran; send it again")]
     DefinitionChanged { project: String, doc_type: String },
+    #[error(
+        "Postgres failed over; its counters are being checked against the pools before \
+         numbers are taken from it again; send the request again"
+    )]
+    PostgresMoved,
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -257,6 +262,10 @@ impl Issuer {
                         project: pool.sequence.project.to_string(),
                         doc_type: pool.sequence.doc_type.to_string(),
                     });
+                }
+                Ok(Reserved::Unfenced) => {
+                    self.give_back(pool, &seqs).await;
+                    return Err(IssueError::PostgresMoved);
                 }
                 Ok(Reserved::Exhausted) => {
                     // The counter is spent, but a refill may have moved its

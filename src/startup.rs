@@ -202,6 +202,16 @@ impl Application {
                 });
             }
         }
+        crate::db::warn_without_synchronous_standby(&db).await;
+        // The first request takes from the pool like every later one: a
+        // restart must not hand out numbers past the pool from Postgres.
+        let wait = Duration::from_millis(config.redis_start_wait_ms);
+        if !wait.is_zero() && !pools.redis().wait_up(wait).await {
+            tracing::warn!(
+                waited_ms = config.redis_start_wait_ms,
+                "Redis pools not in use yet; serving from Postgres until they are"
+            );
+        }
         let state = AppState(Arc::new(AppInner {
             auth,
             issuer,

@@ -358,7 +358,7 @@ impl Reconciler {
         let bound = if period.pool_closed {
             period.next_seq
         } else if ended {
-            let ranges = self.redis.discard(&keys, None).await?;
+            let ranges = self.redis.discard(&keys, false).await?;
             self.pools
                 .record_discard(sequence, &period.period, &ranges, "period_ended")
                 .await;

@@ -199,6 +199,12 @@ impl From<IssueError> for ApiError {
                 e.to_string(),
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            IssueError::PostgresMoved => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "postgres_failover",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             IssueError::Store(e) => e.into(),
             IssueError::Ledger(e) => e.into(),
             IssueError::Counter(e) => db_error(e),

@@ -9,6 +9,7 @@
 
 mod redis;
 mod scripts;
+pub mod url;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,7 +27,7 @@ use crate::batch::Batcher;
 use crate::counter::{Counter, Reserved};
 use crate::numbers::SeqRange;
 use crate::sequence::store::SequenceStore;
-use crate::sequence::{Period, Sequence};
+use crate::sequence::{Period, ProjectCode, Sequence, TypeCode};
 use crate::stats::Stats;
 
 /// One sequence period's pool.
@@ -110,6 +111,8 @@ pub struct PoolService {
     refill_slots: Arc<Semaphore>,
     /// Refills running in the background; awaited (for a while) at shutdown.
     refills: TaskTracker,
+    /// Which Postgres the last resync checked the pools against.
+    postgres_seen: Mutex<Option<crate::counter::PostgresIdentity>>,
 }
 
 /// Most sequences whose current pool one instance remembers.
@@ -140,6 +143,7 @@ impl PoolService {
             demand: Mutex::new(HashMap::new()),
             pool_refs: Mutex::new(HashMap::new()),
             refills: TaskTracker::new(),
+            postgres_seen: Mutex::new(None),
         })
     }
 
@@ -427,6 +431,11 @@ impl PoolService {
                 let _ = self.redis.release(&pool.keys, &token).await;
                 return RefillOutcome::Exhausted;
             }
+            Ok(Reserved::Unfenced) => {
+                // The watch fences the counters, then refills go on.
+                let _ = self.redis.release(&pool.keys, &token).await;
+                return RefillOutcome::Failed;
+            }
             Ok(Reserved::Stale) => {
                 // The definition changed: the next request reads it anew.
                 self.sequences.forget(&pool.sequence);
@@ -528,7 +537,7 @@ impl PoolService {
 
     /// Empties a pool whose list cannot be trusted and records its numbers.
     pub async fn invalidate(&self, pool: &PoolRef, cause: &str) {
-        match self.redis.discard(&pool.keys, None).await {
+        match self.redis.discard(&pool.keys, false).await {
             Ok(ranges) => {
                 self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
                     .await
@@ -597,7 +606,7 @@ impl PoolService {
                 PoolKeys::parse_pool_key(self.redis.prefix(), &key)
             {
                 let keys = self.redis.keys(project, doc_type, period);
-                match self.redis.discard(&keys, None).await {
+                match self.redis.discard(&keys, false).await {
                     Ok(ranges) => self.record_discard(sequence, period, &ranges, cause).await,
                     Err(e) => tracing::warn!(error = %e, key, "could not discard pool"),
                 }
@@ -605,14 +614,14 @@ impl PoolService {
         }
     }
 
-    /// After any (re)connect: drop every pool not filled on the server we
-    /// now talk to (a restarted Redis, a promoted replica with a stale list)
-    /// and record its numbers, before a single number is popped again.
-    pub async fn resync(&self) -> Result<usize, RedisFailure> {
+    /// After any (re)connect, before a single number is popped again: each
+    /// pool not filled on the server now holding it (a restarted node, a
+    /// promoted replica with a stale list) is emptied and its numbers
+    /// recorded; then Postgres is checked against what Redis has seen.
+    pub async fn resync(&self) -> Result<Resynced, ResyncError> {
         Stats::add(&self.stats.redis_resyncs, 1);
         self.redis.claim_prefix(&self.settings.installation).await?;
-        let run_id = self.redis.server_run_id().await?;
-        let mut discarded_pools = 0;
+        let mut resynced = Resynced::default();
         for key in self.redis.pool_keys(None).await? {
             let Some((project, doc_type, period)) =
                 PoolKeys::parse_pool_key(self.redis.prefix(), &key)
@@ -620,11 +629,11 @@ impl PoolService {
                 continue;
             };
             let keys = self.redis.keys(project, doc_type, period);
-            let ranges = self.redis.discard(&keys, Some(&run_id)).await?;
+            let ranges = self.redis.discard(&keys, true).await?;
             if ranges.is_empty() {
                 continue;
             }
-            discarded_pools += 1;
+            resynced.discarded_pools += 1;
             match self.sequences.get(project, doc_type).await {
                 Ok(Some(sequence)) => {
                     self.record_discard(&sequence, period, &ranges, "redis_reconnect")
@@ -633,20 +642,108 @@ impl PoolService {
                 _ => tracing::error!(key, "discarded a pool of an unknown sequence"),
             }
         }
-        Ok(discarded_pools)
+        // Read first: a failover during the fence leaves the counters
+        // unfenced on the new timeline, and reservations refuse it.
+        let identity = self.counter.postgres_identity().await?;
+        resynced.fenced_periods = self.fence_postgres().await?;
+        self.counter.fenced_on(identity.timeline.clone());
+        *self.postgres_seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(identity);
+        Ok(resynced)
+    }
+
+    /// Each store fences the other: a pool filled up to `max_end` means
+    /// Postgres handed out numbers below it. A counter found behind that (a
+    /// failover to a standby that missed the last commits) is moved past it
+    /// before anything is served, the numbers in between recorded as taken,
+    /// and the period's pool emptied. The periods fenced.
+    async fn fence_postgres(&self) -> Result<usize, ResyncError> {
+        let mut seen: Vec<(String, String, String, i64)> = Vec::new();
+        for key in self.redis.meta_keys().await? {
+            let Some((project, doc_type, period)) =
+                PoolKeys::parse_meta_key(self.redis.prefix(), &key)
+            else {
+                continue;
+            };
+            let keys = self.redis.keys(project, doc_type, period);
+            let max_end = self.redis.max_end(&keys).await?;
+            if max_end > 0 {
+                seen.push((project.into(), doc_type.into(), period.into(), max_end));
+            }
+        }
+        if seen.is_empty() {
+            return Ok(0);
+        }
+        let behind = self.counter.behind(&seen).await?;
+        let mut fenced = 0;
+        for (project, doc_type, period_key, max_end) in behind {
+            let (Ok(project), Ok(doc_type)) =
+                (ProjectCode::parse(&project), TypeCode::parse(&doc_type))
+            else {
+                continue;
+            };
+            // A sequence Postgres lost entirely comes back with the defaults.
+            let sequence = self.sequences.get_or_create(&project, &doc_type).await?;
+            let definition = &sequence.definition;
+            let Some(period) = definition
+                .reset
+                .period_named(definition.timezone, &period_key)
+            else {
+                continue;
+            };
+            let Some(skipped) = self.counter.fence(&sequence, &period, max_end).await? else {
+                continue;
+            };
+            let keys = self
+                .redis
+                .keys(project.as_str(), doc_type.as_str(), &period_key);
+            let ranges = self.redis.discard(&keys, false).await?;
+            self.record_discard(&sequence, &period_key, &ranges, "postgres_behind_redis")
+                .await;
+            tracing::error!(
+                project = %project, doc_type = %doc_type, period = period_key,
+                from = skipped.start, to = skipped.last(),
+                "Postgres was behind Redis (a failover to a standby that missed commits?): \
+                 counter moved past every number Redis had seen"
+            );
+            fenced += 1;
+        }
+        Ok(fenced)
+    }
+
+    /// Whether Postgres is another server (or timeline) than at the last
+    /// resync: a failover the connection pool followed silently.
+    async fn postgres_changed(&self) -> bool {
+        let Ok(now) = self.counter.postgres_identity().await else {
+            return false;
+        };
+        let seen = self.postgres_seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.as_ref().is_some_and(|seen| *seen != now)
     }
 
     /// Keeps the circuit honest: after a failure or reconnect, waits for
     /// Redis to answer, checks the pools, then lets requests use them again.
+    /// Every few seconds it also asks which Postgres it talks to: a new
+    /// timeline stops the pools until they are checked against it.
     pub async fn watch_redis(self: Arc<Self>, stop: CancellationToken) {
         let mut last_complaint: Option<(String, std::time::Instant)> = None;
+        let mut postgres_checked = std::time::Instant::now();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = self.redis.woken() => {}
+                _ = self.counter.moved() => {
+                    self.redis.trip("Postgres is on a new timeline (failover); fencing its counters");
+                }
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {}
             }
             if self.redis.is_up() {
+                if postgres_checked.elapsed() >= POSTGRES_CHECK {
+                    postgres_checked = std::time::Instant::now();
+                    if self.postgres_changed().await {
+                        self.redis
+                            .trip("Postgres changed (failover?); checking the pools against it");
+                    }
+                }
                 continue;
             }
             let failures_before = self.redis.failure_count();
@@ -654,11 +751,11 @@ impl PoolService {
                 continue;
             }
             match self.resync().await {
-                Ok(discarded) => {
-                    if discarded > 0 {
+                Ok(resynced) => {
+                    if resynced.discarded_pools > 0 {
                         tracing::warn!(
-                            pools = discarded,
-                            "pools from before the reconnect discarded"
+                            pools = resynced.discarded_pools,
+                            "pools filled before the reconnect discarded"
                         );
                     }
                     self.redis.mark_up(failures_before);
@@ -677,6 +774,28 @@ impl PoolService {
             }
         }
     }
+}
+
+/// How often the watch asks which Postgres it talks to.
+const POSTGRES_CHECK: Duration = Duration::from_secs(2);
+
+/// What a resync did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Resynced {
+    /// Pools emptied because the server holding them did not fill them.
+    pub discarded_pools: usize,
+    /// Periods whose counter was found behind Redis and moved past it.
+    pub fenced_periods: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResyncError {
+    #[error(transparent)]
+    Redis(#[from] RedisFailure),
+    #[error("postgres: {0}")]
+    Postgres(#[from] sqlx::Error),
+    #[error(transparent)]
+    Store(#[from] crate::sequence::store::StoreError),
 }
 
 /// Unmarks a pool as refilling when its refill task ends, however it ends.

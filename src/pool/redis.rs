@@ -35,10 +35,23 @@ impl PoolKeys {
 
     /// Reads (project, type, period) back from a pool key of `prefix`.
     pub fn parse_pool_key<'a>(prefix: &str, key: &'a str) -> Option<(&'a str, &'a str, &'a str)> {
+        Self::parse_key(prefix, key, "}:pool")
+    }
+
+    /// The same for a meta key (which outlives an emptied pool).
+    pub fn parse_meta_key<'a>(prefix: &str, key: &'a str) -> Option<(&'a str, &'a str, &'a str)> {
+        Self::parse_key(prefix, key, "}:meta")
+    }
+
+    fn parse_key<'a>(
+        prefix: &str,
+        key: &'a str,
+        suffix: &str,
+    ) -> Option<(&'a str, &'a str, &'a str)> {
         let tag = key
             .strip_prefix(prefix)?
             .strip_prefix(":{")?
-            .strip_suffix("}:pool")?;
+            .strip_suffix(suffix)?;
         let mut parts = tag.splitn(3, ':');
         Some((parts.next()?, parts.next()?, parts.next()?))
     }
@@ -108,11 +121,8 @@ pub struct RedisSettings {
 impl RedisLink {
     /// Builds the clients and starts connecting in the background: the
     /// service serves from Postgres until Redis answers.
-    pub fn connect(
-        settings: &RedisSettings,
-        stats: Arc<Stats>,
-    ) -> Result<Arc<Self>, fred::error::Error> {
-        let mut config = Config::from_url(&settings.url)?;
+    pub fn connect(settings: &RedisSettings, stats: Arc<Stats>) -> anyhow::Result<Arc<Self>> {
+        let mut config = super::url::parse(&settings.url)?;
         // Keep retrying a Redis that is down at start instead of failing boot.
         config.fail_fast = false;
         let clients = Builder::from_config(config)
@@ -128,6 +138,13 @@ impl RedisLink {
                 c.tcp = fred::types::config::TcpConfig {
                     nodelay: Some(true),
                     ..Default::default()
+                };
+                // A server that stops answering (hung, or cut off) gets its
+                // connection closed and reopened, so nothing queued on it is
+                // answered late, and the reconnect makes the pools checked.
+                c.unresponsive = fred::types::config::UnresponsiveConfig {
+                    max_timeout: Some(settings.command_timeout * 2),
+                    interval: (settings.command_timeout / 2).max(Duration::from_millis(50)),
                 };
             })
             .with_performance_config(|p| {
@@ -366,19 +383,25 @@ impl RedisLink {
         .await
     }
 
-    /// Empties the pool unless it was filled on the server `keep_run_id`
-    /// names (`None`: always), returning the numbers it held.
+    /// Empties the pool (with `keep_if_filled_here`, only if the server
+    /// holding it did not fill it: a restart, a promoted replica), returning
+    /// the numbers it held.
     pub async fn discard(
         &self,
         keys: &PoolKeys,
-        keep_run_id: Option<&str>,
+        keep_if_filled_here: bool,
     ) -> Result<Vec<SeqRange>, RedisFailure> {
+        let mode = if keep_if_filled_here {
+            "foreign"
+        } else {
+            "all"
+        };
         self.guarded(async {
             let reply = self
                 .eval(
                     &self.scripts.discard,
                     vec![keys.pool.clone(), keys.meta.clone()],
-                    vec![keep_run_id.unwrap_or("").to_owned()],
+                    vec![mode.to_owned()],
                 )
                 .await?;
             let bounds: Vec<i64> = array(reply)?.iter().filter_map(integer).collect();
@@ -462,15 +485,26 @@ impl RedisLink {
         Ok(())
     }
 
-    /// The run_id of the server we are connected to; it changes when Redis
-    /// restarts or another server (a promoted replica) takes over.
-    pub async fn server_run_id(&self) -> Result<String, RedisFailure> {
-        let client = self.clients.next().with_options(&self.options);
-        let info: String = client.info(Some(fred::types::InfoKind::Server)).await?;
-        info.lines()
-            .find_map(|line| line.strip_prefix("run_id:"))
-            .map(|id| id.trim().to_owned())
-            .ok_or_else(|| RedisFailure::Reply("INFO has no run_id".into()))
+    /// The highest block end ever pushed into the pool; 0 when none.
+    pub async fn max_end(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
+        self.guarded(async {
+            let client = self.clients.next().with_options(&self.options);
+            let value: Option<String> = client.hget(keys.meta.as_str(), "max_end").await?;
+            Ok(value.and_then(|v| v.parse().ok()).unwrap_or(0))
+        })
+        .await
+    }
+
+    /// Waits up to `limit` for the pools to be in use; whether they are.
+    pub async fn wait_up(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while !self.is_up() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
     }
 
     /// Makes sure the key prefix is ours: the first database to use it owns it.
@@ -499,12 +533,22 @@ impl RedisLink {
 
     /// Every pool key under our prefix, or of one sequence's periods.
     pub async fn pool_keys(&self, of: Option<(&str, &str)>) -> Result<Vec<String>, RedisFailure> {
-        let client = self.clients.next();
         let pattern = match of {
             // Codes are [A-Za-z0-9_]: nothing in them is special to a glob.
             Some((project, doc_type)) => format!("{}:{{{project}:{doc_type}:*}}:pool", self.prefix),
             None => format!("{}:{{*}}:pool", self.prefix),
         };
+        self.scan(pattern).await
+    }
+
+    /// Every pool's meta key (they outlive emptied pools).
+    pub async fn meta_keys(&self) -> Result<Vec<String>, RedisFailure> {
+        self.scan(format!("{}:{{*}}:meta", self.prefix)).await
+    }
+
+    /// Keys matching `pattern` on every node.
+    async fn scan(&self, pattern: String) -> Result<Vec<String>, RedisFailure> {
+        let client = self.clients.next();
         let mut keys = Vec::new();
         let mut stream = if client.is_clustered() {
             client

@@ -26,7 +26,9 @@ return {depth, tonumber(meta[1] or '0') or 0, tonumber(meta[2] or '0') or 0}
 /// Appends the block only while the caller still holds the lock (a refill
 /// that outlived its lock must not push numbers behind a newer block), stamps
 /// the server's run_id so a pool replayed by another server is recognised,
-/// and releases the lock. Returns the new depth, or -1 if the lock was lost.
+/// keeps the highest block end ever pushed (`max_end`: Postgres must never
+/// be found behind it), and releases the lock. Returns the new depth, or -1
+/// if the lock was lost.
 pub const PUSH: &str = r#"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local first, last = tonumber(ARGV[2]), tonumber(ARGV[3]) - 1
@@ -41,7 +43,10 @@ for i = first, last do
 end
 if n > 0 then redis.call('RPUSH', KEYS[2], unpack(chunk)) end
 local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
-redis.call('HSET', KEYS[3], 'target', ARGV[4], 'refilled_at', ARGV[5], 'run_id', run_id)
+local max_end = tonumber(redis.call('HGET', KEYS[3], 'max_end') or '0') or 0
+if tonumber(ARGV[3]) > max_end then max_end = tonumber(ARGV[3]) end
+redis.call('HSET', KEYS[3], 'target', ARGV[4], 'refilled_at', ARGV[5], 'run_id', run_id,
+  'max_end', string.format('%d', max_end))
 redis.call('DEL', KEYS[1])
 return redis.call('LLEN', KEYS[2])
 "#;
@@ -52,11 +57,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 "#;
 
-/// KEYS: pool, meta. ARGV: run_id to keep ('' discards unconditionally).
-/// Empties a pool not filled on the server with that run_id and returns its
-/// numbers as flat [first, last] pairs of consecutive runs.
+/// KEYS: pool, meta. ARGV: 'foreign' (empty the pool unless this very
+/// server filled it) or 'all'.
+/// Returns the numbers it held as flat [first, last] pairs of consecutive
+/// runs. The server is the one holding the pool: in a cluster each pool is
+/// judged by its own node, so one node's restart costs only its pools.
 pub const DISCARD: &str = r#"
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[2], 'run_id') == ARGV[1] then return {} end
+if ARGV[1] == 'foreign' then
+  local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
+  if redis.call('HGET', KEYS[2], 'run_id') == run_id then return {} end
+end
 local values = redis.call('LRANGE', KEYS[1], 0, -1)
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], 'run_id')
