@@ -24,7 +24,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use load::{Call, Outcome, Until};
-use services::{Idpool, Postgres, Redis};
+use services::{Idpool, Postgres, Redis, RedisTopology};
 
 /// The projects the scenarios use; every bench key may use all of them.
 const PROJECTS: [&str; 5] = ["BENCH", "IDLE", "DOCB", "DOCS", "DRAIN"];
@@ -36,6 +36,7 @@ const SCENARIOS: &[&str] = &[
     "ratio",
     "latency",
     "fallback",
+    "topologies",
     "id-batches",
     "doc-batches",
     "doc-single",
@@ -49,7 +50,8 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
-    /// latency, fallback, id-batches, doc-batches, doc-single, drain.
+    /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
+    /// drain.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Extra environment for idpool, KEY=VALUE (repeatable).
@@ -197,25 +199,29 @@ impl Bench {
         }
     }
 
-    async fn mode(&self) -> String {
-        match load::get(self.addr, "/readyz").await {
+    async fn wait_for_mode(&self, mode: &str) -> anyhow::Result<()> {
+        wait_for_mode(self.addr, mode).await
+    }
+}
+
+/// Until the idpool at `addr` says it serves in `mode` (`pool`, `fallback`).
+async fn wait_for_mode(addr: SocketAddr, mode: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let now = match load::get(addr, "/readyz").await {
             Ok((_, body)) => serde_json::from_slice::<serde_json::Value>(&body)
                 .ok()
                 .and_then(|v| v["mode"].as_str().map(str::to_owned))
                 .unwrap_or_default(),
             Err(_) => String::new(),
+        };
+        if now == mode {
+            return Ok(());
         }
-    }
-
-    async fn wait_for_mode(&self, mode: &str) -> anyhow::Result<()> {
-        let started = Instant::now();
-        while self.mode().await != mode {
-            if started.elapsed() > Duration::from_secs(30) {
-                bail!("idpool did not reach mode {mode}");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("idpool at {addr} did not reach mode {mode}");
         }
-        Ok(())
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -407,6 +413,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("fallback") {
         redis_up_versus_stopped(&mut bench, &idpool, &mut redis, &sizes).await?;
+    }
+    if wanted("topologies") {
+        redis_topologies(&mut bench, &args.binary, &env, &sizes).await?;
     }
     if wanted("id-batches") {
         id_batches(&mut bench, &idpool, &sizes).await?;
@@ -637,6 +646,85 @@ async fn redis_up_versus_stopped(
     bench
         .peak_rss
         .push(("redis stopped".into(), idpool.peak_rss_mib()));
+    Ok(())
+}
+
+/// `POST /ids` count 1, 64 connections, through three idpools side by side:
+/// on the single Redis, on a Redis Cluster of three masters and on a master
+/// watched by Sentinel (with a replica), in alternating rounds. All three
+/// share the bench's Postgres counter, so the duplicate check spans them.
+async fn redis_topologies(
+    bench: &mut Bench,
+    binary: &std::path::Path,
+    env: &[(String, String)],
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    let cluster = RedisTopology::cluster()?;
+    let sentinel = RedisTopology::sentinel()?;
+    let on = |url: &str| {
+        let mut env = env.to_vec();
+        env.retain(|(key, _)| key != "REDIS_URL");
+        env.push(("REDIS_URL".to_owned(), url.to_owned()));
+        Idpool::start(binary, &env)
+    };
+    let on_cluster = on(cluster.url())?;
+    let on_sentinel = on(sentinel.url())?;
+    let targets: [(&str, SocketAddr); 3] = [
+        ("single Redis", bench.addr),
+        (
+            "Redis Cluster, 3 masters",
+            format!("127.0.0.1:{}", on_cluster.port).parse()?,
+        ),
+        (
+            "Sentinel, master + replica",
+            format!("127.0.0.1:{}", on_sentinel.port).parse()?,
+        ),
+    ];
+    for (name, addr) in targets {
+        wait_for_mode(addr, "pool").await?;
+        let warm = load::run(
+            addr,
+            64,
+            Until::Elapsed(Duration::from_secs(1)),
+            ids_call("topology", 1),
+        )
+        .await?;
+        bench.check(&format!("warm-up, {name}"), &warm)?;
+    }
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    let mut ratios: [Vec<f64>; 2] = Default::default();
+    for _ in 0..sizes.rounds {
+        let mut round = [0.0; 3];
+        for (i, (name, addr)) in targets.iter().enumerate() {
+            let outcome = load::run(
+                *addr,
+                64,
+                Until::Elapsed(sizes.slice),
+                ids_call("topology", 1),
+            )
+            .await?;
+            bench.check(&format!("POST /ids, {name}"), &outcome)?;
+            round[i] = outcome.per_second();
+            rates[i].push(round[i]);
+        }
+        ratios[0].push(round[1] / round[0]);
+        ratios[1].push(round[2] / round[0]);
+    }
+    let n = sizes.rounds;
+    for (i, (name, _)) in targets.iter().enumerate() {
+        bench.context(
+            &format!("POST /ids count 1, 64 conn., {name} (median of {n} rounds)"),
+            median(&mut rates[i]),
+            "IDs/s",
+        );
+    }
+    for (i, (name, _)) in targets[1..].iter().enumerate() {
+        bench.context(
+            &format!("POST /ids count 1: {name} ÷ single Redis (median of per-round ratios)"),
+            median(&mut ratios[i]),
+            "ratio",
+        );
+    }
     Ok(())
 }
 

@@ -231,6 +231,7 @@ impl Drop for Postgres {
 pub struct Redis {
     pub port: u16,
     child: Option<Child>,
+    dir: tempfile::TempDir,
 }
 
 impl Redis {
@@ -238,28 +239,15 @@ impl Redis {
         let mut redis = Self {
             port: free_port()?,
             child: None,
+            dir: tempfile::tempdir()?,
         };
         redis.launch()?;
         Ok(redis)
     }
 
     fn launch(&mut self) -> anyhow::Result<()> {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .context("redis-server (apt install redis-server)")?;
-        self.child = Some(child);
-        wait_for_port(self.port, "redis-server", Duration::from_secs(10))
+        self.child = Some(spawn_redis(self.port, self.dir.path(), &[])?);
+        Ok(())
     }
 
     pub fn url(&self) -> String {
@@ -282,6 +270,162 @@ impl Redis {
 impl Drop for Redis {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// A redis-server without persistence on `port`, working in `dir` (a
+/// replica writes the copy it receives there), once it accepts connections.
+fn spawn_redis(port: u16, dir: &Path, extra: &[&str]) -> anyhow::Result<Child> {
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(dir)
+        .args(extra)
+        .stdout(Stdio::null())
+        .spawn()
+        .context("redis-server (apt install redis-server)")?;
+    wait_for_port(port, "redis-server", Duration::from_secs(10))?;
+    Ok(child)
+}
+
+fn redis_cli(port: u16, args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .context("redis-cli")?;
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn wait_until(what: &str, mut ready: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while !ready()? {
+        if started.elapsed() > Duration::from_secs(20) {
+            bail!("{what} not ready after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// Redis processes of a topology, ended together.
+pub struct RedisTopology {
+    url: String,
+    children: Vec<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisTopology {
+    /// Three masters sharing the slots, no replicas.
+    pub fn cluster() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let mut ports = Vec::new();
+        while ports.len() < 3 {
+            let port = free_port()?;
+            // The cluster bus listens on port + 10000.
+            if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+                ports.push(port);
+            }
+        }
+        let mut topology = Self {
+            url: String::new(),
+            children: Vec::new(),
+            dir,
+        };
+        for port in &ports {
+            let config = topology.dir.path().join(format!("nodes-{port}.conf"));
+            let config = config.to_string_lossy();
+            topology.children.push(spawn_redis(
+                *port,
+                topology.dir.path(),
+                &["--cluster-enabled", "yes", "--cluster-config-file", &config],
+            )?);
+        }
+        let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&nodes)
+            .arg("--cluster-yes")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .context("redis-cli --cluster create")?;
+        if !created.success() {
+            bail!("redis-cli --cluster create failed");
+        }
+        wait_until("Redis Cluster", || {
+            for port in &ports {
+                if !redis_cli(*port, &["CLUSTER", "INFO"])?.contains("cluster_state:ok") {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        })?;
+        topology.url = format!("redis-cluster://{}", nodes.join(","));
+        Ok(topology)
+    }
+
+    /// A master, a replica of it and one Sentinel watching them.
+    pub fn sentinel() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let (master, replica, sentinel) = (free_port()?, free_port()?, free_port()?);
+        let mut topology = Self {
+            url: format!("redis-sentinel://127.0.0.1:{sentinel}/?sentinelServiceName=bench"),
+            children: Vec::new(),
+            dir,
+        };
+        let master_dir = topology.dir.path().join("master");
+        let replica_dir = topology.dir.path().join("replica");
+        std::fs::create_dir_all(&master_dir)?;
+        std::fs::create_dir_all(&replica_dir)?;
+        topology.children.push(spawn_redis(master, &master_dir, &[])?);
+        topology.children.push(spawn_redis(
+            replica,
+            &replica_dir,
+            &["--replicaof", "127.0.0.1", &master.to_string()],
+        )?);
+        let config = topology.dir.path().join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "port {sentinel}\nbind 127.0.0.1\nsentinel monitor bench 127.0.0.1 {master} 1\n"
+            ),
+        )?;
+        let child = Command::new("redis-server")
+            .arg(&config)
+            .arg("--sentinel")
+            .current_dir(topology.dir.path())
+            .stdout(Stdio::null())
+            .spawn()
+            .context("redis-server --sentinel")?;
+        topology.children.push(child);
+        wait_for_port(sentinel, "redis sentinel", Duration::from_secs(10))?;
+        wait_until("Redis replica", || {
+            Ok(redis_cli(replica, &["INFO", "replication"])?.contains("master_link_status:up"))
+        })?;
+        Ok(topology)
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for RedisTopology {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
