@@ -52,6 +52,7 @@ pub struct TestEnv {
     pub auth: bool,
     /// Requests per second per key: high, so load tests are not throttled.
     pub rate_limit: u32,
+    pub redis_start_wait_ms: u64,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -83,6 +84,7 @@ impl TestEnv {
             webhook_secret: TEST_WEBHOOK_SECRET.to_owned(),
             auth: true,
             rate_limit: 1_000_000,
+            redis_start_wait_ms: 5000,
         }
     }
 
@@ -123,6 +125,18 @@ impl TestEnv {
             ),
             ("IDPOOL_RATE_LIMIT", self.rate_limit.to_string()),
             ("IDPOOL_RECONCILE", "off".to_owned()),
+            (
+                "IDPOOL_RECONCILE_SETTLE_S",
+                self.settle.as_secs().max(1).to_string(),
+            ),
+            (
+                "IDPOOL_REQUEST_TIMEOUT_S",
+                self.request_timeout_s.to_string(),
+            ),
+            (
+                "IDPOOL_REDIS_START_WAIT_MS",
+                self.redis_start_wait_ms.to_string(),
+            ),
             ("RUST_LOG", "warn".to_owned()),
         ]
         .into_iter()
@@ -173,6 +187,7 @@ impl TestEnv {
             webhook_secret: Some(self.webhook_secret.clone()),
             auth: if self.auth { Switch::On } else { Switch::Off },
             rate_limit: self.rate_limit,
+            redis_start_wait_ms: self.redis_start_wait_ms,
         }
     }
 
@@ -399,8 +414,10 @@ impl TestApp {
             .send()
             .await
             .expect("reconcile");
-        assert_eq!(response.status(), StatusCode::OK, "reconcile");
-        response.json().await.expect("summary")
+        let status = response.status();
+        let body: Value = response.json().await.expect("summary");
+        assert_eq!(status, StatusCode::OK, "reconcile: {body}");
+        body
     }
 
     /// A run to note where the pools are, the settle time, and a run that

@@ -3,6 +3,7 @@
 mod auth;
 mod clients;
 mod documents;
+mod failover;
 mod gaps;
 mod helpers;
 mod hostile;
@@ -14,4 +15,6 @@ mod pools;
 mod redis_server;
 mod resilience;
 mod sequences;
+mod topology;
+mod traffic;
 mod webhook;

@@ -63,7 +63,8 @@ async fn the_committed_openapi_document_matches_the_code() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_redis_at_start_ids_come_from_postgres() {
     // Nothing listens on port 1.
-    let app = TestEnv::new().with_redis("redis://127.0.0.1:1");
+    let mut app = TestEnv::new().with_redis("redis://127.0.0.1:1");
+    app.redis_start_wait_ms = 300;
     let config = app.config();
     let application = idpool::startup::Application::build(&config).await.unwrap();
     let address = format!("http://127.0.0.1:{}", application.port());

@@ -73,6 +73,25 @@ impl RedisServer {
         }
     }
 
+    /// SIGSTOP: the server hangs, connections stay open.
+    pub fn pause(&self) {
+        if let Some(child) = &self.child {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGSTOP,
+            );
+        }
+    }
+
+    pub fn resume(&self) {
+        if let Some(child) = &self.child {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+    }
+
     /// SIGKILL: the server and everything in it are gone.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -104,6 +123,7 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        self.resume();
         self.kill();
     }
 }

@@ -1,0 +1,436 @@
+//! The deployments idpool runs on, tried as an operator would, with real
+//! servers of the tests' own: a Redis Cluster losing a master, a Sentinel
+//! failover to a lagging replica, a Postgres failover to a standby that
+//! missed commits, a hung or cut-off Redis, a Postgres restart, and an
+//! instance restarted under traffic. Each row of README's failure table is
+//! one of these (or a test it names).
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::helpers::{ServeProcess, TestApp, TestEnv, client_with_key, create_key};
+use crate::redis_server::RedisServer;
+use crate::topology::{
+    MovableAddress, Partition, PostgresServer, RedisCluster, RedisSentinel, postgres_dir,
+};
+use crate::traffic::{Traffic, assert_every_number_explained};
+
+const TYPES: [&str; 6] = ["A", "B", "C", "D", "E", "F"];
+
+fn pause(ms: u64) -> tokio::time::Sleep {
+    tokio::time::sleep(Duration::from_millis(ms))
+}
+
+/// Settle, reconcile, and check every type of `project`.
+async fn reconcile_and_explain(app: &TestApp, project: &str, issued: &[(String, i64)]) -> i64 {
+    app.settle_and_reconcile().await;
+    let mut judged = 0;
+    for doc_type in TYPES {
+        let mine: Vec<i64> = issued
+            .iter()
+            .filter(|(t, _)| t == doc_type)
+            .map(|(_, n)| *n)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        judged += assert_every_number_explained(&app.db, project, doc_type, &mine, &[]).await;
+    }
+    judged
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_spreads_pools_over_its_masters_and_outlives_losing_one() {
+    let mut cluster = RedisCluster::start();
+    let env = TestEnv::new().with_redis(&cluster.url());
+    let a = env.spawn().await;
+    let b = ServeProcess::start(&env).await;
+    let bases = vec![a.address.clone(), format!("http://127.0.0.1:{}", b.port)];
+    let traffic = Traffic::start(a.client.clone(), bases, "CL", &TYPES, 8);
+    pause(800).await;
+    let holding: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| n.keys(&format!("{}:{{*}}:pool", env.prefix)).len())
+        .collect();
+    assert!(
+        holding.iter().filter(|n| **n > 0).count() >= 2,
+        "pools spread over the masters: {holding:?}"
+    );
+    // A master dies: its slots are gone, the service answers from Postgres.
+    cluster.nodes[0].kill();
+    pause(1500).await;
+    let outcome = traffic.stop().await;
+    println!(
+        "cluster: {} numbers, pools per master {holding:?}",
+        outcome.issued.len()
+    );
+    assert!(
+        outcome.failures.is_empty(),
+        "{:?}",
+        &outcome.failures[..outcome.failures.len().min(5)]
+    );
+    outcome.assert_distinct();
+    // Back empty: its pools are lost numbers; the others judge as usual.
+    cluster.nodes[0].restart_with_data();
+    a.wait_for_mode("pool", Duration::from_secs(15)).await;
+    reconcile_and_explain(&a, "CL", &outcome.issued).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_back_with_stale_lists_costs_only_its_own_pools() {
+    let mut cluster = RedisCluster::start();
+    let env = TestEnv::new().with_redis(&cluster.url());
+    let app = env.spawn().await;
+    for doc_type in TYPES {
+        app.issue("PN", doc_type, 1).await;
+    }
+    let pattern = format!("{}:{{*}}:pool", env.prefix);
+    let before: Vec<Vec<String>> = cluster.nodes.iter().map(|n| n.keys(&pattern)).collect();
+    let (stale, _) = before
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, keys)| keys.len())
+        .expect("a node");
+    assert!(!before[stale].is_empty());
+    let old_run_id = cluster.nodes[stale].run_id();
+    cluster.nodes[stale].restart_with_data();
+    assert_ne!(cluster.nodes[stale].run_id(), old_run_id);
+    // The node's lists came back as they were; the instance must not pop
+    // from them, and must keep every other node's.
+    let started = Instant::now();
+    let discards = loop {
+        let discarded: Vec<String> = sqlx::query_scalar(
+            "SELECT s.doc_type FROM pool_discards d JOIN sequences s ON s.id = d.sequence_id \
+             WHERE d.cause = 'redis_reconnect' ORDER BY 1",
+        )
+        .fetch_all(&app.db)
+        .await
+        .unwrap();
+        if discarded.len() == before[stale].len() {
+            break discarded;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "discarded {discarded:?}, expected the {} pools of node {stale}",
+            before[stale].len()
+        );
+        pause(50).await;
+    };
+    app.wait_for_mode("pool", Duration::from_secs(15)).await;
+    let after: Vec<Vec<String>> = cluster.nodes.iter().map(|n| n.keys(&pattern)).collect();
+    for (node, keys) in before.iter().enumerate() {
+        if node != stale {
+            assert_eq!(&after[node], keys, "node {node} kept its pools");
+        }
+    }
+    println!(
+        "one node back stale: {} of {} pools discarded ({discards:?})",
+        discards.len(),
+        before.iter().map(Vec::len).sum::<usize>()
+    );
+    for doc_type in TYPES {
+        app.issue("PN", doc_type, 1).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_to_a_lagging_replica_hands_out_no_number_twice() {
+    let mut sentinel = RedisSentinel::start();
+    let env = TestEnv::new().with_redis(&sentinel.url());
+    let a = env.spawn().await;
+    let b = ServeProcess::start(&env).await;
+    let bases = vec![a.address.clone(), format!("http://127.0.0.1:{}", b.port)];
+    let traffic = Traffic::start(a.client.clone(), bases, "SE", &TYPES, 8);
+    pause(700).await;
+    // The replica falls behind; the master refills pools it never sees.
+    sentinel.replica.pause();
+    pause(1000).await;
+    sentinel.master.kill();
+    sentinel.replica.resume();
+    let started = Instant::now();
+    while sentinel.master_port() != sentinel.replica.port {
+        assert!(started.elapsed() < Duration::from_secs(20), "no failover");
+        pause(100).await;
+    }
+    a.wait_for_mode("pool", Duration::from_secs(20)).await;
+    pause(1000).await;
+    let outcome = traffic.stop().await;
+    println!(
+        "sentinel: {} numbers, failover after {:?}",
+        outcome.issued.len(),
+        started.elapsed()
+    );
+    assert!(
+        outcome.failures.is_empty(),
+        "{:?}",
+        &outcome.failures[..outcome.failures.len().min(5)]
+    );
+    outcome.assert_distinct();
+    reconcile_and_explain(&a, "SE", &outcome.issued).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_failover_to_a_standby_that_missed_commits_hands_out_no_number_twice() {
+    postgres_failover(AfterFailover::Restarted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_following_its_postgres_address_to_a_lagging_standby_hands_out_no_number_twice()
+{
+    postgres_failover(AfterFailover::Followed).await;
+}
+
+enum AfterFailover {
+    /// idpool is started again, pointed at the promoted standby.
+    Restarted,
+    /// The same idpool goes on; its Postgres address moves to the standby.
+    Followed,
+}
+
+/// A primary with a streaming standby; the standby stops receiving while
+/// the primary commits 1,000 more numbers (and the refills behind them),
+/// then the primary crashes and the standby is promoted.
+async fn postgres_failover(after_failover: AfterFailover) {
+    let dir = postgres_dir();
+    let mut primary = PostgresServer::primary(dir.path());
+    let mut standby = PostgresServer::standby_of(&primary, dir.path());
+    let address = MovableAddress::start(primary.port).await;
+    let redis = RedisServer::start();
+    let mut env = TestEnv::new().with_redis(&redis.url());
+    env.database_url = format!(
+        "postgres://postgres@127.0.0.1:{}/idpool_failover",
+        address.port
+    );
+    env.auth = false;
+    env.request_timeout_s = 2;
+    let client = reqwest::Client::new();
+    // Numbers of `n` requests of 10; a 503 (Postgres away, or its counters
+    // being fenced) is sent again, as a client would.
+    let issue = async |port: u16, n: usize| -> Vec<i64> {
+        let mut seqs = Vec::new();
+        let started = Instant::now();
+        while seqs.len() < n * 10 {
+            let response = client
+                .post(format!("http://127.0.0.1:{port}/ids"))
+                .json(&serde_json::json!({"project": "FO", "type": "A", "count": 10}))
+                .send()
+                .await
+                .unwrap();
+            if response.status() == StatusCode::SERVICE_UNAVAILABLE {
+                assert!(started.elapsed() < Duration::from_secs(30), "503 for 30 s");
+                pause(50).await;
+                continue;
+            }
+            assert_eq!(response.status(), StatusCode::OK);
+            let body: Value = response.json().await.unwrap();
+            seqs.extend(
+                body["seqs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s.as_i64().unwrap()),
+            );
+        }
+        seqs
+    };
+    let mut first = ServeProcess::start(&env).await;
+    let mut before = issue(first.port, 50).await;
+    primary.wait_for_standbys().await;
+    standby.stop("fast");
+    before.extend(issue(first.port, 100).await);
+    if let AfterFailover::Restarted = after_failover {
+        first.kill();
+    }
+    primary.stop("immediate");
+    standby.start();
+    standby.promote();
+    address.move_to(standby.port);
+    let serving = match after_failover {
+        AfterFailover::Restarted => ServeProcess::start(&env).await,
+        AfterFailover::Followed => first,
+    };
+
+    let after = issue(serving.port, 200).await;
+    let earlier: std::collections::HashSet<i64> = before.iter().copied().collect();
+    let twice: Vec<i64> = after
+        .iter()
+        .filter(|n| earlier.contains(n))
+        .copied()
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "{} numbers issued twice, e.g. {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+    let db = sqlx::PgPool::connect(&env.database_url).await.unwrap();
+    let fenced: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM blocks WHERE instance_id LIKE 'fence:%'")
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    assert!(
+        fenced >= 1,
+        "the counter was moved past what Redis had seen"
+    );
+
+    // Every number, the lost ones included, is explained.
+    let reconcile = async || {
+        let response = client
+            .post(format!(
+                "http://127.0.0.1:{}/api/v1/ids/gaps/reconcile",
+                serving.port
+            ))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    };
+    reconcile().await;
+    tokio::time::sleep(env.settle + Duration::from_millis(500)).await;
+    reconcile().await;
+    let issued: Vec<i64> = before.iter().chain(&after).copied().collect();
+    // What was issued after the standby stopped, Postgres no longer knows
+    // was issued: those numbers are lost, never handed out again.
+    let judged = assert_every_number_explained(&db, "FO", "A", &issued, &before[500..]).await;
+    let lost: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(to_seq - from_seq + 1), 0)::bigint FROM id_gaps \
+         WHERE reason = 'untracked_loss' AND resolved_at IS NULL",
+    )
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    println!(
+        "postgres failover ({}): {} before, {} after, {judged} judged, {lost} lost with the primary",
+        match after_failover {
+            AfterFailover::Restarted => "restarted",
+            AfterFailover::Followed => "followed",
+        },
+        before.len(),
+        after.len()
+    );
+    assert!(lost >= 1000, "the numbers the standby missed are gaps");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_restarted_under_traffic_goes_on_with_the_next_number() {
+    let env = TestEnv::new();
+    let setup = env.spawn().await;
+    let key = create_key(&setup.state, &["RS"], false).await;
+    let client = client_with_key(Some(&key));
+    let mut server = ServeProcess::start(&env).await;
+    let mut seqs = Vec::new();
+    let mut restarted = false;
+    let started = Instant::now();
+    while seqs.len() < 120 {
+        if seqs.len() == 60 && !restarted {
+            server.stop();
+            server = ServeProcess::start(&env).await;
+            restarted = true;
+        }
+        let response = client
+            .post(format!("http://127.0.0.1:{}/ids", server.port))
+            .json(&serde_json::json!({"project": "RS", "type": "1"}))
+            .send()
+            .await;
+        if let Ok(response) = response
+            && response.status() == StatusCode::OK
+        {
+            let body: Value = response.json().await.unwrap();
+            seqs.push(body["seqs"][0].as_i64().unwrap());
+        }
+        assert!(started.elapsed() < Duration::from_secs(60));
+    }
+    let expected: Vec<i64> = (seqs[0]..seqs[0] + 120).collect();
+    assert_eq!(
+        seqs, expected,
+        "the numbers go on in order across the restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cut_off_or_hung_then_back_loses_no_request_and_no_uniqueness() {
+    let redis = RedisServer::start();
+    let partition = Partition::start(redis.port).await;
+    let mut env = TestEnv::new().with_redis(&format!("redis://127.0.0.1:{}", partition.port));
+    env.redis_timeout_ms = 300;
+    let app = env.spawn().await;
+    let traffic = Traffic::start(
+        app.client.clone(),
+        vec![app.address.clone()],
+        "HU",
+        &TYPES,
+        6,
+    );
+    pause(600).await;
+    partition.cut();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    pause(800).await;
+    partition.heal();
+    app.wait_for_mode("pool", Duration::from_secs(15)).await;
+    pause(500).await;
+    redis.pause();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    pause(800).await;
+    redis.resume();
+    app.wait_for_mode("pool", Duration::from_secs(15)).await;
+    pause(500).await;
+    let outcome = traffic.stop().await;
+    println!("cut off and hung: {} numbers", outcome.issued.len());
+    assert!(
+        outcome.failures.is_empty(),
+        "{:?}",
+        &outcome.failures[..outcome.failures.len().min(5)]
+    );
+    outcome.assert_distinct();
+    reconcile_and_explain(&app, "HU", &outcome.issued).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_is_503_while_it_lasts_and_served_after() {
+    let dir = postgres_dir();
+    let mut postgres = PostgresServer::primary(dir.path());
+    let mut env = TestEnv::new();
+    env.database_url = postgres.url("idpool_restart");
+    let app = env.spawn().await;
+    let traffic = Traffic::start(
+        app.client.clone(),
+        vec![app.address.clone()],
+        "PR",
+        &TYPES,
+        4,
+    );
+    pause(600).await;
+    postgres.stop("fast");
+    pause(1000).await;
+    postgres.start();
+    let started = Instant::now();
+    loop {
+        if app.post_ids("PR", "A", 1).await.status() == StatusCode::OK {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "not served again"
+        );
+        pause(50).await;
+    }
+    pause(800).await;
+    let outcome = traffic.stop().await;
+    let unexpected: Vec<&String> = outcome
+        .failures
+        .iter()
+        .filter(|f| !f.starts_with("503"))
+        .collect();
+    println!(
+        "postgres restart: {} numbers, {} answered 503 while it was down",
+        outcome.issued.len(),
+        outcome.failures.len()
+    );
+    assert!(unexpected.is_empty(), "{unexpected:?}");
+    outcome.assert_distinct();
+    reconcile_and_explain(&app, "PR", &outcome.issued).await;
+}
