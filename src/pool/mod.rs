@@ -747,10 +747,19 @@ impl PoolService {
                 continue;
             }
             let failures_before = self.redis.failure_count();
-            if !self.redis.all_connected() || self.redis.ping().await.is_err() {
-                continue;
-            }
-            match self.resync().await {
+            let reachable = self.redis.all_connected() && self.redis.ping().await.is_ok();
+            let outcome = if reachable {
+                self.resync().await.map_err(|e| e.to_string())
+            } else {
+                // fred reports failed connection attempts only at debug level.
+                let last = self.redis.last_failure();
+                Err(if last.is_empty() {
+                    "Redis not connected yet (RUST_LOG=fred=debug shows each attempt)".to_owned()
+                } else {
+                    format!("Redis unreachable: {last}")
+                })
+            };
+            match outcome {
                 Ok(resynced) => {
                     if resynced.discarded_pools > 0 {
                         tracing::warn!(
@@ -760,13 +769,14 @@ impl PoolService {
                     }
                     self.redis.mark_up(failures_before);
                 }
-                Err(e) => {
-                    // Say it when it changes, and once a minute while it lasts.
-                    let message = e.to_string();
-                    let repeat = last_complaint.as_ref().is_some_and(|(m, at)| {
-                        *m == message && at.elapsed() < Duration::from_secs(60)
+                Err(message) => {
+                    // Say it when it changes (at most every 10 s), and once
+                    // a minute while it lasts.
+                    let quiet = last_complaint.as_ref().is_some_and(|(m, at)| {
+                        let wait = if *m == message { 60 } else { 10 };
+                        at.elapsed() < Duration::from_secs(wait)
                     });
-                    if !repeat {
+                    if !quiet {
                         tracing::error!(error = %message, "pools not in use");
                         last_complaint = Some((message, std::time::Instant::now()));
                     }

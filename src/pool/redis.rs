@@ -107,6 +107,9 @@ pub struct RedisLink {
     /// Bumped by every failure, so a resync that overlapped one does not
     /// declare Redis healthy.
     failures: AtomicU64,
+    /// What the last failure said, for the watch to report while Redis
+    /// stays unreachable (a TLS or password mistake shows here).
+    last_failure: std::sync::Mutex<String>,
     wake: Notify,
     stats: Arc<Stats>,
 }
@@ -172,6 +175,7 @@ impl RedisLink {
             },
             up: AtomicBool::new(false),
             failures: AtomicU64::new(0),
+            last_failure: std::sync::Mutex::new(String::new()),
             wake: Notify::new(),
             stats,
         });
@@ -218,6 +222,7 @@ impl RedisLink {
     /// Opens the circuit: requests take numbers from Postgres until a resync.
     pub fn trip(&self, why: &str) {
         self.failures.fetch_add(1, Ordering::AcqRel);
+        why.clone_into(&mut self.last_failure.lock().unwrap_or_else(|e| e.into_inner()));
         if self.up.swap(false, Ordering::AcqRel) {
             Stats::add(&self.stats.redis_trips, 1);
             tracing::warn!(reason = why, "redis unavailable, serving from postgres");
@@ -475,6 +480,13 @@ impl RedisLink {
     }
 
     /// Whether every client of the pool has a live connection.
+    pub fn last_failure(&self) -> String {
+        self.last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn all_connected(&self) -> bool {
         self.clients.clients().iter().all(|c| c.is_connected())
     }

@@ -13,7 +13,7 @@ use serde_json::Value;
 use crate::helpers::{ServeProcess, TestApp, TestEnv, client_with_key, create_key};
 use crate::redis_server::RedisServer;
 use crate::topology::{
-    MovableAddress, Partition, PostgresServer, RedisCluster, RedisSentinel, postgres_dir,
+    MovableAddress, Partition, PostgresServer, RedisCluster, RedisSentinel, TlsRedis, postgres_dir,
 };
 use crate::traffic::{Traffic, assert_every_number_explained};
 
@@ -39,6 +39,46 @@ async fn reconcile_and_explain(app: &TestApp, project: &str, issued: &[(String, 
         judged += assert_every_number_explained(&app.db, project, doc_type, &mine, &[]).await;
     }
     judged
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rediss_url_takes_the_pools_over_tls() {
+    let tls = TlsRedis::start();
+    let mut env = TestEnv::new().with_redis(&format!("rediss://127.0.0.1:{}", tls.port));
+    env.auth = false;
+    // The CA is trusted the way operators add theirs: the system's store
+    // or SSL_CERT_FILE.
+    env.extra_env.push((
+        "SSL_CERT_FILE".into(),
+        tls.ca().to_string_lossy().into_owned(),
+    ));
+    let server = ServeProcess::start(&env).await;
+    let client = reqwest::Client::new();
+    let ready: Value = client
+        .get(format!("http://127.0.0.1:{}/readyz", server.port))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ready["mode"], "pool", "{ready}");
+    for expected in 1..=3 {
+        let response = client
+            .post(format!("http://127.0.0.1:{}/ids", server.port))
+            .json(&serde_json::json!({"project": "TLS", "type": "A"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["seqs"][0], expected);
+    }
+    assert_eq!(
+        tls.keys(&format!("{}:{{TLS:A:}}:pool", env.prefix)).len(),
+        1,
+        "the pool lives on the TLS server"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -53,6 +53,8 @@ pub struct TestEnv {
     /// Requests per second per key: high, so load tests are not throttled.
     pub rate_limit: u32,
     pub redis_start_wait_ms: u64,
+    /// More environment for `ServeProcess` (after the settings above).
+    pub extra_env: Vec<(String, String)>,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -85,6 +87,7 @@ impl TestEnv {
             auth: true,
             rate_limit: 1_000_000,
             redis_start_wait_ms: 5000,
+            extra_env: Vec::new(),
         }
     }
 
@@ -141,6 +144,7 @@ impl TestEnv {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
+        .chain(self.extra_env.iter().cloned())
         .collect()
     }
 

@@ -297,6 +297,127 @@ impl RedisSentinel {
     }
 }
 
+/// A redis-server speaking only TLS, with a certificate of a CA made for it.
+pub struct TlsRedis {
+    pub port: u16,
+    _node: RedisNode,
+    dir: tempfile::TempDir,
+}
+
+impl TlsRedis {
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let openssl = |args: &[&str]| {
+            let output = Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .output()
+                .expect("openssl");
+            assert!(
+                output.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        };
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=idpool test CA",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]);
+        std::fs::write(
+            dir.path().join("san"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+        )
+        .expect("san");
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san",
+        ]);
+        let port = free_port();
+        let file = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+        let (cert, key, ca) = (file("server.crt"), file("server.key"), file("ca.crt"));
+        let tls_port = port.to_string();
+        // The later --port 0 turns the plain port off.
+        let node = RedisNode::start(
+            dir.path(),
+            port,
+            &[
+                "--port",
+                "0",
+                "--tls-port",
+                &tls_port,
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &ca,
+                "--tls-auth-clients",
+                "no",
+            ],
+        );
+        Self {
+            port,
+            _node: node,
+            dir,
+        }
+    }
+
+    /// The CA certificate clients must trust.
+    pub fn ca(&self) -> PathBuf {
+        self.dir.path().join("ca.crt")
+    }
+
+    /// Keys matching `pattern`, read over TLS.
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let output = Command::new("redis-cli")
+            .args(["--tls", "--cacert"])
+            .arg(self.ca())
+            .args(["-p", &self.port.to_string(), "--scan", "--pattern", pattern])
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
 fn pg_bindir() -> PathBuf {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .expect("Postgres server binaries under /usr/lib/postgresql")
