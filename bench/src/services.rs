@@ -387,7 +387,9 @@ impl RedisTopology {
         let replica_dir = topology.dir.path().join("replica");
         std::fs::create_dir_all(&master_dir)?;
         std::fs::create_dir_all(&replica_dir)?;
-        topology.children.push(spawn_redis(master, &master_dir, &[])?);
+        topology
+            .children
+            .push(spawn_redis(master, &master_dir, &[])?);
         topology.children.push(spawn_redis(
             replica,
             &replica_dir,
