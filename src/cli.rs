@@ -112,6 +112,7 @@ pub fn run() -> ExitCode {
         },
         Command::Serve => with_runtime(async move {
             telemetry::init();
+            cli.config.check_urls()?;
             cli.config.check_auth_off_is_local()?;
             if !cli.config.auth.is_on() {
                 tracing::warn!(

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use clap::builder::TypedValueParser;
 use clap::{Args, ValueEnum};
 
 use crate::documents::sink::SinkConfig;
@@ -19,12 +20,14 @@ impl Switch {
     }
 }
 
-#[derive(Debug, Clone, Args)]
+#[derive(Clone, Args)]
 pub struct Config {
     /// Postgres; the database is created if it does not exist.
     #[arg(
         long = "database-url",
         env = "DATABASE_URL",
+        value_name = "DATABASE_URL",
+        hide_env_values = true,
         default_value = "postgres://postgres@127.0.0.1:5432/idpool",
         global = true
     )]
@@ -34,6 +37,8 @@ pub struct Config {
     #[arg(
         long = "redis-url",
         env = "REDIS_URL",
+        value_name = "REDIS_URL",
+        hide_env_values = true,
         default_value = "redis://127.0.0.1:6379",
         global = true
     )]
@@ -44,6 +49,7 @@ pub struct Config {
         long = "idpool-listen",
         visible_alias = "listen",
         env = "IDPOOL_LISTEN",
+        value_name = "IDPOOL_LISTEN",
         default_value = "127.0.0.1:8080",
         global = true
     )]
@@ -53,6 +59,7 @@ pub struct Config {
     #[arg(
         long = "idpool-migrate",
         env = "IDPOOL_MIGRATE",
+        value_name = "IDPOOL_MIGRATE",
         value_enum,
         default_value = "on",
         global = true
@@ -63,6 +70,7 @@ pub struct Config {
     #[arg(
         long = "idpool-redis-prefix",
         env = "IDPOOL_REDIS_PREFIX",
+        value_name = "IDPOOL_REDIS_PREFIX",
         default_value = "idpool",
         global = true
     )]
@@ -72,7 +80,9 @@ pub struct Config {
     #[arg(
         long = "idpool-redis-clients",
         env = "IDPOOL_REDIS_CLIENTS",
+        value_name = "IDPOOL_REDIS_CLIENTS",
         default_value_t = 2,
+        value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize),
         global = true
     )]
     pub redis_clients: usize,
@@ -81,7 +91,9 @@ pub struct Config {
     #[arg(
         long = "idpool-redis-timeout-ms",
         env = "IDPOOL_REDIS_TIMEOUT_MS",
+        value_name = "IDPOOL_REDIS_TIMEOUT_MS",
         default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000),
         global = true
     )]
     pub redis_timeout_ms: u64,
@@ -91,6 +103,7 @@ pub struct Config {
     #[arg(
         long = "idpool-redis-start-wait-ms",
         env = "IDPOOL_REDIS_START_WAIT_MS",
+        value_name = "IDPOOL_REDIS_START_WAIT_MS",
         default_value_t = 5000,
         value_parser = clap::value_parser!(u64).range(0..=600_000),
         global = true
@@ -101,7 +114,9 @@ pub struct Config {
     #[arg(
         long = "idpool-db-pool-size",
         env = "IDPOOL_DB_POOL_SIZE",
+        value_name = "IDPOOL_DB_POOL_SIZE",
         default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(1..=10_000),
         global = true
     )]
     pub db_pool_size: u32,
@@ -110,7 +125,9 @@ pub struct Config {
     #[arg(
         long = "idpool-refill-concurrency",
         env = "IDPOOL_REFILL_CONCURRENCY",
+        value_name = "IDPOOL_REFILL_CONCURRENCY",
         default_value_t = 8,
+        value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
         global = true
     )]
     pub refill_concurrency: usize,
@@ -119,7 +136,9 @@ pub struct Config {
     #[arg(
         long = "idpool-request-timeout-s",
         env = "IDPOOL_REQUEST_TIMEOUT_S",
+        value_name = "IDPOOL_REQUEST_TIMEOUT_S",
         default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=3600),
         global = true
     )]
     pub request_timeout_s: u64,
@@ -129,6 +148,7 @@ pub struct Config {
     #[arg(
         long = "idpool-sink",
         env = "IDPOOL_SINK",
+        value_name = "IDPOOL_SINK",
         default_value = "postgres",
         global = true
     )]
@@ -139,7 +159,9 @@ pub struct Config {
     #[arg(
         long = "idpool-batch-concurrency",
         env = "IDPOOL_BATCH_CONCURRENCY",
+        value_name = "IDPOOL_BATCH_CONCURRENCY",
         default_value_t = 4,
+        value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
         global = true
     )]
     pub batch_concurrency: usize,
@@ -148,6 +170,7 @@ pub struct Config {
     #[arg(
         long = "idpool-outbox-processor",
         env = "IDPOOL_OUTBOX_PROCESSOR",
+        value_name = "IDPOOL_OUTBOX_PROCESSOR",
         value_enum,
         default_value = "on",
         global = true
@@ -158,7 +181,9 @@ pub struct Config {
     #[arg(
         long = "idpool-outbox-poll-ms",
         env = "IDPOOL_OUTBOX_POLL_MS",
+        value_name = "IDPOOL_OUTBOX_POLL_MS",
         default_value_t = 2000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000),
         global = true
     )]
     pub outbox_poll_ms: u64,
@@ -167,7 +192,9 @@ pub struct Config {
     #[arg(
         long = "idpool-outbox-max-retries",
         env = "IDPOOL_OUTBOX_MAX_RETRIES",
+        value_name = "IDPOOL_OUTBOX_MAX_RETRIES",
         default_value_t = 5,
+        value_parser = clap::value_parser!(i32).range(1..=1000),
         global = true
     )]
     pub outbox_max_retries: i32,
@@ -176,7 +203,9 @@ pub struct Config {
     #[arg(
         long = "idpool-outbox-backoff-base-ms",
         env = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
+        value_name = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
         default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(0..=3_600_000),
         global = true
     )]
     pub outbox_backoff_base_ms: u64,
@@ -185,7 +214,9 @@ pub struct Config {
     #[arg(
         long = "idpool-outbox-workers",
         env = "IDPOOL_OUTBOX_WORKERS",
+        value_name = "IDPOOL_OUTBOX_WORKERS",
         default_value_t = 2,
+        value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize),
         global = true
     )]
     pub outbox_workers: usize,
@@ -194,7 +225,9 @@ pub struct Config {
     #[arg(
         long = "idpool-outbox-batch",
         env = "IDPOOL_OUTBOX_BATCH",
+        value_name = "IDPOOL_OUTBOX_BATCH",
         default_value_t = 500,
+        value_parser = clap::value_parser!(i64).range(1..=10_000),
         global = true
     )]
     pub outbox_batch: i64,
@@ -203,7 +236,9 @@ pub struct Config {
     #[arg(
         long = "idpool-webhook-timeout-ms",
         env = "IDPOOL_WEBHOOK_TIMEOUT_MS",
+        value_name = "IDPOOL_WEBHOOK_TIMEOUT_MS",
         default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000),
         global = true
     )]
     pub webhook_timeout_ms: u64,
@@ -211,7 +246,9 @@ pub struct Config {
     #[arg(
         long = "idpool-webhook-concurrency",
         env = "IDPOOL_WEBHOOK_CONCURRENCY",
+        value_name = "IDPOOL_WEBHOOK_CONCURRENCY",
         default_value_t = 16,
+        value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
         global = true
     )]
     pub webhook_concurrency: usize,
@@ -220,6 +257,7 @@ pub struct Config {
     #[arg(
         long = "idpool-reconcile",
         env = "IDPOOL_RECONCILE",
+        value_name = "IDPOOL_RECONCILE",
         value_enum,
         default_value = "on",
         global = true
@@ -230,7 +268,9 @@ pub struct Config {
     #[arg(
         long = "idpool-reconcile-interval-s",
         env = "IDPOOL_RECONCILE_INTERVAL_S",
+        value_name = "IDPOOL_RECONCILE_INTERVAL_S",
         default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(1..=86_400),
         global = true
     )]
     pub reconcile_interval_s: u64,
@@ -240,13 +280,20 @@ pub struct Config {
     #[arg(
         long = "idpool-reconcile-settle-s",
         env = "IDPOOL_RECONCILE_SETTLE_S",
+        value_name = "IDPOOL_RECONCILE_SETTLE_S",
         default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(0..=604_800),
         global = true
     )]
     pub reconcile_settle_s: u64,
 
     /// Name of this instance in block records and logs (default: host-pid).
-    #[arg(long = "idpool-instance-id", env = "IDPOOL_INSTANCE_ID", global = true)]
+    #[arg(
+        long = "idpool-instance-id",
+        env = "IDPOOL_INSTANCE_ID",
+        value_name = "IDPOOL_INSTANCE_ID",
+        global = true
+    )]
     pub instance_id: Option<String>,
 
     /// Seconds a client connection has to send its request headers (and
@@ -254,6 +301,7 @@ pub struct Config {
     #[arg(
         long = "idpool-header-timeout-s",
         env = "IDPOOL_HEADER_TIMEOUT_S",
+        value_name = "IDPOOL_HEADER_TIMEOUT_S",
         default_value_t = 10,
         value_parser = clap::value_parser!(u64).range(1..=3600),
         global = true
@@ -264,6 +312,7 @@ pub struct Config {
     #[arg(
         long = "idpool-max-connections",
         env = "IDPOOL_MAX_CONNECTIONS",
+        value_name = "IDPOOL_MAX_CONNECTIONS",
         default_value_t = 10_000,
         value_parser = clap::value_parser!(u64).range(1..=1_000_000),
         global = true
@@ -274,6 +323,7 @@ pub struct Config {
     #[arg(
         long = "idpool-db-statement-timeout-ms",
         env = "IDPOOL_DB_STATEMENT_TIMEOUT_MS",
+        value_name = "IDPOOL_DB_STATEMENT_TIMEOUT_MS",
         default_value_t = 10_000,
         value_parser = clap::value_parser!(u64).range(1..=3_600_000),
         global = true
@@ -285,6 +335,7 @@ pub struct Config {
     #[arg(
         long = "idpool-db-acquire-timeout-ms",
         env = "IDPOOL_DB_ACQUIRE_TIMEOUT_MS",
+        value_name = "IDPOOL_DB_ACQUIRE_TIMEOUT_MS",
         default_value_t = 2_000,
         value_parser = clap::value_parser!(u64).range(1..=600_000),
         global = true
@@ -295,6 +346,7 @@ pub struct Config {
     #[arg(
         long = "idpool-max-sequences-per-project",
         env = "IDPOOL_MAX_SEQUENCES_PER_PROJECT",
+        value_name = "IDPOOL_MAX_SEQUENCES_PER_PROJECT",
         default_value_t = 1000,
         value_parser = clap::value_parser!(u64).range(1..=1_000_000),
         global = true
@@ -306,6 +358,7 @@ pub struct Config {
     #[arg(
         long = "idpool-auth",
         env = "IDPOOL_AUTH",
+        value_name = "IDPOOL_AUTH",
         value_enum,
         default_value = "on",
         global = true
@@ -316,6 +369,7 @@ pub struct Config {
     #[arg(
         long = "idpool-rate-limit",
         env = "IDPOOL_RATE_LIMIT",
+        value_name = "IDPOOL_RATE_LIMIT",
         default_value_t = 1000,
         value_parser = clap::value_parser!(u32).range(1..),
         global = true
@@ -327,26 +381,70 @@ pub struct Config {
     #[arg(
         long = "idpool-webhook-secret",
         env = "IDPOOL_WEBHOOK_SECRET",
+        value_name = "IDPOOL_WEBHOOK_SECRET",
         hide_env_values = true,
         global = true
     )]
     pub webhook_secret: Option<String>,
 }
 
+/// Without the URLs' credentials or the webhook secret.
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("database_url", &without_credentials(&self.database_url))
+            .field("redis_url", &without_credentials(&self.redis_url))
+            .field("listen", &self.listen)
+            .field("auth", &self.auth)
+            .field(
+                "webhook_secret",
+                &self.webhook_secret.as_ref().map(|_| "<hidden>"),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// `scheme://user:password@host/...` as `scheme://user:***@host/...`.
+pub fn without_credentials(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// A Postgres URL sqlx can connect with. The error names the variable and
+/// never the value (it may hold a password).
+fn check_database_url(url: &str) -> anyhow::Result<()> {
+    let form = "DATABASE_URL must be postgres://[user[:password]@]host[:port]/database[?options]";
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        anyhow::bail!("{form}");
+    }
+    if let Err(e) = url.parse::<sqlx::postgres::PgConnectOptions>() {
+        anyhow::bail!("{form} ({})", e.to_string().replace(url, "<the URL>"));
+    }
+    Ok(())
+}
+
 impl Config {
     pub fn processor_settings(&self) -> crate::documents::processor::ProcessorSettings {
         crate::documents::processor::ProcessorSettings {
-            poll: Duration::from_millis(self.outbox_poll_ms.max(1)),
-            max_retries: self.outbox_max_retries.max(1),
+            poll: Duration::from_millis(self.outbox_poll_ms),
+            max_retries: self.outbox_max_retries,
             backoff_base: Duration::from_millis(self.outbox_backoff_base_ms),
-            batch_size: self.outbox_batch.clamp(1, 10_000),
+            batch_size: self.outbox_batch,
             ..Default::default()
         }
     }
 
     pub fn reconcile_settings(&self) -> crate::gaps::reconcile::ReconcileSettings {
         crate::gaps::reconcile::ReconcileSettings {
-            interval: Duration::from_secs(self.reconcile_interval_s.max(1)),
+            interval: Duration::from_secs(self.reconcile_interval_s),
             settle: Duration::from_secs(
                 self.reconcile_settle_s
                     .max(self.request_timeout().as_secs()),
@@ -356,7 +454,15 @@ impl Config {
     }
 
     pub fn request_timeout(&self) -> Duration {
-        Duration::from_secs(self.request_timeout_s.max(1))
+        Duration::from_secs(self.request_timeout_s)
+    }
+
+    /// Refuses URLs that cannot work, naming the variable and the accepted
+    /// forms (never the value: it may hold a password).
+    pub fn check_urls(&self) -> anyhow::Result<()> {
+        check_database_url(&self.database_url)?;
+        crate::pool::url::parse(&self.redis_url)?;
+        Ok(())
     }
 
     /// Refuses to serve without authentication anywhere but a loopback
@@ -406,5 +512,26 @@ impl Config {
                 .unwrap_or_else(|_| "localhost".into());
             format!("{host}-{}", std::process::id())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_credentials;
+
+    #[test]
+    fn urls_lose_their_password_and_keep_the_rest() {
+        assert_eq!(
+            without_credentials("postgres://app:secret@db:5432/app"),
+            "postgres://app:***@db:5432/app"
+        );
+        assert_eq!(
+            without_credentials("redis://:secret@r:6379"),
+            "redis://:***@r:6379"
+        );
+        assert_eq!(
+            without_credentials("postgres://db/app"),
+            "postgres://db/app"
+        );
     }
 }

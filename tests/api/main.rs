@@ -2,6 +2,7 @@
 
 mod auth;
 mod clients;
+mod config;
 mod documents;
 mod failover;
 mod gaps;
