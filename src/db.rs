@@ -130,7 +130,8 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
         match created {
             Ok(_) => tracing::info!(database = %name, "created database"),
             // Another instance created it first.
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
+            Err(sqlx::Error::Database(e))
+                if e.code().as_deref() == Some(sqlstate::DUPLICATE_DATABASE) => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -165,5 +166,31 @@ pub async fn warn_without_synchronous_standby(db: &PgPool) {
              and numbers taken directly from Postgres meanwhile may be lost. Set a synchronous \
              standby to lose nothing"
         );
+    }
+}
+
+/// The SQLSTATE codes idpool tells apart (Postgres, appendix A).
+pub mod sqlstate {
+    /// Class 22, data exception: a value the database cannot store.
+    pub const DATA_EXCEPTION_CLASS: &str = "22";
+    /// Class 40, transaction rollback (serialization failure, deadlock).
+    pub const TRANSACTION_ROLLBACK_CLASS: &str = "40";
+    /// Class 53, insufficient resources.
+    pub const INSUFFICIENT_RESOURCES_CLASS: &str = "53";
+    /// Class 57, operator intervention (a cancelled statement, a shutdown).
+    pub const OPERATOR_INTERVENTION_CLASS: &str = "57";
+    pub const DEADLOCK_DETECTED: &str = "40P01";
+    /// `lock_timeout` ran out.
+    pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+    /// `statement_timeout` ran out (or the statement was cancelled).
+    pub const QUERY_CANCELED: &str = "57014";
+    pub const DUPLICATE_DATABASE: &str = "42P04";
+
+    /// The SQLSTATE of a database error, if `e` is one.
+    pub fn of(e: &sqlx::Error) -> Option<String> {
+        match e {
+            sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+            _ => None,
+        }
     }
 }

@@ -12,7 +12,7 @@ use crate::documents::{BatchError, DocumentError};
 use crate::idempotency::{ClaimError, KeyError};
 use crate::issuance::IssueError;
 use crate::ledger::LedgerError;
-use crate::sequence::store::{PutError, StoreError};
+use crate::sequence_store::{PutError, StoreError};
 
 /// An RFC 9457 problem document.
 #[derive(Debug, Serialize, ToSchema)]
@@ -237,8 +237,9 @@ pub fn db_error(e: sqlx::Error) -> ApiError {
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_) => ApiError::unavailable(e),
         sqlx::Error::Database(db) => {
+            use crate::db::sqlstate::*;
             let code = db.code().unwrap_or_default();
-            if code.starts_with("22") {
+            if code.starts_with(DATA_EXCEPTION_CLASS) {
                 ApiError::bad_request(
                     "unstorable_value",
                     format!(
@@ -246,10 +247,10 @@ pub fn db_error(e: sqlx::Error) -> ApiError {
                         db.message()
                     ),
                 )
-            } else if code.starts_with("40")
-                || code.starts_with("53")
-                || code.starts_with("57")
-                || code == "55P03"
+            } else if code.starts_with(TRANSACTION_ROLLBACK_CLASS)
+                || code.starts_with(INSUFFICIENT_RESOURCES_CLASS)
+                || code.starts_with(OPERATOR_INTERVENTION_CLASS)
+                || code == LOCK_NOT_AVAILABLE
             {
                 // Serialization failures, deadlocks, resources, timeouts,
                 // lock waits, shutdowns: try again.
