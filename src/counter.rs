@@ -10,22 +10,6 @@ use sqlx::{PgConnection, PgPool};
 use crate::numbers::SeqRange;
 use crate::sequence::{Period, Sequence};
 
-/// Who received numbers: `POST /ids` or `POST /documents`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Via {
-    Ids,
-    Document,
-}
-
-impl Via {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Via::Ids => "ids",
-            Via::Document => "document",
-        }
-    }
-}
-
 /// What a reservation came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reserved<T> {

@@ -8,7 +8,6 @@
 
 use std::time::Duration;
 
-use axum::http::HeaderMap;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool};
@@ -49,18 +48,6 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
     }
 }
 
-/// The `Idempotency-Key` header, if sent.
-pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
-    match headers.get("idempotency-key") {
-        None => Ok(None),
-        Some(value) => {
-            let key = value.to_str().map_err(|_| KeyError::Malformed)?;
-            validate_key(key)?;
-            Ok(Some(key.to_owned()))
-        }
-    }
-}
-
 /// What a request is, for telling a retry from a different request under
 /// the same key: the route and the body with its keys in canonical order.
 pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
@@ -98,7 +85,11 @@ pub enum ClaimError {
 }
 
 fn is_lock_timeout(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("55P03") | Some("40P01")))
+    use crate::db::sqlstate::{DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE};
+    matches!(
+        crate::db::sqlstate::of(e).as_deref(),
+        Some(LOCK_NOT_AVAILABLE | DEADLOCK_DETECTED)
+    )
 }
 
 /// Makes lock waits of this transaction give up after [`WAIT_FOR_TWIN`].

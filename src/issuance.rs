@@ -1,21 +1,18 @@
 //! Issuing numbers to a caller: pool first, the counter for whatever the
 //! pool cannot give, and the ledger before anything leaves.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
 use crate::clock::Clock;
-use crate::counter::{Counter, Reserved, Via};
-use crate::ledger::{self, LedgerError};
+use crate::counter::{Counter, Reserved};
+use crate::ledger::{self, LedgerError, Via};
+use crate::numbers;
 use crate::pipeline::{Demand, Pipeline};
-use crate::pool::{PoolRef, PoolService};
-use crate::sequence::store::{SequenceStore, StoreError};
-use crate::sequence::{
-    IdShape, LayoutRangeError, MAX_ID_LEN, Period, ProjectCode, Sequence, TypeCode,
-};
+use crate::pool::{Placement, PoolRef, PoolService};
+use crate::sequence::{LayoutRangeError, MAX_ID_LEN, ProjectCode, TypeCode};
+use crate::sequence_store::{SequenceStore, StoreError};
 use crate::stats::Stats;
 
 /// Most numbers one request may take (SPEC).
@@ -57,16 +54,6 @@ pub enum IssueError {
     Ledger(#[from] LedgerError),
     #[error("counter: {0}")]
     Counter(#[from] sqlx::Error),
-}
-
-/// Where numbers of a sequence issued now come from, and how they read.
-#[derive(Clone)]
-pub struct Placement {
-    pub sequence: Arc<Sequence>,
-    pub period: Period,
-    pub pool: PoolRef,
-    pub shape: IdShape,
-    pub at: DateTime<Utc>,
 }
 
 /// Numbers issued to one caller, ascending.
@@ -215,7 +202,7 @@ impl Issuer {
                         .await?
                 }
             };
-            let accepted = without(pending, &refused);
+            let accepted = numbers::without(pending, &refused);
             issued.extend(accepted);
             if refused.is_empty() {
                 break;
@@ -375,37 +362,4 @@ pub enum Db<'a> {
     Pool(&'a PgPool),
     /// The request's own transaction.
     Transaction(&'a mut PgConnection),
-}
-
-/// `seqs` minus one occurrence per entry of `refused`.
-pub fn without(seqs: Vec<i64>, refused: &[i64]) -> Vec<i64> {
-    if refused.is_empty() {
-        return seqs;
-    }
-    let mut remove: HashMap<i64, usize> = HashMap::new();
-    for seq in refused {
-        *remove.entry(*seq).or_default() += 1;
-    }
-    seqs.into_iter()
-        .filter(|seq| match remove.get_mut(seq) {
-            Some(n) if *n > 0 => {
-                *n -= 1;
-                false
-            }
-            _ => true,
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::without;
-
-    #[test]
-    fn without_removes_one_occurrence_per_refusal() {
-        assert_eq!(without(vec![5, 6, 7], &[6]), vec![5, 7]);
-        assert_eq!(without(vec![5, 5, 6], &[5]), vec![5, 6]);
-        assert_eq!(without(vec![5, 6], &[5, 5, 5]), vec![6]);
-        assert_eq!(without(vec![1, 2], &[]), vec![1, 2]);
-    }
 }

@@ -1,6 +1,8 @@
 //! idpool: tenant-formatted sequential IDs from Redis pools over a Postgres
 //! counter of record.
 
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod batch;
 pub mod cli;
@@ -20,6 +22,7 @@ pub mod numbers;
 pub mod pipeline;
 pub mod pool;
 pub mod sequence;
+pub mod sequence_store;
 pub mod startup;
 pub mod stats;
 pub mod supervise;

@@ -1,35 +1,32 @@
-//! Postgres notifications every instance acts on: definitions changed
-//! elsewhere, and new outbox rows to deliver.
+//! Postgres notifications every instance acts on. Each owner of a cache or
+//! a wake-up subscribes to its own channel; this module knows channels and
+//! payloads, not what they mean.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::KeyStore;
-use crate::auth::keys::REVOKED_CHANNEL;
-use crate::sequence::store::{CHANGED_CHANNEL, SequenceStore};
-
-/// Channel the outbox trigger notifies on insert.
-pub const OUTBOX_CHANNEL: &str = "idpool_outbox";
-
-/// What acts on notifications.
-#[derive(Clone)]
-pub struct Listeners {
-    pub sequences: Arc<SequenceStore>,
-    pub keys: Arc<KeyStore>,
-    pub outbox_wake: Arc<Notify>,
+/// Acts on the notifications of one channel.
+pub trait Subscriber: Send + Sync {
+    /// The channel the subscriber listens on.
+    fn channel(&self) -> &'static str;
+    /// A notification arrived with `payload`.
+    fn notified(&self, payload: &str);
+    /// The listener (re)connected: what was sent meanwhile was missed.
+    fn missed(&self);
 }
 
-pub async fn run(db: PgPool, listeners: Listeners, stop: CancellationToken) {
-    let Listeners {
-        sequences,
-        keys,
-        outbox_wake,
-    } = listeners;
+pub type Subscribers = Vec<Arc<dyn Subscriber>>;
+
+pub async fn run(db: PgPool, subscribers: Subscribers, stop: CancellationToken) {
+    let by_channel: HashMap<&'static str, Arc<dyn Subscriber>> = subscribers
+        .iter()
+        .map(|s| (s.channel(), s.clone()))
+        .collect();
     loop {
         let mut listener = match PgListener::connect_with(&db).await {
             Ok(listener) => listener,
@@ -41,26 +38,22 @@ pub async fn run(db: PgPool, listeners: Listeners, stop: CancellationToken) {
                 }
             }
         };
-        if let Err(e) = listener
-            .listen_all([CHANGED_CHANNEL, OUTBOX_CHANNEL, REVOKED_CHANNEL])
-            .await
-        {
+        if let Err(e) = listener.listen_all(by_channel.keys().copied()).await {
             tracing::warn!(error = %e, "LISTEN failed; retrying");
             continue;
         }
-        // What happened while we were not listening was missed.
-        sequences.evict_all();
-        keys.forget_all();
-        outbox_wake.notify_one();
+        for subscriber in &subscribers {
+            subscriber.missed();
+        }
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 received = listener.try_recv() => match received {
-                    Ok(Some(notification)) => match notification.channel() {
-                        OUTBOX_CHANNEL => outbox_wake.notify_one(),
-                        REVOKED_CHANNEL => keys.forget(notification.payload()),
-                        _ => sequences.evict(notification.payload()),
-                    },
+                    Ok(Some(notification)) => {
+                        if let Some(subscriber) = by_channel.get(notification.channel()) {
+                            subscriber.notified(notification.payload());
+                        }
+                    }
                     // The connection dropped: listen again on a new one.
                     Ok(None) => break,
                     Err(e) => {

@@ -1,7 +1,6 @@
 //! Ranges of sequence numbers, half-open like Postgres' `int8range`.
 
-use sqlx::postgres::types::PgRange;
-use std::ops::Bound;
+use std::collections::HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SeqRange {
@@ -40,19 +39,11 @@ impl SeqRange {
         self.start..self.end
     }
 
-    /// Reads a canonical (`[)`) Postgres int8range.
-    pub fn from_pg(range: &PgRange<i64>) -> Option<Self> {
-        match (range.start, range.end) {
-            (Bound::Included(s), Bound::Excluded(e)) if s < e => Some(Self::new(s, e)),
-            _ => None,
-        }
-    }
-
-    pub fn to_pg(self) -> PgRange<i64> {
-        PgRange {
-            start: Bound::Included(self.start),
-            end: Bound::Excluded(self.end),
-        }
+    /// The numbers both ranges hold, if any.
+    pub fn intersect(self, other: SeqRange) -> Option<SeqRange> {
+        let start = self.start.max(other.start);
+        let end = self.end.min(other.end);
+        (start < end).then(|| SeqRange::new(start, end))
     }
 }
 
@@ -89,6 +80,26 @@ pub fn subtract(whole: SeqRange, taken: &[SeqRange]) -> Vec<SeqRange> {
         out.push(SeqRange::new(cursor, whole.end));
     }
     out
+}
+
+/// `seqs` minus one occurrence per entry of `refused`.
+pub fn without(seqs: Vec<i64>, refused: &[i64]) -> Vec<i64> {
+    if refused.is_empty() {
+        return seqs;
+    }
+    let mut remove: HashMap<i64, usize> = HashMap::new();
+    for seq in refused {
+        *remove.entry(*seq).or_default() += 1;
+    }
+    seqs.into_iter()
+        .filter(|seq| match remove.get_mut(seq) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                false
+            }
+            _ => true,
+        })
+        .collect()
 }
 
 /// Integers as JSON Schema counts them: `5` and `5.0` are the same
@@ -148,6 +159,24 @@ mod tests {
         assert!(serde_json::from_str::<T>(r#"{"n": "3"}"#).is_err());
         let t: T = serde_json::from_str(r#"{"n": -3}"#).unwrap();
         assert_eq!((t.n, t.m), (-3, None));
+    }
+
+    #[test]
+    fn without_removes_one_occurrence_per_refusal() {
+        assert_eq!(without(vec![5, 6, 7], &[6]), vec![5, 7]);
+        assert_eq!(without(vec![5, 5, 6], &[5]), vec![5, 6]);
+        assert_eq!(without(vec![5, 6], &[5, 5, 5]), vec![6]);
+        assert_eq!(without(vec![1, 2], &[]), vec![1, 2]);
+    }
+
+    #[test]
+    fn intersect_is_what_both_hold() {
+        let a = SeqRange::new(1, 10);
+        assert_eq!(
+            a.intersect(SeqRange::new(5, 20)),
+            Some(SeqRange::new(5, 10))
+        );
+        assert_eq!(a.intersect(SeqRange::new(10, 20)), None);
     }
 
     #[test]

@@ -24,18 +24,21 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 use crate::batch::Batcher;
-use crate::counter::Via;
-use crate::documents::DocumentInput;
-use crate::documents::outbox::OutboxRow;
-use crate::issuance::Placement;
-use crate::ledger::{self, LedgerError, LedgerWrite, Recorded};
-use crate::pool::{PoolKeys, PoolService};
+use crate::ledger::outbox::{Attachment, OutboxRow};
+use crate::ledger::{self, LedgerError, LedgerWrite, Recorded, Via};
+use crate::numbers::without;
+use crate::pool::{Placement, PoolKeys, PoolService};
 use crate::stats::Stats;
 
 /// What a request wants from a batch.
 pub enum Demand {
-    Ids { count: usize },
-    Document { input: Arc<DocumentInput> },
+    Ids {
+        count: usize,
+    },
+    /// One number, carrying a document's outbox row.
+    Document {
+        attachment: Arc<Attachment>,
+    },
 }
 
 impl Demand {
@@ -214,9 +217,9 @@ impl Writer {
                 let placement = &job.placement;
                 let (via, documents) = match &job.demand {
                     Demand::Ids { .. } => (Via::Ids, Vec::new()),
-                    Demand::Document { input } => (
+                    Demand::Document { attachment } => (
                         Via::Document,
-                        vec![crate::documents::outbox_row(placement, input, seqs[0])],
+                        vec![attachment.row(&placement.shape, seqs[0])],
                     ),
                 };
                 LedgerWrite {
@@ -283,7 +286,7 @@ fn answer(
                 Some((row, created_at))
             });
             Served {
-                issued: crate::issuance::without(popped.seqs, &recorded.refused),
+                issued: without(popped.seqs, &recorded.refused),
                 refused: recorded.refused,
                 document,
             }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
-use super::pattern::Pattern;
-use super::{
+use crate::sequence::pattern::Pattern;
+use crate::sequence::{
     CounterFloor, DEFAULT_FORMAT, Definition, DefinitionError, Layout, ProjectCode, Reset,
     Sequence, Template, TypeCode,
 };
@@ -670,5 +670,20 @@ fn layout_name(d: &Definition) -> &'static str {
     match d.layout {
         Layout::Text => "text",
         Layout::Int64 { .. } => "int64",
+    }
+}
+
+/// Definitions changed by another instance are read again.
+impl crate::listen::Subscriber for SequenceStore {
+    fn channel(&self) -> &'static str {
+        CHANGED_CHANNEL
+    }
+
+    fn notified(&self, payload: &str) {
+        self.evict(payload);
+    }
+
+    fn missed(&self) {
+        self.evict_all();
     }
 }

@@ -15,14 +15,14 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::counter::Counter;
 use crate::documents::Documents;
-use crate::documents::processor::Processor;
+use crate::documents::processor::{OutboxWake, Processor};
 use crate::documents::sink::{Sink, SinkSettings};
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
-use crate::sequence::store::SequenceStore;
+use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
 use crate::supervise::Supervisor;
 use crate::{db, http, idempotency, listen};
@@ -149,14 +149,14 @@ impl Application {
             });
         }
         {
-            let listeners = listen::Listeners {
-                sequences: sequences.clone(),
-                keys: keys.clone(),
-                outbox_wake: outbox_wake.clone(),
-            };
+            let subscribers: listen::Subscribers = vec![
+                sequences.clone(),
+                keys.clone(),
+                Arc::new(OutboxWake(outbox_wake.clone())),
+            ];
             let (db, stop) = (db.clone(), stop.clone());
             supervisor.spawn("notifications", move || {
-                listen::run(db.clone(), listeners.clone(), stop.clone())
+                listen::run(db.clone(), subscribers.clone(), stop.clone())
             });
         }
         {
@@ -195,7 +195,7 @@ impl Application {
             ));
             // Several loops, so delivery can use more than one core of
             // Postgres; SKIP LOCKED keeps them off each other's rows.
-            for _ in 0..config.outbox_workers.max(1) {
+            for _ in 0..config.outbox_workers {
                 let (processor, stop) = (processor.clone(), stop.clone());
                 supervisor.spawn("outbox processor", move || {
                     processor.clone().run(stop.clone())

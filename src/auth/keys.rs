@@ -340,6 +340,21 @@ impl KeyStore {
     }
 }
 
+/// Keys revoked by another instance leave this one's cache at once.
+impl crate::listen::Subscriber for KeyStore {
+    fn channel(&self) -> &'static str {
+        REVOKED_CHANNEL
+    }
+
+    fn notified(&self, payload: &str) {
+        self.forget(payload);
+    }
+
+    fn missed(&self) {
+        self.forget_all();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,12 +14,13 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 use utoipa::ToSchema;
 
-use crate::counter::Via;
-use crate::issuance::{Db, IssueError, Issuer, Placement, without};
-use crate::ledger::{self, LedgerError};
+use crate::issuance::{Db, IssueError, Issuer};
+use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
+use crate::ledger::{self, LedgerError, Via};
+use crate::numbers::without;
 use crate::pipeline::Demand;
+use crate::pool::Placement;
 use crate::sequence::{Layout, ProjectCode, TypeCode};
-use outbox::{DocumentStatus, OutboxRow};
 
 /// Largest `metadata` object (SPEC).
 pub const MAX_METADATA_BYTES: usize = 256 * 1024;
@@ -35,6 +36,17 @@ pub struct DocumentInput {
     pub metadata: String,
     /// An ID from `POST /ids` to attach instead of taking a new number.
     pub id: Option<String>,
+}
+
+impl DocumentInput {
+    /// What the document's outbox row carries besides its number.
+    pub fn attachment(&self) -> Attachment {
+        Attachment {
+            project: self.project.to_string(),
+            doc_type: self.doc_type.to_string(),
+            payload: self.metadata.clone(),
+        }
+    }
 }
 
 /// The answer to an accepted document (202).
@@ -111,17 +123,6 @@ pub struct Documents {
 /// The placement of each (project, type) of a batch.
 pub type Placements = HashMap<(String, String), Arc<Placement>>;
 
-pub fn outbox_row(placement: &Placement, input: &DocumentInput, seq: i64) -> OutboxRow {
-    OutboxRow {
-        seq,
-        document_id: placement.shape.id(seq),
-        project: input.project.to_string(),
-        doc_type: input.doc_type.to_string(),
-        seq_number: placement.shape.number(seq),
-        payload: input.metadata.clone(),
-    }
-}
-
 fn accepted(row: &OutboxRow, created_at: DateTime<Utc>) -> AcceptedDocument {
     AcceptedDocument {
         id: row.document_id.clone(),
@@ -143,12 +144,13 @@ impl Documents {
     ) -> Result<AcceptedDocument, DocumentError> {
         let issuer = &self.issuer;
         let placement = issuer.place(&input.project, &input.doc_type).await?;
+        let attachment = Arc::new(input.attachment());
         let served = issuer
             .pipeline
             .submit(
                 placement.clone(),
                 Demand::Document {
-                    input: input.clone(),
+                    attachment: attachment.clone(),
                 },
             )
             .await?;
@@ -160,7 +162,7 @@ impl Documents {
         // unrecorded.
         let issuer = issuer.clone();
         let refused = served.refused.len();
-        tokio::spawn(async move { accept_slowly(&issuer, &placement, &input, refused).await })
+        tokio::spawn(async move { accept_slowly(&issuer, &placement, &attachment, refused).await })
             .await
             .map_err(|e| DocumentError::Issue(IssueError::Ledger(LedgerError::Db(e.to_string()))))?
     }
@@ -248,7 +250,7 @@ impl Documents {
                             rows[index] = Some((
                                 sequence_id,
                                 period.to_owned(),
-                                outbox_row(placement, &inputs[index], seq),
+                                inputs[index].attachment().row(&placement.shape, seq),
                             ));
                         }
                         None => still_waiting.push(index),
@@ -262,7 +264,11 @@ impl Documents {
         }
 
         let rows: Vec<(i64, String, OutboxRow)> = rows.into_iter().flatten().collect();
-        if let Some(index) = first_taken_id(conn, &rows)
+        let ids: Vec<&str> = rows
+            .iter()
+            .map(|(_, _, r)| r.document_id.as_str())
+            .collect();
+        if let Some(index) = outbox::first_taken(conn, &ids)
             .await
             .map_err(BatchError::whole)?
         {
@@ -272,7 +278,7 @@ impl Documents {
         }
         let refs: Vec<(i64, &str, &OutboxRow)> =
             rows.iter().map(|(s, p, r)| (*s, p.as_str(), r)).collect();
-        let created = outbox::insert(conn, &refs).await.map_err(|e| {
+        let created = ledger::outbox::insert(conn, &refs).await.map_err(|e| {
             let e: LedgerError = e.into();
             BatchError::whole(e)
         })?;
@@ -289,7 +295,7 @@ impl Documents {
 async fn accept_slowly(
     issuer: &Issuer,
     placement: &Arc<Placement>,
-    input: &Arc<DocumentInput>,
+    attachment: &Arc<Attachment>,
     refused: usize,
 ) -> Result<AcceptedDocument, DocumentError> {
     if refused > 0 {
@@ -300,7 +306,7 @@ async fn accept_slowly(
             .obtain(&placement.pool, 1, Db::Pool(&issuer.db))
             .await?;
         let demand = Demand::Document {
-            input: input.clone(),
+            attachment: attachment.clone(),
         };
         let served = issuer
             .pipeline
@@ -313,23 +319,6 @@ async fn accept_slowly(
             .refused(&placement.pool, served.refused.len().max(1))
             .await;
     }
-}
-
-/// The first row whose document ID another document already has.
-async fn first_taken_id(
-    conn: &mut PgConnection,
-    rows: &[(i64, String, OutboxRow)],
-) -> Result<Option<usize>, sqlx::Error> {
-    let ids: Vec<&str> = rows
-        .iter()
-        .map(|(_, _, r)| r.document_id.as_str())
-        .collect();
-    let taken: Vec<String> =
-        sqlx::query_scalar("SELECT document_id FROM id_outbox WHERE document_id = ANY($1)")
-            .bind(&ids)
-            .fetch_all(&mut *conn)
-            .await?;
-    Ok(ids.iter().position(|id| taken.iter().any(|t| t == id)))
 }
 
 /// Checks that `id` was issued by `POST /ids` for this sequence and carries
@@ -356,14 +345,7 @@ async fn attachable(
         Layout::Int64 { .. } => id.parse::<i64>().ok().map(|n| n & 0xFFFF_FFFF),
     };
     if let Some(seq) = candidate {
-        let issued: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
-            "SELECT period, issued_at FROM issuance_ledger \
-             WHERE sequence_id = $1 AND seqs @> $2::bigint AND via = 'ids'",
-        )
-        .bind(sequence.id)
-        .bind(seq)
-        .fetch_all(&mut *conn)
-        .await?;
+        let issued = ledger::issued_via_ids(conn, sequence.id, seq).await?;
         for (period_key, issued_at) in issued {
             let Some(period) = definition
                 .reset
@@ -382,14 +364,7 @@ async fn attachable(
             if shape.id(seq) != id {
                 continue;
             }
-            let attached: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1 AND period = $2 AND seq = $3)",
-            )
-            .bind(sequence.id)
-            .bind(&period_key)
-            .bind(seq)
-            .fetch_one(&mut *conn)
-            .await?;
+            let attached = outbox::carries_document(conn, sequence.id, &period_key, seq).await?;
             if attached {
                 return Err(not_attachable("it carries a document already"));
             }

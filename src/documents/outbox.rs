@@ -1,82 +1,41 @@
-//! SQL of the outbox (`id_outbox`).
+//! SQL of the outbox (`id_outbox`) after a document's row is written:
+//! reading, listing, retrying, abandoning.
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
+
+pub use crate::ledger::outbox::DocumentStatus;
 use utoipa::ToSchema;
 
-/// A document's outbox row as written with its number.
-#[derive(Debug, Clone)]
-pub struct OutboxRow {
-    pub seq: i64,
-    pub document_id: String,
-    pub project: String,
-    pub doc_type: String,
-    pub seq_number: i64,
-    /// The metadata, as the client sent it (a JSON object).
-    pub payload: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema, sqlx::Type)]
-#[serde(rename_all = "snake_case")]
-#[sqlx(type_name = "text", rename_all = "snake_case")]
-pub enum DocumentStatus {
-    Pending,
-    Committed,
-    DeadLetter,
-    Abandoned,
-}
-
-impl DocumentStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DocumentStatus::Pending => "pending",
-            DocumentStatus::Committed => "committed",
-            DocumentStatus::DeadLetter => "dead_letter",
-            DocumentStatus::Abandoned => "abandoned",
-        }
-    }
-}
-
-/// Inserts outbox rows `(sequence_id, period, row)`; returns each row's
-/// `created_at`, in the order given.
-pub async fn insert(
+/// The index (in `ids`) of the first document ID another document has.
+pub async fn first_taken(
     conn: &mut PgConnection,
-    rows: &[(i64, &str, &OutboxRow)],
-) -> Result<Vec<DateTime<Utc>>, sqlx::Error> {
-    let document_ids: Vec<&str> = rows
-        .iter()
-        .map(|(_, _, r)| r.document_id.as_str())
-        .collect();
-    let projects: Vec<&str> = rows.iter().map(|(_, _, r)| r.project.as_str()).collect();
-    let types: Vec<&str> = rows.iter().map(|(_, _, r)| r.doc_type.as_str()).collect();
-    let payloads: Vec<&str> = rows.iter().map(|(_, _, r)| r.payload.as_str()).collect();
-    let sequence_ids: Vec<i64> = rows.iter().map(|(s, _, _)| *s).collect();
-    let periods: Vec<&str> = rows.iter().map(|(_, p, _)| *p).collect();
-    let seqs: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq).collect();
-    let numbers: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq_number).collect();
-    let created: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
-        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number) \
-         SELECT d, p, t, j::jsonb, s, pe, n, sn \
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[]) \
-              AS u(d, p, t, j, s, pe, n, sn) \
-         RETURNING document_id, created_at",
+    ids: &[&str],
+) -> Result<Option<usize>, sqlx::Error> {
+    let taken: Vec<String> =
+        sqlx::query_scalar("SELECT document_id FROM id_outbox WHERE document_id = ANY($1)")
+            .bind(ids)
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(ids.iter().position(|id| taken.iter().any(|t| t == id)))
+}
+
+/// Whether number `seq` of the sequence period carries a document.
+pub async fn carries_document(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    period: &str,
+    seq: i64,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1 AND period = $2 AND seq = $3)",
     )
-    .bind(&document_ids)
-    .bind(&projects)
-    .bind(&types)
-    .bind(&payloads)
-    .bind(&sequence_ids)
-    .bind(&periods)
-    .bind(&seqs)
-    .bind(&numbers)
-    .fetch_all(&mut *conn)
-    .await?;
-    let by_id: std::collections::HashMap<String, DateTime<Utc>> = created.into_iter().collect();
-    Ok(document_ids
-        .iter()
-        .map(|id| by_id.get(*id).copied().unwrap_or_else(Utc::now))
-        .collect())
+    .bind(sequence_id)
+    .bind(period)
+    .bind(seq)
+    .fetch_one(&mut *conn)
+    .await
 }
 
 /// One outbox row as operators and clients see it.

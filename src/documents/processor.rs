@@ -40,6 +40,26 @@ impl Default for ProcessorSettings {
     }
 }
 
+/// Channel the outbox trigger notifies on insert.
+pub const OUTBOX_CHANNEL: &str = "idpool_outbox";
+
+/// New outbox rows (here or on another instance) wake a waiting processor.
+pub struct OutboxWake(pub Arc<Notify>);
+
+impl crate::listen::Subscriber for OutboxWake {
+    fn channel(&self) -> &'static str {
+        OUTBOX_CHANNEL
+    }
+
+    fn notified(&self, _payload: &str) {
+        self.0.notify_one();
+    }
+
+    fn missed(&self) {
+        self.0.notify_one();
+    }
+}
+
 /// Shortest idle sleep, so rows held by another processor are not polled in a spin.
 const MIN_IDLE_SLEEP: Duration = Duration::from_millis(20);
 

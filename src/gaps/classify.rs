@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::documents::outbox::DocumentStatus;
+use crate::ledger::outbox::DocumentStatus;
 use crate::numbers::SeqRange;
 
 #[derive(

@@ -21,11 +21,11 @@ use utoipa::ToSchema;
 
 use super::classify::{self, Evidence, Judged, OpenGap, Reason};
 use crate::clock::Clock;
-use crate::documents::outbox::DocumentStatus;
+use crate::ledger::outbox::DocumentStatus;
 use crate::numbers::{SeqRange, runs};
 use crate::pool::{PoolService, RedisLink};
 use crate::sequence::Sequence;
-use crate::sequence::store::SequenceStore;
+use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
 
 /// Advisory lock key: one reconciliation at a time across instances.
@@ -98,7 +98,7 @@ pub enum ReconcileError {
     #[error(transparent)]
     Db(#[from] sqlx::Error),
     #[error(transparent)]
-    Store(#[from] crate::sequence::store::StoreError),
+    Store(#[from] crate::sequence_store::StoreError),
 }
 
 impl Reconciler {

@@ -16,12 +16,13 @@ use utoipa_axum::routes;
 use super::AppState;
 use super::auth::within_scope;
 use super::extract::{Json, Path};
+use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
 use super::ids::parse_codes;
-use super::problem::{ApiError, Problem, db_error, key_reused};
+use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentView};
 use crate::documents::{AcceptedDocument, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES};
-use crate::idempotency::{self, Claimed};
+use crate::idempotency;
 
 /// Largest single-document body: the metadata limit plus room for the rest.
 pub const DOCUMENT_BODY_LIMIT: usize = MAX_METADATA_BYTES + 16 * 1024;
@@ -238,7 +239,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
 pub async fn create_document(
     State(state): State<AppState>,
     caller: Caller,
-    headers: HeaderMap,
+    IdempotencyKey(key): IdempotencyKey,
     Json(body): Json<CreateDocument>,
 ) -> Result<Response, ApiError> {
     let input = document_input(
@@ -248,7 +249,6 @@ pub async fn create_document(
         body.id.as_deref(),
     )?;
     within_scope(&caller, input.project.as_str())?;
-    let key = idempotency::key_from_headers(&headers)?;
     if key.is_none() && input.id.is_none() {
         // The hot path: numbers are popped and recorded inside the shared
         // batch, so a client hanging up cannot leave one half-taken.
@@ -259,65 +259,59 @@ pub async fn create_document(
             false,
         ));
     }
+    let keyed = match key {
+        Some(key) => Some(Keyed {
+            key,
+            fingerprint: fingerprint(&input)?,
+        }),
+        None => None,
+    };
     let caller = idempotency::Caller::key(caller.id());
     // In a task of its own: a client hanging up must not cancel a
     // transaction between taking a number and recording it.
-    tokio::spawn(async move {
-        let inputs = std::slice::from_ref(&input);
-        // Before the transaction: placing may read or create the sequence.
-        let placements = state.documents.place_all(inputs).await?;
-        match key {
-            None => {
-                let mut tx = state.db.begin().await.map_err(db_error)?;
-                let mut documents = state
-                    .documents
-                    .accept_in(&mut tx, inputs, &placements)
-                    .await?;
-                tx.commit().await.map_err(db_error)?;
-                let document = documents
-                    .pop()
-                    .ok_or_else(|| ApiError::internal("no document accepted"))?;
-                Ok(accepted_response(
-                    StatusCode::ACCEPTED,
-                    to_value(&document)?,
-                    false,
-                ))
-            }
-            Some(key) => {
-                let hash = fingerprint(&input)?;
-                let mut tx = state.db.begin().await.map_err(db_error)?;
-                idempotency::wait_for_twins_briefly(&mut tx)
-                    .await
-                    .map_err(db_error)?;
-                let claimed = idempotency::claim(&mut tx, &caller, &[(key.clone(), hash)]).await?;
-                match claimed.into_iter().next() {
-                    Some(Claimed::Replay(stored)) => Ok(accepted_response(
-                        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::ACCEPTED),
-                        stored.response,
-                        true,
-                    )),
-                    Some(Claimed::Mismatch) => Err(key_reused()),
-                    Some(Claimed::New) | None => {
-                        let mut documents = state
-                            .documents
-                            .accept_in(&mut tx, inputs, &placements)
-                            .await?;
-                        let document = documents
-                            .pop()
-                            .ok_or_else(|| ApiError::internal("no document accepted"))?;
-                        let body = to_value(&document)?;
-                        idempotency::store(&mut tx, &caller, &[(key.as_str(), 202, body.clone())])
-                            .await
-                            .map_err(db_error)?;
-                        tx.commit().await.map_err(db_error)?;
-                        Ok(accepted_response(StatusCode::ACCEPTED, body, false))
-                    }
-                }
-            }
-        }
+    let answer = tokio::spawn(async move {
+        accept_keyed(&state, &caller, vec![input], vec![keyed], false).await
     })
     .await
-    .map_err(ApiError::internal)?
+    .map_err(ApiError::internal)??
+    .pop()
+    .ok_or_else(|| ApiError::internal("no document accepted"))?;
+    Ok(accepted_response(
+        StatusCode::ACCEPTED,
+        answer.body,
+        answer.replayed,
+    ))
+}
+
+/// Accepts documents in one transaction under their keys (the attach and
+/// keyed paths, and batches).
+async fn accept_keyed(
+    state: &AppState,
+    caller: &idempotency::Caller,
+    inputs: Vec<DocumentInput>,
+    keys: Vec<Option<Keyed>>,
+    itemized: bool,
+) -> Result<Vec<Answer>, ApiError> {
+    // Before the transaction: placing may read or create the sequence.
+    // A single document's problem names no item.
+    let item = |index: Option<usize>| index.filter(|_| itemized);
+    let placements = state.documents.place_all(&inputs).await.map_err(|mut e| {
+        e.index = item(e.index);
+        ApiError::from(e)
+    })?;
+    let documents = &state.documents;
+    idempotent::run(state, caller, &keys, 202, itemized, async |tx, fresh| {
+        let fresh_inputs: Vec<DocumentInput> = fresh.iter().map(|i| inputs[*i].clone()).collect();
+        let accepted = documents
+            .accept_in(tx, &fresh_inputs, &placements)
+            .await
+            .map_err(|mut e| {
+                e.index = item(e.index.map(|i| fresh[i]));
+                ApiError::from(e)
+            })?;
+        accepted.iter().map(to_value).collect()
+    })
+    .await
 }
 
 /// Accept a document (short path of `POST /api/v1/documents`).
@@ -347,10 +341,10 @@ pub async fn create_document(
 pub async fn create_document_short(
     state: State<AppState>,
     caller: Caller,
-    headers: HeaderMap,
+    key: IdempotencyKey,
     body: Json<CreateDocument>,
 ) -> Result<Response, ApiError> {
-    create_document(state, caller, headers, body).await
+    create_document(state, caller, key, body).await
 }
 
 fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
@@ -400,7 +394,7 @@ pub async fn create_batch(
         ));
     }
     let mut inputs = Vec::with_capacity(count);
-    let mut keys: Vec<Option<(String, Vec<u8>)>> = Vec::with_capacity(count);
+    let mut keys: Vec<Option<Keyed>> = Vec::with_capacity(count);
     for (index, item) in body.documents.iter().enumerate() {
         let input = document_input(
             &item.project,
@@ -414,10 +408,10 @@ pub async fn create_batch(
             None => None,
             Some(key) => {
                 idempotency::validate_key(key).map_err(|e| ApiError::from(e).at_index(index))?;
-                Some((
-                    key.clone(),
-                    fingerprint(&input).map_err(|e| e.at_index(index))?,
-                ))
+                Some(Keyed {
+                    key: key.clone(),
+                    fingerprint: fingerprint(&input).map_err(|e| e.at_index(index))?,
+                })
             }
         };
         inputs.push(input);
@@ -425,15 +419,22 @@ pub async fn create_batch(
     }
     drop(body);
     let caller = idempotency::Caller::key(caller.id());
-    tokio::spawn(async move { accept_batch(state, caller, inputs, keys).await })
-        .await
-        .map_err(ApiError::internal)?
-        .map(|documents| {
-            (
-                StatusCode::ACCEPTED,
-                axum::Json(BatchAccepted { documents }),
-            )
+    let answers =
+        tokio::spawn(async move { accept_keyed(&state, &caller, inputs, keys, true).await })
+            .await
+            .map_err(ApiError::internal)??;
+    let documents = answers
+        .into_iter()
+        .map(|Answer { body, replayed }| {
+            let document: AcceptedDocument =
+                serde_json::from_value(body).map_err(ApiError::internal)?;
+            Ok(BatchResult { document, replayed })
         })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok((
+        StatusCode::ACCEPTED,
+        axum::Json(BatchAccepted { documents }),
+    ))
 }
 
 /// A turn to work on a document batch. Taken before the body is read (an
@@ -456,118 +457,6 @@ impl axum::extract::FromRequestParts<AppState> for BatchTurn {
             .map(BatchTurn)
             .map_err(ApiError::internal)
     }
-}
-
-/// What becomes of each batch item.
-enum Fate {
-    Accept,
-    Replay(Value),
-    /// The same key and document as an earlier item: the same result.
-    Mirror(usize),
-}
-
-async fn accept_batch(
-    state: AppState,
-    caller: idempotency::Caller,
-    inputs: Vec<DocumentInput>,
-    keys: Vec<Option<(String, Vec<u8>)>>,
-) -> Result<Vec<BatchResult>, ApiError> {
-    let mut fates: Vec<Fate> = Vec::with_capacity(inputs.len());
-    let mut first_with_key: std::collections::HashMap<&str, usize> =
-        std::collections::HashMap::new();
-    let mut to_claim: Vec<(String, Vec<u8>)> = Vec::new();
-    let mut claim_owner: Vec<usize> = Vec::new();
-    for (index, key) in keys.iter().enumerate() {
-        let fate = match key {
-            None => Fate::Accept,
-            Some((name, hash)) => match first_with_key.get(name.as_str()) {
-                Some(&first) if keys[first].as_ref().map(|k| &k.1) == Some(hash) => {
-                    Fate::Mirror(first)
-                }
-                Some(_) => return Err(key_reused().at_index(index)),
-                None => {
-                    first_with_key.insert(name, index);
-                    to_claim.push((name.clone(), hash.clone()));
-                    claim_owner.push(index);
-                    Fate::Accept
-                }
-            },
-        };
-        fates.push(fate);
-    }
-
-    let placements = state
-        .documents
-        .place_all(&inputs)
-        .await
-        .map_err(ApiError::from)?;
-    let mut tx = state.db.begin().await.map_err(db_error)?;
-    if !to_claim.is_empty() {
-        idempotency::wait_for_twins_briefly(&mut tx)
-            .await
-            .map_err(db_error)?;
-        let claims = idempotency::claim(&mut tx, &caller, &to_claim).await?;
-        for (claimed, index) in claims.into_iter().zip(&claim_owner) {
-            match claimed {
-                Claimed::New => {}
-                Claimed::Replay(stored) => fates[*index] = Fate::Replay(stored.response),
-                Claimed::Mismatch => return Err(key_reused().at_index(*index)),
-            }
-        }
-    }
-    let fresh: Vec<usize> = (0..inputs.len())
-        .filter(|i| matches!(fates[*i], Fate::Accept))
-        .collect();
-    let fresh_inputs: Vec<DocumentInput> = fresh.iter().map(|i| inputs[*i].clone()).collect();
-    let accepted = if fresh_inputs.is_empty() {
-        Vec::new()
-    } else {
-        state
-            .documents
-            .accept_in(&mut tx, &fresh_inputs, &placements)
-            .await
-            .map_err(|mut e| {
-                e.index = e.index.map(|i| fresh[i]);
-                ApiError::from(e)
-            })?
-    };
-    let mut results: Vec<Option<(Value, bool)>> = vec![None; inputs.len()];
-    for (index, document) in fresh.iter().zip(&accepted) {
-        results[*index] = Some((
-            serde_json::to_value(document).map_err(ApiError::internal)?,
-            false,
-        ));
-    }
-    let answers: Vec<(&str, u16, Value)> = fresh
-        .iter()
-        .filter_map(|i| {
-            let (key, _) = keys[*i].as_ref()?;
-            let (body, _) = results[*i].as_ref()?;
-            Some((key.as_str(), 202, body.clone()))
-        })
-        .collect();
-    idempotency::store(&mut tx, &caller, &answers)
-        .await
-        .map_err(db_error)?;
-    tx.commit().await.map_err(db_error)?;
-
-    for index in 0..inputs.len() {
-        match &fates[index] {
-            Fate::Replay(response) => results[index] = Some((response.clone(), true)),
-            Fate::Mirror(first) => results[index] = results[*first].clone(),
-            Fate::Accept => {}
-        }
-    }
-    results
-        .into_iter()
-        .map(|result| {
-            let (body, replayed) =
-                result.ok_or_else(|| ApiError::internal("batch item without a result"))?;
-            let document: AcceptedDocument =
-                serde_json::from_value(body).map_err(ApiError::internal)?;
-            Ok(BatchResult { document, replayed })
-        })
-        .collect()
 }
 
 /// Status of one document.

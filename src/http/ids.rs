@@ -1,7 +1,7 @@
 //! `POST /ids` and `POST /api/v1/ids`.
 
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -11,9 +11,10 @@ use utoipa_axum::routes;
 use super::AppState;
 use super::auth::within_scope;
 use super::extract::Json;
-use super::problem::{ApiError, Problem, db_error, key_reused};
+use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
+use super::problem::{ApiError, Problem};
 use crate::auth::Caller;
-use crate::idempotency::{self, Claimed};
+use crate::idempotency;
 use crate::issuance::{Issued, MAX_COUNT};
 use crate::sequence::{ProjectCode, TypeCode};
 
@@ -134,12 +135,12 @@ impl IdsInput {
 pub async fn issue_ids(
     State(state): State<AppState>,
     caller: Caller,
-    headers: HeaderMap,
+    IdempotencyKey(key): IdempotencyKey,
     Json(body): Json<IssueIdsRequest>,
 ) -> Result<Response, ApiError> {
     let input = IdsInput::parse(&body)?;
     within_scope(&caller, input.project.as_str())?;
-    let Some(key) = idempotency::key_from_headers(&headers)? else {
+    let Some(key) = key else {
         // The hot path: numbers are popped and recorded inside the shared
         // batch, so a client hanging up cannot leave one half-taken.
         let issued = state
@@ -178,40 +179,37 @@ async fn issue_once(
         "type": input.doc_type.as_str(),
         "count": input.count,
     });
-    let hash = idempotency::fingerprint("ids", &canonical);
+    let keyed = Keyed {
+        key,
+        fingerprint: idempotency::fingerprint("ids", &canonical),
+    };
     // Before the transaction: placing may read or create the sequence.
     let placement = state.issuer.place(&input.project, &input.doc_type).await?;
-    let mut tx = state.db.begin().await.map_err(db_error)?;
-    idempotency::wait_for_twins_briefly(&mut tx)
-        .await
-        .map_err(db_error)?;
-    let claimed = idempotency::claim(&mut tx, &caller, &[(key.clone(), hash)]).await?;
-    match claimed.into_iter().next() {
-        Some(Claimed::Replay(stored)) => {
-            let mut response = (
-                StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK),
-                axum::Json(stored.response),
-            )
-                .into_response();
-            response
-                .headers_mut()
-                .insert("idempotent-replayed", HeaderValue::from_static("true"));
-            Ok(response)
-        }
-        Some(Claimed::Mismatch) => Err(key_reused()),
-        Some(Claimed::New) | None => {
-            let issued = state
-                .issuer
-                .issue_in(&mut tx, placement, input.count)
-                .await?;
-            let body = serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?;
-            idempotency::store(&mut tx, &caller, &[(key.as_str(), 200, body.clone())])
-                .await
-                .map_err(db_error)?;
-            tx.commit().await.map_err(db_error)?;
-            Ok(axum::Json(body).into_response())
-        }
+    let issuer = state.issuer.clone();
+    let answers = idempotent::run(
+        &state,
+        &caller,
+        &[Some(keyed)],
+        200,
+        false,
+        async |tx, _| {
+            let issued = issuer.issue_in(tx, placement, input.count).await?;
+            Ok(vec![
+                serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?,
+            ])
+        },
+    )
+    .await?;
+    let Some(Answer { body, replayed }) = answers.into_iter().next() else {
+        return Err(ApiError::internal("no answer"));
+    };
+    let mut response = axum::Json(body).into_response();
+    if replayed {
+        response
+            .headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
+    Ok(response)
 }
 
 /// Issue IDs (short path of `POST /api/v1/ids`).
@@ -240,8 +238,8 @@ async fn issue_once(
 pub async fn issue_ids_short(
     state: State<AppState>,
     caller: Caller,
-    headers: HeaderMap,
+    key: IdempotencyKey,
     body: Json<IssueIdsRequest>,
 ) -> Result<Response, ApiError> {
-    issue_ids(state, caller, headers, body).await
+    issue_ids(state, caller, key, body).await
 }

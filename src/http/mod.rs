@@ -6,6 +6,7 @@ mod documents;
 pub mod extract;
 mod gaps;
 mod health;
+mod idempotent;
 pub mod ids;
 mod outbox;
 pub mod problem;
@@ -37,7 +38,7 @@ use crate::documents::Documents;
 use crate::gaps::reconcile::Reconciler;
 use crate::issuance::Issuer;
 use crate::pool::PoolService;
-use crate::sequence::store::SequenceStore;
+use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
 use problem::ApiError;
 

@@ -8,15 +8,33 @@
 //! The table's exclusion constraint refuses any number issued before; such a
 //! number (a stale pool list) is reported back so the caller takes another.
 
+pub mod outbox;
+
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use crate::counter::Via;
-use crate::documents::outbox::{self, OutboxRow};
+use crate::db::sqlstate;
 use crate::numbers::{SeqRange, runs, subtract};
 use crate::stats::Stats;
+use outbox::OutboxRow;
+
+/// Who received numbers: `POST /ids` or `POST /documents`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Via {
+    Ids,
+    Document,
+}
+
+impl Via {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Via::Ids => "ids",
+            Via::Document => "document",
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -51,19 +69,17 @@ impl From<sqlx::Error> for LedgerError {
             return LedgerError::Db(e.to_string());
         };
         match db.constraint() {
-            Some("id_outbox_document_id_key") => {
-                return LedgerError::DocumentIdTaken;
-            }
-            Some("id_outbox_sequence_id_period_seq_key") => {
-                return LedgerError::AlreadyAttached;
-            }
+            Some(outbox::DOCUMENT_ID_TAKEN) => return LedgerError::DocumentIdTaken,
+            Some(outbox::NUMBER_ATTACHED) => return LedgerError::AlreadyAttached,
             _ => {}
         }
         match db.code().as_deref() {
-            Some(code) if code.starts_with("22") => {
+            Some(code) if code.starts_with(sqlstate::DATA_EXCEPTION_CLASS) => {
                 LedgerError::Unstorable(db.message().to_owned())
             }
-            Some("55P03" | "57014") => LedgerError::Waited(db.message().to_owned()),
+            Some(sqlstate::LOCK_NOT_AVAILABLE | sqlstate::QUERY_CANCELED) => {
+                LedgerError::Waited(db.message().to_owned())
+            }
             _ => LedgerError::Statement(e.to_string()),
         }
     }
@@ -372,7 +388,7 @@ async fn insert_resolving_conflicts(
             refused
                 .entry(row.group)
                 .or_default()
-                .extend(taken.iter().filter_map(|t| intersect(*t, row.range)));
+                .extend(taken.iter().filter_map(|t| t.intersect(row.range)));
             rows.extend(subtract(row.range, &taken).into_iter().map(|range| Row {
                 group: row.group,
                 range,
@@ -380,12 +396,6 @@ async fn insert_resolving_conflicts(
         }
     }
     Ok(refused)
-}
-
-fn intersect(a: SeqRange, b: SeqRange) -> Option<SeqRange> {
-    let start = a.start.max(b.start);
-    let end = a.end.min(b.end);
-    (start < end).then(|| SeqRange::new(start, end))
 }
 
 /// One statement for all rows; returns the rows the constraint refused.
@@ -463,4 +473,22 @@ async fn issued_within(
     .fetch_all(&mut *conn)
     .await?;
     Ok(rows.into_iter().map(|(s, e)| SeqRange::new(s, e)).collect())
+}
+
+/// The periods in which number `seq` of the sequence was issued to
+/// `POST /ids`, with when (an attached ID is checked against each).
+pub async fn issued_via_ids(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    seq: i64,
+) -> Result<Vec<(String, DateTime<Utc>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT period, issued_at FROM issuance_ledger \
+         WHERE sequence_id = $1 AND seqs @> $2::bigint AND via = $3",
+    )
+    .bind(sequence_id)
+    .bind(seq)
+    .bind(Via::Ids.as_str())
+    .fetch_all(&mut *conn)
+    .await
 }

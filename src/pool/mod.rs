@@ -7,6 +7,7 @@
 //! most `refill_concurrency` refills, each holding nothing but two integers:
 //! the numbers themselves are generated inside Redis by the push script.
 
+mod placement;
 mod redis;
 mod scripts;
 pub mod url;
@@ -22,12 +23,13 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use self::placement::Placement;
 pub use self::redis::{PoolKeys, Popped, RedisFailure, RedisLink, RedisSettings};
 use crate::batch::Batcher;
 use crate::counter::{Counter, Reserved};
 use crate::numbers::SeqRange;
-use crate::sequence::store::SequenceStore;
 use crate::sequence::{Period, ProjectCode, Sequence, TypeCode};
+use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
 
 /// One sequence period's pool.
@@ -805,7 +807,7 @@ pub enum ResyncError {
     #[error("postgres: {0}")]
     Postgres(#[from] sqlx::Error),
     #[error(transparent)]
-    Store(#[from] crate::sequence::store::StoreError),
+    Store(#[from] crate::sequence_store::StoreError),
 }
 
 /// Unmarks a pool as refilling when its refill task ends, however it ends.

@@ -4,7 +4,6 @@
 mod name;
 pub mod pattern;
 mod period;
-pub mod store;
 mod template;
 
 use chrono::{DateTime, TimeZone, Utc};

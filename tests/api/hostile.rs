@@ -894,8 +894,8 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
-    use idpool::counter::Via;
-    use idpool::documents::outbox::OutboxRow;
+    use idpool::ledger::Via;
+    use idpool::ledger::outbox::OutboxRow;
     use idpool::ledger::{LedgerWrite, write_shared};
     let app = TestEnv::new().spawn().await;
     app.issue("LG", "1", 1).await;

@@ -1,0 +1,167 @@
+//! The one Idempotency-Key flow every keyed route runs: claim the keys,
+//! replay what was answered before, do the rest of the work, store its
+//! answers, commit — all in one transaction, so a retry gets the same
+//! answer and burns nothing.
+
+use std::collections::HashMap;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use super::AppState;
+use super::problem::{ApiError, db_error, key_reused};
+use crate::idempotency::{self, Caller, Claimed};
+
+/// The `Idempotency-Key` header, validated, if sent.
+pub struct IdempotencyKey(pub Option<String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        let Some(value) = parts.headers.get("idempotency-key") else {
+            return Ok(Self(None));
+        };
+        let key = value
+            .to_str()
+            .map_err(|_| idempotency::KeyError::Malformed)?;
+        idempotency::validate_key(key)?;
+        Ok(Self(Some(key.to_owned())))
+    }
+}
+
+/// An item's key and the fingerprint of what it asks.
+pub struct Keyed {
+    pub key: String,
+    pub fingerprint: Vec<u8>,
+}
+
+/// One item's answer, and whether it repeats an earlier one.
+pub struct Answer {
+    pub body: Value,
+    pub replayed: bool,
+}
+
+/// What becomes of an item.
+enum Fate {
+    Work,
+    Replay(Value),
+    /// The same key and request as an earlier item of this request.
+    Mirror(usize),
+}
+
+/// Runs `work` in one transaction for the items that are not answered
+/// already, and returns every item's answer, in order. `work` gets the
+/// indexes of the items to do and returns their answers in that order;
+/// they are stored under the items' keys (with `status`) in the same
+/// commit. `itemized` names the item at fault in errors (a batch).
+pub async fn run<W>(
+    state: &AppState,
+    caller: &Caller,
+    keys: &[Option<Keyed>],
+    status: u16,
+    itemized: bool,
+    work: W,
+) -> Result<Vec<Answer>, ApiError>
+where
+    W: AsyncFnOnce(&mut PgConnection, &[usize]) -> Result<Vec<Value>, ApiError>,
+{
+    let at = |e: ApiError, index: usize| if itemized { e.at_index(index) } else { e };
+    let (mut fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
+    let mut tx = state.db.begin().await.map_err(db_error)?;
+    if !to_claim.is_empty() {
+        idempotency::wait_for_twins_briefly(&mut tx)
+            .await
+            .map_err(db_error)?;
+        let claims: Vec<(String, Vec<u8>)> = to_claim
+            .iter()
+            .filter_map(|i| keys[*i].as_ref())
+            .map(|k| (k.key.clone(), k.fingerprint.clone()))
+            .collect();
+        let claimed = idempotency::claim(&mut tx, caller, &claims).await?;
+        for (claimed, index) in claimed.into_iter().zip(&to_claim) {
+            match claimed {
+                Claimed::New => {}
+                Claimed::Replay(stored) => fates[*index] = Fate::Replay(stored.response),
+                Claimed::Mismatch => return Err(at(key_reused(), *index)),
+            }
+        }
+    }
+    let fresh: Vec<usize> = (0..keys.len())
+        .filter(|i| matches!(fates[*i], Fate::Work))
+        .collect();
+    let done = if fresh.is_empty() {
+        Vec::new()
+    } else {
+        work(&mut tx, &fresh).await?
+    };
+    let mut answers: Vec<Option<Answer>> = (0..keys.len()).map(|_| None).collect();
+    for (index, body) in fresh.iter().zip(done) {
+        answers[*index] = Some(Answer {
+            body,
+            replayed: false,
+        });
+    }
+    let stored: Vec<(&str, u16, Value)> = fresh
+        .iter()
+        .filter_map(|i| {
+            Some((
+                keys[*i].as_ref()?.key.as_str(),
+                status,
+                answers[*i].as_ref()?.body.clone(),
+            ))
+        })
+        .collect();
+    idempotency::store(&mut tx, caller, &stored)
+        .await
+        .map_err(db_error)?;
+    tx.commit().await.map_err(db_error)?;
+    for (index, fate) in fates.into_iter().enumerate() {
+        answers[index] = match fate {
+            Fate::Work => continue,
+            Fate::Replay(body) => Some(Answer {
+                body,
+                replayed: true,
+            }),
+            Fate::Mirror(first) => answers[first].as_ref().map(|a| Answer {
+                body: a.body.clone(),
+                replayed: a.replayed,
+            }),
+        };
+    }
+    answers
+        .into_iter()
+        .map(|a| a.ok_or_else(|| ApiError::internal("an item without an answer")))
+        .collect()
+}
+
+/// Each item's fate before the claim, and the items whose keys are claimed;
+/// `Err(index)` when an item reuses an earlier item's key for another
+/// request.
+fn fates(keys: &[Option<Keyed>]) -> Result<(Vec<Fate>, Vec<usize>), usize> {
+    let mut first_with_key: HashMap<&str, usize> = HashMap::new();
+    let mut to_claim = Vec::new();
+    let mut fates = Vec::with_capacity(keys.len());
+    for (index, keyed) in keys.iter().enumerate() {
+        let Some(keyed) = keyed else {
+            fates.push(Fate::Work);
+            continue;
+        };
+        match first_with_key.get(keyed.key.as_str()) {
+            Some(&first) => match &keys[first] {
+                Some(earlier) if earlier.fingerprint == keyed.fingerprint => {
+                    fates.push(Fate::Mirror(first))
+                }
+                _ => return Err(index),
+            },
+            None => {
+                first_with_key.insert(&keyed.key, index);
+                to_claim.push(index);
+                fates.push(Fate::Work);
+            }
+        }
+    }
+    Ok((fates, to_claim))
+}

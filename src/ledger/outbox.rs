@@ -1,0 +1,112 @@
+//! The outbox rows that documents write with their numbers, in the same
+//! transaction as the ledger rows (so the ledger never needs to know what
+//! a document is: it writes rows for it).
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+use utoipa::ToSchema;
+
+use crate::sequence::IdShape;
+
+/// The unique constraint of a document ID (migration 0002).
+pub const DOCUMENT_ID_TAKEN: &str = "id_outbox_document_id_key";
+/// The unique constraint of one document per number (migration 0002).
+pub const NUMBER_ATTACHED: &str = "id_outbox_sequence_id_period_seq_key";
+
+/// What a document brings to the row its number will carry.
+#[derive(Debug, Clone)]
+pub struct Attachment {
+    pub project: String,
+    pub doc_type: String,
+    /// The metadata, as the client sent it (a JSON object).
+    pub payload: String,
+}
+
+impl Attachment {
+    /// The row for this attachment on number `seq`, printed as `shape` prints.
+    pub fn row(&self, shape: &IdShape, seq: i64) -> OutboxRow {
+        OutboxRow {
+            seq,
+            document_id: shape.id(seq),
+            project: self.project.clone(),
+            doc_type: self.doc_type.clone(),
+            seq_number: shape.number(seq),
+            payload: self.payload.clone(),
+        }
+    }
+}
+
+/// A document's outbox row as written with its number.
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    pub seq: i64,
+    pub document_id: String,
+    pub project: String,
+    pub doc_type: String,
+    pub seq_number: i64,
+    /// The metadata, as the client sent it (a JSON object).
+    pub payload: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema, sqlx::Type)]
+#[serde(rename_all = "snake_case")]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+pub enum DocumentStatus {
+    Pending,
+    Committed,
+    DeadLetter,
+    Abandoned,
+}
+
+impl DocumentStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DocumentStatus::Pending => "pending",
+            DocumentStatus::Committed => "committed",
+            DocumentStatus::DeadLetter => "dead_letter",
+            DocumentStatus::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// Inserts outbox rows `(sequence_id, period, row)`; returns each row's
+/// `created_at`, in the order given.
+pub async fn insert(
+    conn: &mut PgConnection,
+    rows: &[(i64, &str, &OutboxRow)],
+) -> Result<Vec<DateTime<Utc>>, sqlx::Error> {
+    let document_ids: Vec<&str> = rows
+        .iter()
+        .map(|(_, _, r)| r.document_id.as_str())
+        .collect();
+    let projects: Vec<&str> = rows.iter().map(|(_, _, r)| r.project.as_str()).collect();
+    let types: Vec<&str> = rows.iter().map(|(_, _, r)| r.doc_type.as_str()).collect();
+    let payloads: Vec<&str> = rows.iter().map(|(_, _, r)| r.payload.as_str()).collect();
+    let sequence_ids: Vec<i64> = rows.iter().map(|(s, _, _)| *s).collect();
+    let periods: Vec<&str> = rows.iter().map(|(_, p, _)| *p).collect();
+    let seqs: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq).collect();
+    let numbers: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq_number).collect();
+    let created: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
+        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number) \
+         SELECT d, p, t, j::jsonb, s, pe, n, sn \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[]) \
+              AS u(d, p, t, j, s, pe, n, sn) \
+         RETURNING document_id, created_at",
+    )
+    .bind(&document_ids)
+    .bind(&projects)
+    .bind(&types)
+    .bind(&payloads)
+    .bind(&sequence_ids)
+    .bind(&periods)
+    .bind(&seqs)
+    .bind(&numbers)
+    .fetch_all(&mut *conn)
+    .await?;
+    let by_id: std::collections::HashMap<String, DateTime<Utc>> = created.into_iter().collect();
+    Ok(document_ids
+        .iter()
+        .map(|id| by_id.get(*id).copied().unwrap_or_else(Utc::now))
+        .collect())
+}
