@@ -54,6 +54,10 @@ pub enum IssueError {
     Ledger(#[from] LedgerError),
     #[error("counter: {0}")]
     Counter(#[from] sqlx::Error),
+    /// The task that finished the request in the background panicked or
+    /// was cancelled at shutdown.
+    #[error("the task serving this request stopped: {0}")]
+    Interrupted(#[from] tokio::task::JoinError),
 }
 
 /// Numbers issued to one caller, ascending.
@@ -150,8 +154,7 @@ impl Issuer {
                     .issue_with(&slow, missing, LedgerTarget::Shared)
                     .await
             })
-            .await
-            .map_err(|e| IssueError::Ledger(LedgerError::Db(e.to_string())))??;
+            .await??;
             seqs.extend(more);
             seqs.sort_unstable();
         }
@@ -302,7 +305,9 @@ impl Issuer {
             period = pool.period.key(), refused = how_many,
             "pool handed out numbers that were already issued; discarding the pool"
         );
-        self.pools.invalidate(pool, "stale_list").await;
+        self.pools
+            .invalidate(pool, crate::pool::DiscardCause::StaleList)
+            .await;
     }
 
     pub fn exhausted(&self, pool: &PoolRef, count: usize) -> IssueError {
@@ -329,7 +334,7 @@ impl Issuer {
                     &pool.sequence,
                     pool.period.key(),
                     &ranges,
-                    "give_back_failed",
+                    crate::pool::DiscardCause::GiveBackFailed,
                 )
                 .await;
         }

@@ -164,7 +164,7 @@ impl Documents {
         let refused = served.refused.len();
         tokio::spawn(async move { accept_slowly(&issuer, &placement, &attachment, refused).await })
             .await
-            .map_err(|e| DocumentError::Issue(IssueError::Ledger(LedgerError::Db(e.to_string()))))?
+            .map_err(IssueError::from)?
     }
 
     /// Where each input's number comes from, decided before the caller's

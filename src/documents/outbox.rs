@@ -64,6 +64,7 @@ pub struct DocumentView {
     pub row_id: i64,
 }
 
+// `pending` spelt out: a constant needs a literal (DocumentStatus::Pending).
 const VIEW_COLUMNS: &str = "document_id AS id, tenant_code AS project, entity_type_id AS doc_type, \
      seq_number AS seq, status::text AS status, retry_count, last_error, \
      CASE WHEN status = 'pending' THEN next_retry_at END AS next_retry_at, \
@@ -135,6 +136,40 @@ pub enum TransitionError {
     Db(#[from] sqlx::Error),
 }
 
+/// A status change an operator may ask for.
+struct Transition {
+    action: &'static str,
+    /// The statuses it applies to, as the refusal names them.
+    allowed_text: &'static str,
+    allowed: &'static [DocumentStatus],
+    to: DocumentStatus,
+    /// The other columns it sets.
+    also_set: &'static str,
+}
+
+/// Back to `pending`, retry count reset: for dead letters (and abandoned
+/// documents an operator wants back).
+const RETRY: Transition = Transition {
+    action: "retry",
+    allowed_text: "dead_letter or abandoned documents",
+    allowed: &[DocumentStatus::DeadLetter, DocumentStatus::Abandoned],
+    to: DocumentStatus::Pending,
+    also_set: "retry_count = 0, next_retry_at = now(), processed_at = NULL",
+};
+
+/// Gives up on a document: its number becomes an `abandoned` gap.
+const ABANDON: Transition = Transition {
+    action: "abandon",
+    allowed_text: "pending, dead_letter or abandoned documents",
+    allowed: &[
+        DocumentStatus::Pending,
+        DocumentStatus::DeadLetter,
+        DocumentStatus::Abandoned,
+    ],
+    to: DocumentStatus::Abandoned,
+    also_set: "processed_at = coalesce(processed_at, now())",
+};
+
 /// Back to `pending`, retry count reset: for dead letters (and abandoned
 /// documents an operator wants back).
 pub async fn retry(
@@ -142,16 +177,7 @@ pub async fn retry(
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<DocumentView, TransitionError> {
-    transition(
-        db,
-        document_id,
-        projects,
-        "retry",
-        "dead_letter or abandoned documents",
-        &[DocumentStatus::DeadLetter, DocumentStatus::Abandoned],
-        "status = 'pending', retry_count = 0, next_retry_at = now(), processed_at = NULL",
-    )
-    .await
+    transition(db, document_id, projects, &RETRY).await
 }
 
 /// Gives up on a document: its number becomes an `abandoned` gap.
@@ -160,30 +186,14 @@ pub async fn abandon(
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<DocumentView, TransitionError> {
-    transition(
-        db,
-        document_id,
-        projects,
-        "abandon",
-        "pending, dead_letter or abandoned documents",
-        &[
-            DocumentStatus::Pending,
-            DocumentStatus::DeadLetter,
-            DocumentStatus::Abandoned,
-        ],
-        "status = 'abandoned', processed_at = coalesce(processed_at, now())",
-    )
-    .await
+    transition(db, document_id, projects, &ABANDON).await
 }
 
 async fn transition(
     db: &PgPool,
     document_id: &str,
     projects: Option<&[String]>,
-    action: &'static str,
-    allowed_text: &'static str,
-    allowed: &[DocumentStatus],
-    set: &'static str,
+    change: &Transition,
 ) -> Result<DocumentView, TransitionError> {
     let mut tx = db.begin().await?;
     // Locked, so a processor holding the row finishes first.
@@ -198,17 +208,21 @@ async fn transition(
     let Some(current) = current else {
         return Err(TransitionError::NotFound(document_id.to_owned()));
     };
-    if !allowed.contains(&current) {
+    if !change.allowed.contains(&current) {
         return Err(TransitionError::NotAllowed {
             id: document_id.to_owned(),
             status: current.as_str(),
-            action,
-            allowed: allowed_text,
+            action: change.action,
+            allowed: change.allowed_text,
         });
     }
-    let sql = format!("UPDATE id_outbox SET {set} WHERE document_id = $1 RETURNING {VIEW_COLUMNS}");
+    let also_set = change.also_set;
+    let sql = format!(
+        "UPDATE id_outbox SET status = $2, {also_set} WHERE document_id = $1 RETURNING {VIEW_COLUMNS}"
+    );
     let view: DocumentView = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(document_id)
+        .bind(change.to)
         .fetch_one(&mut *tx)
         .await?;
     if current != DocumentStatus::Pending {

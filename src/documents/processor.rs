@@ -12,6 +12,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::outbox::DocumentStatus;
 use super::sink::{Delivery, Sink};
 
 #[derive(Debug, Clone)]
@@ -102,10 +103,13 @@ impl Processor {
         } else {
             "NULL::text"
         };
+        // The status spelt out, so the planner matches the partial index
+        // of pending rows.
+        let pending = DocumentStatus::Pending.as_str();
         let sql = format!(
             "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
                     seq_number AS seq, created_at, {payload} AS payload \
-             FROM id_outbox WHERE status = 'pending' AND next_retry_at <= now() \
+             FROM id_outbox WHERE status = '{pending}' AND next_retry_at <= now() \
              ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED"
         );
         let claimed: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -124,13 +128,14 @@ impl Processor {
                 Ok(()) => delivered.push(delivery.row_id),
                 Err(error) => {
                     failed_ids.push(delivery.row_id);
-                    errors.push(error);
+                    errors.push(error.to_string());
                 }
             }
         }
         if !delivered.is_empty() {
-            sqlx::query("UPDATE id_outbox SET status = 'committed', processed_at = clock_timestamp() WHERE id = ANY($1)")
+            sqlx::query("UPDATE id_outbox SET status = $2, processed_at = clock_timestamp() WHERE id = ANY($1)")
                 .bind(&delivered)
+                .bind(DocumentStatus::Committed)
                 .execute(&mut *tx)
                 .await?;
         }
@@ -140,17 +145,19 @@ impl Processor {
                 "UPDATE id_outbox o SET \
                      retry_count = o.retry_count + 1, \
                      last_error = f.error, \
-                     status = CASE WHEN o.retry_count + 1 >= $3 THEN 'dead_letter' ELSE 'pending' END, \
+                     status = CASE WHEN o.retry_count + 1 >= $3 THEN $5 ELSE $6 END, \
                      processed_at = CASE WHEN o.retry_count + 1 >= $3 THEN clock_timestamp() END, \
                      next_retry_at = clock_timestamp() + make_interval(secs => $4 * power(2, o.retry_count + 1)) \
                  FROM UNNEST($1::bigint[], $2::text[]) AS f(id, error) \
                  WHERE o.id = f.id \
-                 RETURNING o.status = 'dead_letter'",
+                 RETURNING o.status = $5",
             )
             .bind(&failed_ids)
             .bind(&errors)
             .bind(self.settings.max_retries)
             .bind(self.settings.backoff_base.as_secs_f64())
+            .bind(DocumentStatus::DeadLetter)
+            .bind(DocumentStatus::Pending)
             .fetch_all(&mut *tx)
             .await?;
             dead_lettered = dead.iter().filter(|d| **d).count();
@@ -160,7 +167,7 @@ impl Processor {
             tracing::warn!(
                 failed = failed_ids.len(),
                 dead_lettered,
-                first_error = errors.first().map(String::as_str).unwrap_or(""),
+                first_error = errors.first().map(String::as_str).unwrap_or_default(),
                 "outbox deliveries failed"
             );
         }
@@ -174,7 +181,9 @@ impl Processor {
 
     /// When the next pending row is due, if any.
     async fn next_due(&self) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-        sqlx::query_scalar("SELECT min(next_retry_at) FROM id_outbox WHERE status = 'pending'")
+        let pending = DocumentStatus::Pending.as_str();
+        let sql = format!("SELECT min(next_retry_at) FROM id_outbox WHERE status = '{pending}'");
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_one(&self.db)
             .await
     }

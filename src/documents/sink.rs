@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -59,6 +60,55 @@ pub struct Delivery {
     pub payload: Option<String>,
 }
 
+/// Why a delivery failed; its text is the outbox row's `last_error`. One
+/// failure may stand for a whole batch, so sources are shared.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DeliveryError {
+    #[error("the outbox row has no payload loaded")]
+    PayloadNotLoaded,
+    #[error("stored metadata: {0}")]
+    StoredMetadata(#[source] Arc<serde_json::Error>),
+    #[error("postgres sink: {0}")]
+    Postgres(#[source] Arc<sqlx::Error>),
+    #[error("writing {}: {source}", .path.display())]
+    File {
+        path: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    #[error("syncing {}: {source}", .dir.display())]
+    SyncDir {
+        dir: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    #[error("writer task failed: {0}")]
+    Writer(#[source] Arc<tokio::task::JoinError>),
+    #[error("webhook {url} timed out: {source}")]
+    WebhookTimedOut {
+        url: String,
+        #[source]
+        source: Arc<reqwest::Error>,
+    },
+    #[error("webhook {url} unreachable: {source}")]
+    WebhookUnreachable {
+        url: String,
+        #[source]
+        source: Arc<reqwest::Error>,
+    },
+    #[error("webhook {url} answered {status}; redirects are not followed")]
+    WebhookRedirected {
+        url: String,
+        status: reqwest::StatusCode,
+    },
+    #[error("webhook {url} answered {status}: {excerpt}")]
+    WebhookRefused {
+        url: String,
+        status: reqwest::StatusCode,
+        excerpt: String,
+    },
+}
+
 /// The JSON a document is delivered as. The same document always gives the
 /// same bytes, so a repeated delivery writes the same content.
 #[derive(Serialize)]
@@ -73,10 +123,13 @@ struct DocumentJson<'a> {
 }
 
 impl Delivery {
-    fn json(&self) -> Result<Vec<u8>, String> {
-        let payload = self.payload.as_deref().ok_or("payload not loaded")?;
-        let metadata: &RawValue =
-            serde_json::from_str(payload).map_err(|e| format!("stored metadata: {e}"))?;
+    fn json(&self) -> Result<Vec<u8>, DeliveryError> {
+        let payload = self
+            .payload
+            .as_deref()
+            .ok_or(DeliveryError::PayloadNotLoaded)?;
+        let stored = |e| DeliveryError::StoredMetadata(Arc::new(e));
+        let metadata: &RawValue = serde_json::from_str(payload).map_err(stored)?;
         serde_json::to_vec(&DocumentJson {
             id: &self.document_id,
             project: &self.project,
@@ -85,7 +138,7 @@ impl Delivery {
             metadata,
             created_at: self.created_at.to_rfc3339_opts(SecondsFormat::Micros, true),
         })
-        .map_err(|e| e.to_string())
+        .map_err(stored)
     }
 }
 
@@ -162,12 +215,12 @@ impl Sink {
         &self,
         conn: &mut PgConnection,
         batch: &[Delivery],
-    ) -> Vec<Result<(), String>> {
+    ) -> Vec<Result<(), DeliveryError>> {
         match self {
             Sink::Postgres => {
                 let outcome = upsert_documents(conn, batch)
                     .await
-                    .map_err(|e| e.to_string());
+                    .map_err(|e| DeliveryError::Postgres(Arc::new(e)));
                 batch.iter().map(|_| outcome.clone()).collect()
             }
             Sink::Dir(dir) => {
@@ -176,7 +229,7 @@ impl Sink {
                 let count = batch.len();
                 tokio::task::spawn_blocking(move || write_files(&dir, &batch))
                     .await
-                    .unwrap_or_else(|e| vec![Err(format!("writer task failed: {e}")); count])
+                    .unwrap_or_else(|e| vec![Err(DeliveryError::Writer(Arc::new(e))); count])
             }
             Sink::Webhook(webhook) => {
                 // Owned futures: borrowed ones trip the compiler's Send check
@@ -240,12 +293,15 @@ pub fn file_name(document_id: &str) -> String {
 
 /// Writes every file, then syncs the directory once, so the renames of
 /// the whole batch are durable before the batch is recorded as delivered.
-fn write_files(dir: &Path, batch: &[Delivery]) -> Vec<Result<(), String>> {
-    let mut outcomes: Vec<Result<(), String>> = batch.iter().map(|d| write_file(dir, d)).collect();
+fn write_files(dir: &Path, batch: &[Delivery]) -> Vec<Result<(), DeliveryError>> {
+    let mut outcomes: Vec<_> = batch.iter().map(|d| write_file(dir, d)).collect();
     if outcomes.iter().any(Result::is_ok) {
         let synced = std::fs::File::open(dir).and_then(|d| d.sync_all());
         if let Err(e) = synced {
-            let error = format!("syncing {}: {e}", dir.display());
+            let error = DeliveryError::SyncDir {
+                dir: dir.to_owned(),
+                source: Arc::new(e),
+            };
             for outcome in outcomes.iter_mut().filter(|o| o.is_ok()) {
                 *outcome = Err(error.clone());
             }
@@ -254,7 +310,7 @@ fn write_files(dir: &Path, batch: &[Delivery]) -> Vec<Result<(), String>> {
     outcomes
 }
 
-fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), String> {
+fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), DeliveryError> {
     use std::io::Write;
     let body = delivery.json()?;
     let target = dir.join(file_name(&delivery.document_id));
@@ -271,7 +327,10 @@ fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), String> {
     };
     write().map_err(|e| {
         let _ = std::fs::remove_file(&temp);
-        format!("writing {}: {e}", target.display())
+        DeliveryError::File {
+            path: target,
+            source: Arc::new(e),
+        }
     })
 }
 
@@ -335,7 +394,7 @@ async fn post(
     client: &reqwest::Client,
     target: &Target,
     delivery: &Delivery,
-) -> Result<(), String> {
+) -> Result<(), DeliveryError> {
     let body = delivery.json()?;
     let timestamp = Utc::now().timestamp();
     let signed = signature(&target.key, &delivery.document_id, timestamp, &body);
@@ -354,10 +413,17 @@ async fn post(
         .map_err(|e| {
             // reqwest's message names the full URL; ours names what may be shown.
             let e = e.without_url();
+            let url = shown.clone();
             if e.is_timeout() {
-                format!("webhook {shown} timed out: {e}")
+                DeliveryError::WebhookTimedOut {
+                    url,
+                    source: Arc::new(e),
+                }
             } else {
-                format!("webhook {shown} unreachable: {e}")
+                DeliveryError::WebhookUnreachable {
+                    url,
+                    source: Arc::new(e),
+                }
             }
         })?;
     let status = response.status();
@@ -375,11 +441,16 @@ async fn post(
     answer.truncate(MAX_WEBHOOK_ANSWER);
     let excerpt: String = String::from_utf8_lossy(&answer).chars().take(200).collect();
     if status.is_redirection() {
-        return Err(format!(
-            "webhook {shown} answered {status}; redirects are not followed"
-        ));
+        return Err(DeliveryError::WebhookRedirected {
+            url: shown.clone(),
+            status,
+        });
     }
-    Err(format!("webhook {shown} answered {status}: {excerpt}"))
+    Err(DeliveryError::WebhookRefused {
+        url: shown.clone(),
+        status,
+        excerpt,
+    })
 }
 
 #[cfg(test)]

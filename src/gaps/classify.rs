@@ -10,9 +10,23 @@ use crate::ledger::outbox::DocumentStatus;
 use crate::numbers::SeqRange;
 
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    ToSchema,
+    sqlx::Type,
+    strum::IntoStaticStr,
 )]
 #[serde(rename_all = "snake_case")]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Reason {
     /// Handed out by `POST /ids`, no document attached (yet).
     IssuedUnattached,
@@ -36,13 +50,7 @@ impl Reason {
     ];
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::IssuedUnattached => "issued_unattached",
-            Reason::OutboxDlq => "outbox_dlq",
-            Reason::Abandoned => "abandoned",
-            Reason::PoolDiscarded => "pool_discarded",
-            Reason::UntrackedLoss => "untracked_loss",
-        }
+        self.into()
     }
 
     pub fn parse(s: &str) -> Option<Self> {

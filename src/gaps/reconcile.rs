@@ -99,6 +99,8 @@ pub enum ReconcileError {
     Db(#[from] sqlx::Error),
     #[error(transparent)]
     Store(#[from] crate::sequence_store::StoreError),
+    #[error(transparent)]
+    Redis(#[from] crate::pool::RedisFailure),
 }
 
 impl Reconciler {
@@ -207,10 +209,11 @@ impl Reconciler {
             if summary.redis_available {
                 match self.observe(conn, &sequence, period, now).await {
                     Ok(closed) => summary.pools_closed += usize::from(closed),
-                    Err(e) => {
+                    Err(ReconcileError::Redis(e)) => {
                         tracing::warn!(error = %e, "could not observe a pool; new numbers wait for the next run");
                         summary.redis_available = false;
                     }
+                    Err(e) => return Err(e),
                 }
             }
             let settled_before =
@@ -345,7 +348,7 @@ impl Reconciler {
         sequence: &Arc<Sequence>,
         period: &ActivePeriod,
         now: DateTime<Utc>,
-    ) -> Result<bool, crate::pool::RedisFailure> {
+    ) -> Result<bool, ReconcileError> {
         let current = sequence.definition.period_at(self.clock.now());
         let keys = self.redis.keys(
             sequence.project.as_str(),
@@ -360,7 +363,12 @@ impl Reconciler {
         } else if ended {
             let ranges = self.redis.discard(&keys, false).await?;
             self.pools
-                .record_discard(sequence, &period.period, &ranges, "period_ended")
+                .record_discard(
+                    sequence,
+                    &period.period,
+                    &ranges,
+                    crate::pool::DiscardCause::PeriodEnded,
+                )
                 .await;
             sqlx::query(
                 "INSERT INTO reconcile_periods (sequence_id, period, checkpoint, pool_closed_at) \
@@ -371,8 +379,7 @@ impl Reconciler {
             .bind(&period.period)
             .bind(period.checkpoint)
             .execute(&mut *conn)
-            .await
-            .map_err(|e| crate::pool::RedisFailure::Reply(e.to_string()))?;
+            .await?;
             closed = true;
             // Nothing can leave this period any more: all of it is settled
             // once the settle time has passed.
@@ -382,8 +389,7 @@ impl Reconciler {
             .bind(period.sequence_id)
             .bind(&period.period)
             .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| crate::pool::RedisFailure::Reply(e.to_string()))?;
+            .await?;
             next
         } else {
             match self.redis.head(&keys).await? {
@@ -400,8 +406,7 @@ impl Reconciler {
         .bind(now)
         .bind(bound)
         .execute(&mut *conn)
-        .await
-        .map_err(|e| crate::pool::RedisFailure::Reply(e.to_string()))?;
+        .await?;
         Ok(closed)
     }
 
@@ -443,12 +448,12 @@ impl Reconciler {
             "SELECT o.sequence_id, o.period, o.seq, o.seq + 1 FROM id_outbox o \
                JOIN reconcile_periods r ON r.sequence_id = o.sequence_id AND r.period = o.period \
               WHERE o.status_changed_at > $1 AND o.seq < r.checkpoint \
-                AND CASE o.status \
-                      WHEN 'dead_letter' THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
-                          AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = 'outbox_dlq' \
+                AND CASE o.status::text \
+                      WHEN $2 THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
+                          AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = $3 \
                           AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
-                      WHEN 'abandoned' THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
-                          AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = 'abandoned' \
+                      WHEN $4 THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
+                          AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = $5 \
                           AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
                       ELSE EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
                           AND g.period = o.period AND g.resolved_at IS NULL \
@@ -457,17 +462,23 @@ impl Reconciler {
              UNION ALL \
              SELECT l.sequence_id, l.period, greatest(lower(l.seqs), g.from_seq), least(upper(l.seqs), g.to_seq + 1) \
                FROM issuance_ledger l JOIN id_gaps g ON g.sequence_id = l.sequence_id AND g.period = l.period \
-                AND g.resolved_at IS NULL AND g.reason IN ('untracked_loss', 'pool_discarded') \
+                AND g.resolved_at IS NULL AND g.reason IN ($6, $7) \
                 AND int8range(g.from_seq, g.to_seq, '[]') && l.seqs \
               WHERE l.issued_at > $1 \
              UNION ALL \
              SELECT d.sequence_id, d.period, greatest(lower(d.seqs), g.from_seq), least(upper(d.seqs), g.to_seq + 1) \
                FROM pool_discards d JOIN id_gaps g ON g.sequence_id = d.sequence_id AND g.period = d.period \
-                AND g.resolved_at IS NULL AND g.reason = 'untracked_loss' \
+                AND g.resolved_at IS NULL AND g.reason = $6 \
                 AND int8range(g.from_seq, g.to_seq, '[]') && d.seqs \
               WHERE d.discarded_at > $1",
         )
         .bind(since)
+        .bind(DocumentStatus::DeadLetter)
+        .bind(Reason::OutboxDlq)
+        .bind(DocumentStatus::Abandoned)
+        .bind(Reason::Abandoned)
+        .bind(Reason::UntrackedLoss)
+        .bind(Reason::PoolDiscarded)
         .fetch_all(&mut *conn)
         .await?;
         let mut changed: BTreeMap<(i64, String), Vec<i64>> = BTreeMap::new();
@@ -601,7 +612,7 @@ async fn fetch_evidence(
     .bind(&his)
     .fetch_all(&mut *conn)
     .await?;
-    let documents: Vec<(i64, String, String)> = sqlx::query_as(
+    let documents: Vec<(i64, DocumentStatus, String)> = sqlx::query_as(
         "SELECT DISTINCT o.seq, o.status::text, o.document_id \
          FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
          JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
@@ -632,16 +643,7 @@ async fn fetch_evidence(
     };
     let statuses = documents
         .iter()
-        .filter_map(|(seq, status, _)| {
-            let status = match status.as_str() {
-                "pending" => DocumentStatus::Pending,
-                "committed" => DocumentStatus::Committed,
-                "dead_letter" => DocumentStatus::DeadLetter,
-                "abandoned" => DocumentStatus::Abandoned,
-                _ => return None,
-            };
-            Some((*seq, status))
-        })
+        .map(|(seq, status, _)| (*seq, *status))
         .collect();
     Ok(FetchedEvidence {
         ranges: Evidence {
@@ -693,7 +695,7 @@ async fn open_gaps_near(
         id: i64,
         from_seq: i64,
         to_seq: i64,
-        reason: String,
+        reason: Reason,
         detected_at: DateTime<Utc>,
         from_id: String,
         to_id: String,
@@ -713,17 +715,17 @@ async fn open_gaps_near(
     .await?;
     Ok(rows
         .into_iter()
-        .filter_map(|row| {
-            Some((
+        .map(|row| {
+            (
                 OpenGap {
                     row_id: row.id,
                     range: SeqRange::new(row.from_seq, row.to_seq + 1),
-                    reason: Reason::parse(&row.reason)?,
+                    reason: row.reason,
                     detected_at: row.detected_at,
                 },
                 row.from_id,
                 row.to_id,
-            ))
+            )
         })
         .collect())
 }

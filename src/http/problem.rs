@@ -208,6 +208,8 @@ impl From<IssueError> for ApiError {
             IssueError::Store(e) => e.into(),
             IssueError::Ledger(e) => e.into(),
             IssueError::Counter(e) => db_error(e),
+            IssueError::Interrupted(e) if e.is_cancelled() => Self::unavailable(e),
+            IssueError::Interrupted(e) => Self::internal(e),
         }
     }
 }

@@ -277,7 +277,7 @@ pub async fn put_sequence(
     if let Some(old) = &outcome.replaced_identity {
         state
             .pools
-            .discard_sequence_pools(old, "definition_changed")
+            .discard_sequence_pools(old, crate::pool::DiscardCause::DefinitionChanged)
             .await;
     } else if let Some(old) = &outcome.previous
         && outcome.sequence.definition.max_seq() < old.definition.max_seq()

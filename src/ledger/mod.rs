@@ -11,6 +11,7 @@
 pub mod outbox;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
@@ -36,23 +37,25 @@ impl Via {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+/// Why a ledger write failed. One failure may answer every request of a
+/// shared write, so the database error is shared, not copied into text.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum LedgerError {
     /// The connection failed: whether the write committed is unknown.
     #[error("ledger write failed: {0}")]
-    Db(String),
+    Db(#[source] Arc<sqlx::Error>),
     /// The database refused the statement and rolled it back; the
     /// connection is fine.
     #[error("ledger write refused: {0}")]
-    Statement(String),
+    Statement(#[source] Arc<sqlx::Error>),
     /// The statement waited too long (for a lock another transaction
     /// holds, or at all) and was cancelled.
-    #[error("ledger write waited too long: {0}")]
-    Waited(String),
+    #[error("ledger write waited too long: {}", database_message(.0))]
+    Waited(#[source] Arc<sqlx::Error>),
     /// The database cannot store a value of the request (SQLSTATE class
     /// 22: a number out of range, a character it cannot hold).
-    #[error("the database cannot store a value of this request: {0}")]
-    Unstorable(String),
+    #[error("the database cannot store a value of this request: {}", database_message(.0))]
+    Unstorable(#[source] Arc<sqlx::Error>),
     #[error("the ledger writer has stopped")]
     Closed,
     /// Another document has the ID this one was printed. (No detail: the
@@ -63,10 +66,18 @@ pub enum LedgerError {
     AlreadyAttached,
 }
 
+/// What the database said, without sqlx's prefix.
+fn database_message(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(db) => db.message().to_owned(),
+        other => other.to_string(),
+    }
+}
+
 impl From<sqlx::Error> for LedgerError {
     fn from(e: sqlx::Error) -> Self {
         let sqlx::Error::Database(db) = &e else {
-            return LedgerError::Db(e.to_string());
+            return LedgerError::Db(Arc::new(e));
         };
         match db.constraint() {
             Some(outbox::DOCUMENT_ID_TAKEN) => return LedgerError::DocumentIdTaken,
@@ -75,12 +86,12 @@ impl From<sqlx::Error> for LedgerError {
         }
         match db.code().as_deref() {
             Some(code) if code.starts_with(sqlstate::DATA_EXCEPTION_CLASS) => {
-                LedgerError::Unstorable(db.message().to_owned())
+                LedgerError::Unstorable(Arc::new(e))
             }
             Some(sqlstate::LOCK_NOT_AVAILABLE | sqlstate::QUERY_CANCELED) => {
-                LedgerError::Waited(db.message().to_owned())
+                LedgerError::Waited(Arc::new(e))
             }
-            _ => LedgerError::Statement(e.to_string()),
+            _ => LedgerError::Statement(Arc::new(e)),
         }
     }
 }
@@ -97,14 +108,6 @@ impl LedgerError {
                 | LedgerError::DocumentIdTaken
                 | LedgerError::AlreadyAttached
         )
-    }
-
-    /// The same error for another request of a failed shared write.
-    fn shared(&self) -> LedgerError {
-        match self {
-            LedgerError::Closed => LedgerError::Closed,
-            other => LedgerError::Db(other.to_string()),
-        }
     }
 }
 
@@ -186,7 +189,7 @@ pub fn failed_all(
     writes: &[LedgerWrite],
     error: &LedgerError,
 ) -> Vec<Result<Recorded, LedgerError>> {
-    writes.iter().map(|_| Err(error.shared())).collect()
+    writes.iter().map(|_| Err(error.clone())).collect()
 }
 
 /// Writes all `writes` on `conn` with one statement and one commit (a
@@ -236,7 +239,7 @@ pub async fn write_shared(
             Err(e) => {
                 tracing::error!(error = %e, "ledger batch failed");
                 for slot in &mut outcomes[range] {
-                    *slot = Some(Err(e.shared()));
+                    *slot = Some(Err(e.clone()));
                 }
             }
         }

@@ -49,9 +49,21 @@ pub struct OutboxRow {
     pub payload: String,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema, sqlx::Type)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    ToSchema,
+    sqlx::Type,
+    strum::IntoStaticStr,
+)]
 #[serde(rename_all = "snake_case")]
 #[sqlx(type_name = "text", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum DocumentStatus {
     Pending,
     Committed,
@@ -61,12 +73,7 @@ pub enum DocumentStatus {
 
 impl DocumentStatus {
     pub fn as_str(self) -> &'static str {
-        match self {
-            DocumentStatus::Pending => "pending",
-            DocumentStatus::Committed => "committed",
-            DocumentStatus::DeadLetter => "dead_letter",
-            DocumentStatus::Abandoned => "abandoned",
-        }
+        self.into()
     }
 }
 

@@ -7,6 +7,7 @@
 //! most `refill_concurrency` refills, each holding nothing but two integers:
 //! the numbers themselves are generated inside Redis by the push script.
 
+mod discard;
 mod placement;
 mod redis;
 mod scripts;
@@ -23,6 +24,7 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use self::discard::DiscardCause;
 pub use self::placement::Placement;
 pub use self::redis::{PoolKeys, Popped, RedisFailure, RedisLink, RedisSettings};
 use crate::batch::Batcher;
@@ -93,7 +95,7 @@ pub enum RefillOutcome {
 struct PopRequest {
     keys: Arc<PoolKeys>,
     count: usize,
-    reply: oneshot::Sender<Result<Popped, String>>,
+    reply: oneshot::Sender<Result<Popped, RedisFailure>>,
 }
 
 type SharedRefill = Shared<BoxFuture<'static, RefillOutcome>>;
@@ -271,8 +273,13 @@ impl PoolService {
         let above: Vec<i64> = seqs.iter().copied().filter(|s| *s > max).collect();
         seqs.retain(|s| *s <= max);
         let ranges = crate::numbers::runs(&above);
-        self.record_discard(&pool.sequence, pool.period.key(), &ranges, "above_max")
-            .await;
+        self.record_discard(
+            &pool.sequence,
+            pool.period.key(),
+            &ranges,
+            DiscardCause::AboveMax,
+        )
+        .await;
         seqs
     }
 
@@ -301,7 +308,7 @@ impl PoolService {
                 let keys = self.redis.keys(project, doc_type, period);
                 match self.redis.trim_above(&keys, max).await {
                     Ok(ranges) => {
-                        self.record_discard(sequence, period, &ranges, "above_max")
+                        self.record_discard(sequence, period, &ranges, DiscardCause::AboveMax)
                             .await
                     }
                     Err(e) => tracing::warn!(error = %e, key, "could not trim pool"),
@@ -323,11 +330,7 @@ impl PoolService {
         if self.pops.submit(request).await.is_err() {
             return Err(RedisFailure::Open);
         }
-        match answer.await {
-            Ok(Ok(popped)) => Ok(popped),
-            Ok(Err(message)) => Err(RedisFailure::Reply(message)),
-            Err(_) => Err(RedisFailure::Open),
-        }
+        answer.await.unwrap_or(Err(RedisFailure::Open))
     }
 
     fn low_water(pool: &PoolRef, target: i64) -> i64 {
@@ -467,7 +470,7 @@ impl PoolService {
                     &pool.sequence,
                     pool.period.key(),
                     &[block.range],
-                    "refill_lock_lost",
+                    DiscardCause::RefillLockLost,
                 )
                 .await;
                 RefillOutcome::Failed
@@ -478,7 +481,7 @@ impl PoolService {
                     &pool.sequence,
                     pool.period.key(),
                     &[block.range],
-                    "push_failed",
+                    DiscardCause::PushFailed,
                 )
                 .await;
                 RefillOutcome::Failed
@@ -538,7 +541,7 @@ impl PoolService {
     }
 
     /// Empties a pool whose list cannot be trusted and records its numbers.
-    pub async fn invalidate(&self, pool: &PoolRef, cause: &str) {
+    pub async fn invalidate(&self, pool: &PoolRef, cause: DiscardCause) {
         match self.redis.discard(&pool.keys, false).await {
             Ok(ranges) => {
                 self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
@@ -555,7 +558,7 @@ impl PoolService {
         sequence: &Sequence,
         period: &str,
         ranges: &[SeqRange],
-        cause: &str,
+        cause: DiscardCause,
     ) {
         if ranges.is_empty() {
             return;
@@ -578,17 +581,17 @@ impl PoolService {
         match written {
             Ok(_) => tracing::info!(
                 project = %sequence.project, doc_type = %sequence.doc_type, period,
-                numbers, cause, "pool numbers discarded"
+                numbers, %cause, "pool numbers discarded"
             ),
             Err(e) => tracing::error!(
                 error = %e, project = %sequence.project, doc_type = %sequence.doc_type, period,
-                numbers, cause, "could not record discarded pool numbers"
+                numbers, %cause, "could not record discarded pool numbers"
             ),
         }
     }
 
     /// Empties every period's pool of `sequence` (its definition changed).
-    pub async fn discard_sequence_pools(&self, sequence: &Sequence, cause: &str) {
+    pub async fn discard_sequence_pools(&self, sequence: &Sequence, cause: DiscardCause) {
         let keys = match self
             .redis
             .pool_keys(Some((
@@ -638,7 +641,7 @@ impl PoolService {
             resynced.discarded_pools += 1;
             match self.sequences.get(project, doc_type).await {
                 Ok(Some(sequence)) => {
-                    self.record_discard(&sequence, period, &ranges, "redis_reconnect")
+                    self.record_discard(&sequence, period, &ranges, DiscardCause::RedisReconnect)
                         .await
                 }
                 _ => tracing::error!(key, "discarded a pool of an unknown sequence"),
@@ -699,8 +702,13 @@ impl PoolService {
                 .redis
                 .keys(project.as_str(), doc_type.as_str(), &period_key);
             let ranges = self.redis.discard(&keys, false).await?;
-            self.record_discard(&sequence, &period_key, &ranges, "postgres_behind_redis")
-                .await;
+            self.record_discard(
+                &sequence,
+                &period_key,
+                &ranges,
+                DiscardCause::PostgresBehindRedis,
+            )
+            .await;
             tracing::error!(
                 project = %project, doc_type = %doc_type, period = period_key,
                 from = skipped.start, to = skipped.last(),
@@ -751,14 +759,14 @@ impl PoolService {
             let failures_before = self.redis.failure_count();
             let reachable = self.redis.all_connected() && self.redis.ping().await.is_ok();
             let outcome = if reachable {
-                self.resync().await.map_err(|e| e.to_string())
+                self.resync().await.map_err(PoolsNotInUse::from)
             } else {
                 // fred reports failed connection attempts only at debug level.
                 let last = self.redis.last_failure();
                 Err(if last.is_empty() {
-                    "Redis not connected yet (RUST_LOG=fred=debug shows each attempt)".to_owned()
+                    PoolsNotInUse::NotConnected
                 } else {
-                    format!("Redis unreachable: {last}")
+                    PoolsNotInUse::Unreachable(last)
                 })
             };
             match outcome {
@@ -771,7 +779,8 @@ impl PoolService {
                     }
                     self.redis.mark_up(failures_before);
                 }
-                Err(message) => {
+                Err(e) => {
+                    let message = e.to_string();
                     // Say it when it changes (at most every 10 s), and once
                     // a minute while it lasts.
                     let quiet = last_complaint.as_ref().is_some_and(|(m, at)| {
@@ -808,6 +817,18 @@ pub enum ResyncError {
     Postgres(#[from] sqlx::Error),
     #[error(transparent)]
     Store(#[from] crate::sequence_store::StoreError),
+}
+
+/// Why the watch keeps the pools out of use.
+#[derive(Debug, thiserror::Error)]
+enum PoolsNotInUse {
+    #[error("Redis not connected yet (RUST_LOG=fred=debug shows each attempt)")]
+    NotConnected,
+    /// fred's last word on the connection.
+    #[error("Redis unreachable: {0}")]
+    Unreachable(String),
+    #[error(transparent)]
+    Resync(#[from] ResyncError),
 }
 
 /// Unmarks a pool as refilling when its refill task ends, however it ends.
@@ -852,9 +873,8 @@ async fn pop_batch(redis: Arc<RedisLink>, batch: Vec<PopRequest>) {
                     }
                 }
                 Err(e) => {
-                    let message = e.to_string();
                     for request in requests {
-                        let _ = request.reply.send(Err(message.clone()));
+                        let _ = request.reply.send(Err(e.clone()));
                     }
                 }
             }

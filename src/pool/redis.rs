@@ -57,7 +57,7 @@ impl PoolKeys {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum RedisFailure {
     #[error("Redis is not in use (circuit open)")]
     Open,
