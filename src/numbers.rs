@@ -63,6 +63,19 @@ pub fn runs(seqs: &[i64]) -> Vec<SeqRange> {
     out
 }
 
+/// The ranges sorted, with overlapping or touching ones joined.
+pub fn merge(mut ranges: Vec<SeqRange>) -> Vec<SeqRange> {
+    ranges.sort();
+    let mut out: Vec<SeqRange> = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        match out.last_mut() {
+            Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
+            _ => out.push(range),
+        }
+    }
+    out
+}
+
 /// `whole` minus the sorted, disjoint `taken` ranges.
 pub fn subtract(whole: SeqRange, taken: &[SeqRange]) -> Vec<SeqRange> {
     let mut out = Vec::new();

@@ -14,7 +14,6 @@
 //! pool that ran short, Redis down, a stale number) is left to the caller's
 //! slower path in `issuance`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -27,7 +26,7 @@ use crate::batch::Batcher;
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{self, LedgerError, LedgerWrite, Recorded, Via};
 use crate::numbers::without;
-use crate::pool::{Placement, PoolKeys, PoolService};
+use crate::pool::{Placement, PoolService, pop_shared};
 use crate::stats::Stats;
 
 /// What a request wants from a batch.
@@ -156,34 +155,31 @@ async fn pop(
     writes: Batcher<Vec<Popped>>,
     batch: Vec<Job>,
 ) {
-    let mut by_pool: HashMap<Arc<PoolKeys>, Vec<Job>> = HashMap::new();
-    for job in batch {
-        by_pool
-            .entry(job.placement.pool.keys.clone())
-            .or_default()
-            .push(job);
-    }
-    let pops = by_pool.into_values().map(|jobs| {
-        let pools = pools.clone();
-        async move {
-            let pool = &jobs[0].placement.pool;
-            let need: usize = jobs.iter().map(|job| job.demand.numbers()).sum();
-            let popped = pools.pop_now(pool, need).await.unwrap_or_default();
-            (jobs, popped)
-        }
-    });
-    let mut popped_jobs = Vec::new();
-    for (jobs, popped) in futures::future::join_all(pops).await {
-        Stats::add(&stats.ids_from_pool, popped.len() as u64);
-        let mut popped = popped.into_iter();
-        for job in jobs {
-            let seqs: Vec<i64> = popped.by_ref().take(job.demand.numbers()).collect();
-            if seqs.is_empty() {
-                // Nothing to record: the caller takes the slower path.
-                let _ = job.reply.send(Ok(Served::default()));
-            } else {
-                popped_jobs.push(Popped { job, seqs });
+    let popped = pop_shared(
+        batch,
+        |job| &job.placement.pool.keys,
+        |job| job.demand.numbers(),
+        |job, need| {
+            let (pools, pool) = (pools.clone(), job.placement.pool.clone());
+            async move {
+                let seqs = pools.pop_now(&pool, need).await?;
+                Ok(crate::pool::Popped {
+                    seqs,
+                    ..Default::default()
+                })
             }
+        },
+    )
+    .await;
+    let mut popped_jobs = Vec::new();
+    for (job, popped) in popped {
+        let seqs = popped.map(|p| p.seqs).unwrap_or_default();
+        Stats::add(&stats.ids_from_pool, seqs.len() as u64);
+        if seqs.is_empty() {
+            // Nothing to record: the caller takes the slower path.
+            let _ = job.reply.send(Ok(Served::default()));
+        } else {
+            popped_jobs.push(Popped { job, seqs });
         }
     }
     if popped_jobs.is_empty() {

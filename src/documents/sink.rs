@@ -273,22 +273,24 @@ async fn upsert_documents(conn: &mut PgConnection, batch: &[Delivery]) -> Result
     savepoint.commit().await
 }
 
-/// `PROJ/001` → `PROJ%2F001`: anything but letters, digits, `-`, `_` and
-/// `.` is percent-encoded, so every ID is one safe file name.
+/// Letters, digits, `-`, `_` and `.` stay as they are.
+const FILE_NAME_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.');
+
+/// `PROJ/001` → `PROJ%2F001`: anything else is percent-encoded, and so is
+/// a leading `.` (no hidden files, no `..`), so every ID is one safe file
+/// name.
 pub fn file_name(document_id: &str) -> String {
-    let mut name = String::with_capacity(document_id.len() + 5);
-    for byte in document_id.bytes() {
-        if byte.is_ascii_alphanumeric()
-            || matches!(byte, b'-' | b'_')
-            || (byte == b'.' && !name.is_empty())
-        {
-            name.push(byte as char);
-        } else {
-            name.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    name.push_str(".json");
-    name
+    let (first, rest) = match document_id.strip_prefix('.') {
+        Some(rest) => ("%2E", rest),
+        None => ("", document_id),
+    };
+    format!(
+        "{first}{}.json",
+        percent_encoding::utf8_percent_encode(rest, FILE_NAME_KEEPS)
+    )
 }
 
 /// Writes every file, then syncs the directory once, so the renames of

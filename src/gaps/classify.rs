@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::ledger::outbox::DocumentStatus;
-use crate::numbers::SeqRange;
+use crate::numbers::{SeqRange, subtract};
 
 #[derive(
     Debug,
@@ -324,16 +324,6 @@ pub struct GapPlan {
     pub resolved: std::collections::BTreeMap<Reason, i64>,
 }
 
-fn minus(range: SeqRange, cut: &[SeqRange]) -> Vec<SeqRange> {
-    crate::numbers::subtract(range, cut)
-}
-
-fn overlap(a: SeqRange, b: SeqRange) -> Option<SeqRange> {
-    let start = a.start.max(b.start);
-    let end = a.end.min(b.end);
-    (start < end).then(|| SeqRange::new(start, end))
-}
-
 /// Merges `windows` (sorted, disjoint) judged as `judged` into the open gaps
 /// `existing` (every open row overlapping or touching a window). Numbers
 /// outside the windows keep their rows; contiguous numbers with one reason
@@ -346,7 +336,7 @@ pub fn plan(
 ) -> GapPlan {
     let mut pieces: Vec<GapPiece> = Vec::new();
     for row in existing {
-        for outside in minus(row.range, windows) {
+        for outside in subtract(row.range, windows) {
             pieces.push(GapPiece {
                 range: outside,
                 reason: row.reason,
@@ -362,7 +352,7 @@ pub fn plan(
         let same: Vec<&OpenGap> = existing.iter().filter(|e| e.reason == reason).collect();
         let mut known: Vec<SeqRange> = Vec::new();
         for row in &same {
-            if let Some(part) = overlap(row.range, stretch.range) {
+            if let Some(part) = row.range.intersect(stretch.range) {
                 pieces.push(GapPiece {
                     range: part,
                     reason,
@@ -372,7 +362,7 @@ pub fn plan(
             }
         }
         known.sort();
-        for fresh in minus(stretch.range, &known) {
+        for fresh in subtract(stretch.range, &known) {
             *plan.added.entry(reason).or_default() += fresh.len();
             pieces.push(GapPiece {
                 range: fresh,
@@ -382,11 +372,11 @@ pub fn plan(
         }
     }
     for row in existing {
-        for inside in windows.iter().filter_map(|w| overlap(*w, row.range)) {
+        for inside in windows.iter().filter_map(|w| w.intersect(row.range)) {
             let still: Vec<SeqRange> = judged
                 .iter()
                 .filter(|j| j.reason == Some(row.reason))
-                .filter_map(|j| overlap(j.range, inside))
+                .filter_map(|j| j.range.intersect(inside))
                 .collect();
             let kept: i64 = still.iter().map(SeqRange::len).sum();
             if inside.len() > kept {

@@ -22,7 +22,7 @@ use utoipa::ToSchema;
 use super::classify::{self, Evidence, Judged, OpenGap, Reason};
 use crate::clock::Clock;
 use crate::ledger::outbox::DocumentStatus;
-use crate::numbers::{SeqRange, runs};
+use crate::numbers::{SeqRange, merge, runs};
 use crate::pool::{PoolService, RedisLink};
 use crate::sequence::Sequence;
 use crate::sequence_store::SequenceStore;
@@ -666,19 +666,6 @@ async fn fetch_evidence(
             .collect(),
         rows_read,
     })
-}
-
-/// Sorted, overlapping or touching ranges joined.
-fn merge(mut ranges: Vec<SeqRange>) -> Vec<SeqRange> {
-    ranges.sort();
-    let mut out: Vec<SeqRange> = Vec::with_capacity(ranges.len());
-    for range in ranges {
-        match out.last_mut() {
-            Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
-            _ => out.push(range),
-        }
-    }
-    out
 }
 
 /// Open gaps overlapping or touching the windows, with their printed IDs.

@@ -180,17 +180,19 @@ fn fingerprint(input: &DocumentInput) -> Result<Vec<u8>, ApiError> {
     Ok(idempotency::fingerprint("document", &canonical))
 }
 
+/// Everything but RFC 3986's unreserved characters.
+const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 /// `/api/v1/documents/<id>`, the ID percent-encoded as one path segment.
 pub fn location(id: &str) -> String {
-    let mut path = String::from("/api/v1/documents/");
-    for byte in id.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.' | b'~') {
-            path.push(byte as char);
-        } else {
-            path.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    path
+    format!(
+        "/api/v1/documents/{}",
+        percent_encoding::utf8_percent_encode(id, PATH_SEGMENT)
+    )
 }
 
 fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Response {

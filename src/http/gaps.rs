@@ -11,6 +11,7 @@ use super::AppState;
 use super::auth::require_admin;
 use super::extract::Query;
 use super::ids::parse_codes;
+use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::gaps::reconcile::{ReconcileError, Summary};
@@ -116,25 +117,10 @@ pub async fn list_gaps(
             )
         })?),
     };
-    let limit = query.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_limit",
-            format!("limit must be between 1 and 1000, got {limit}"),
-        ));
-    }
-    let after = match &query.cursor {
-        None => None,
-        Some(cursor) => {
-            let invalid =
-                || ApiError::bad_request("invalid_cursor", "cursor is not one this API returned");
-            let (period, seq) = cursor.rsplit_once(':').ok_or_else(invalid)?;
-            Some((
-                period.to_owned(),
-                seq.parse::<i64>().map_err(|_| invalid())?,
-            ))
-        }
-    };
+    let page = Page::parse(query.limit, query.cursor.as_deref(), |cursor| {
+        let (period, seq) = cursor.rsplit_once(':')?;
+        Some((period.to_owned(), seq.parse::<i64>().ok()?))
+    })?;
     // Outside the key's projects every sequence reads as one never used:
     // no gaps, whatever the project holds.
     let in_scope = caller.may_use(project.as_str());
@@ -174,16 +160,14 @@ pub async fn list_gaps(
                 doc_type: doc_type.as_str(),
                 period: query.period.as_deref(),
                 reason,
-                after,
-                limit,
+                after: page.after.clone(),
+                limit: page.limit,
             },
         )
         .await
         .map_err(db_error)?
     };
-    let next_cursor = (gaps.len() as i64 == limit)
-        .then(|| gaps.last().map(|g| format!("{}:{}", g.period, g.from_seq)))
-        .flatten();
+    let next_cursor = page.next_cursor(&gaps, |g| format!("{}:{}", g.period, g.from_seq));
     Ok(axum::Json(GapList {
         project: project.to_string(),
         doc_type: doc_type.to_string(),

@@ -76,12 +76,20 @@ pub struct IdsInput {
     pub count: usize,
 }
 
+/// A project code and a type code, each checked (every route that names a
+/// sequence, and the outbox filters, answer bad codes alike).
 pub fn parse_codes(project: &str, doc_type: &str) -> Result<(ProjectCode, TypeCode), ApiError> {
-    let project = ProjectCode::parse(project)
-        .map_err(|e| ApiError::bad_request("invalid_project", format!("project: {e}")))?;
-    let doc_type = TypeCode::parse(doc_type)
-        .map_err(|e| ApiError::bad_request("invalid_type", format!("type: {e}")))?;
-    Ok((project, doc_type))
+    Ok((parse_project(project)?, parse_type(doc_type)?))
+}
+
+pub fn parse_project(project: &str) -> Result<ProjectCode, ApiError> {
+    ProjectCode::parse(project)
+        .map_err(|e| ApiError::bad_request("invalid_project", format!("project: {e}")))
+}
+
+pub fn parse_type(doc_type: &str) -> Result<TypeCode, ApiError> {
+    TypeCode::parse(doc_type)
+        .map_err(|e| ApiError::bad_request("invalid_type", format!("type: {e}")))
 }
 
 impl IdsInput {

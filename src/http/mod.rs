@@ -9,6 +9,7 @@ mod health;
 mod idempotent;
 pub mod ids;
 mod outbox;
+mod page;
 pub mod problem;
 mod schema;
 mod sequences;

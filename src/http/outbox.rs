@@ -8,6 +8,8 @@ use utoipa_axum::routes;
 
 use super::AppState;
 use super::extract::{Path, Query};
+use super::ids::{parse_project, parse_type};
+use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentStatus, DocumentView, ListFilter, TransitionError};
@@ -68,28 +70,17 @@ pub async fn list_outbox(
     caller: Caller,
     Query(query): Query<OutboxQuery>,
 ) -> Result<axum::Json<OutboxPage>, ApiError> {
-    let limit = query.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_limit",
-            format!("limit must be between 1 and 1000, got {limit}"),
-        ));
-    }
+    let limit = Page::<i64>::limit(query.limit)?;
     // Filters name codes: anything else is no code, and said so.
     if let Some(project) = &query.project {
-        crate::sequence::ProjectCode::parse(project)
-            .map_err(|e| ApiError::bad_request("invalid_project", format!("project: {e}")))?;
+        parse_project(project)?;
     }
     if let Some(doc_type) = &query.doc_type {
-        crate::sequence::TypeCode::parse(doc_type)
-            .map_err(|e| ApiError::bad_request("invalid_type", format!("type: {e}")))?;
+        parse_type(doc_type)?;
     }
-    let after_row = match &query.cursor {
-        None => 0,
-        Some(cursor) => cursor.parse::<i64>().map_err(|_| {
-            ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
-        })?,
-    };
+    let page = Page::parse(Some(limit), query.cursor.as_deref(), |c| {
+        c.parse::<i64>().ok()
+    })?;
     let documents = outbox::list(
         &state.db,
         &ListFilter {
@@ -97,15 +88,13 @@ pub async fn list_outbox(
             projects: caller.projects(),
             project: query.project.as_deref(),
             doc_type: query.doc_type.as_deref(),
-            after_row,
-            limit,
+            after_row: page.after.unwrap_or(0),
+            limit: page.limit,
         },
     )
     .await
     .map_err(db_error)?;
-    let next_cursor = (documents.len() as i64 == limit)
-        .then(|| documents.last().map(|d| d.row_id.to_string()))
-        .flatten();
+    let next_cursor = page.next_cursor(&documents, |d| d.row_id.to_string());
     Ok(axum::Json(OutboxPage {
         documents,
         next_cursor,

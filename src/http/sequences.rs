@@ -12,6 +12,7 @@ use super::AppState;
 use super::auth::require_admin;
 use super::extract::{Json, Path, Query};
 use super::ids::parse_codes;
+use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::sequence::{Definition, DefinitionInput, LayoutKind, Reset, Sequence};
@@ -124,30 +125,12 @@ pub async fn list_sequences(
     caller: Caller,
     Query(query): Query<ListQuery>,
 ) -> Result<axum::Json<SequenceList>, ApiError> {
-    let limit = query.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_limit",
-            format!("limit must be between 1 and 1000, got {limit}"),
-        ));
-    }
-    let after = match &query.cursor {
-        None => None,
-        Some(cursor) => Some(cursor.split_once('/').ok_or_else(|| {
-            ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
-        })?),
-    };
+    let page = Page::parse(query.limit, query.cursor.as_deref(), |c| c.split_once('/'))?;
     let sequences = state
         .sequences
-        .list(after, limit, caller.projects())
+        .list(page.after, page.limit, caller.projects())
         .await?;
-    let next_cursor = (sequences.len() as i64 == limit)
-        .then(|| {
-            sequences
-                .last()
-                .map(|s| format!("{}/{}", s.project, s.doc_type))
-        })
-        .flatten();
+    let next_cursor = page.next_cursor(&sequences, |s| format!("{}/{}", s.project, s.doc_type));
     Ok(axum::Json(SequenceList {
         sequences: sequences
             .iter()

@@ -11,6 +11,8 @@ mod discard;
 mod placement;
 mod redis;
 mod scripts;
+mod shared_pop;
+pub use self::shared_pop::pop_shared;
 pub mod url;
 
 use std::collections::HashMap;
@@ -849,36 +851,17 @@ impl Drop for InFlightRefill<'_> {
 
 /// One pop per pool for the whole batch, answers in arrival order.
 async fn pop_batch(redis: Arc<RedisLink>, batch: Vec<PopRequest>) {
-    let mut by_pool: HashMap<Arc<PoolKeys>, Vec<PopRequest>> = HashMap::new();
-    for request in batch {
-        by_pool
-            .entry(request.keys.clone())
-            .or_default()
-            .push(request);
+    let popped = pop_shared(
+        batch,
+        |request| &request.keys,
+        |request| request.count,
+        |request, total| {
+            let (redis, keys) = (redis.clone(), request.keys.clone());
+            async move { redis.pop(&keys, total).await }
+        },
+    )
+    .await;
+    for (request, outcome) in popped {
+        let _ = request.reply.send(outcome);
     }
-    let pops = by_pool.into_values().map(|requests| {
-        let redis = redis.clone();
-        async move {
-            let total: usize = requests.iter().map(|r| r.count).sum();
-            match redis.pop(&requests[0].keys, total).await {
-                Ok(popped) => {
-                    let mut seqs = popped.seqs.into_iter();
-                    for request in requests {
-                        let share: Vec<i64> = seqs.by_ref().take(request.count).collect();
-                        let _ = request.reply.send(Ok(Popped {
-                            seqs: share,
-                            depth: popped.depth,
-                            target: popped.target,
-                        }));
-                    }
-                }
-                Err(e) => {
-                    for request in requests {
-                        let _ = request.reply.send(Err(e.clone()));
-                    }
-                }
-            }
-        }
-    });
-    futures::future::join_all(pops).await;
 }
