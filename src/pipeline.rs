@@ -155,6 +155,7 @@ async fn pop(
     writes: Batcher<Vec<Popped>>,
     batch: Vec<Job>,
 ) {
+    stats.pipeline_pop_batch.observe(batch.len() as f64);
     let popped = pop_shared(
         batch,
         |job| &job.placement.pool.keys,
@@ -207,6 +208,7 @@ impl Writer {
     /// and commit, then answered.
     async fn write(self: Arc<Self>, batches: Vec<Vec<Popped>>) {
         let popped: Vec<Popped> = batches.into_iter().flatten().collect();
+        self.stats.pipeline_write_batch.observe(popped.len() as f64);
         let writes: Vec<LedgerWrite> = popped
             .iter()
             .map(|Popped { job, seqs }| {

@@ -192,6 +192,7 @@ impl Application {
                 sink,
                 config.processor_settings(),
                 outbox_wake,
+                stats.clone(),
             ));
             // Several loops, so delivery can use more than one core of
             // Postgres; SKIP LOCKED keeps them off each other's rows.

@@ -1,36 +1,69 @@
-//! Counters of one instance, rendered for `GET /metrics` (Prometheus text).
+//! Metrics of one instance, rendered for `GET /metrics`.
 //!
-//! Plain atomics owned by the application rather than a global recorder, so
-//! several instances in one test process each report their own figures.
+//! A `prometheus-client` registry owned by the application rather than a
+//! global one, so several instances in one test process each report their
+//! own figures. The names are those of the hand-written renderer this
+//! replaced (users' dashboards use them); counters are registered without
+//! `_total`, which the encoder appends.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::borrow::Cow;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-#[derive(Default)]
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// One label, both parts fixed words of ours.
+type Label = [(&'static str, &'static str); 1];
+
+/// A request's route (the matched template, never the raw path) and answer.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub method: Cow<'static, str>,
+    pub route: Cow<'static, str>,
+    pub status: u16,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
 pub struct Stats {
-    pub ids_from_pool: AtomicU64,
-    pub ids_direct: AtomicU64,
-    pub pool_pops: AtomicU64,
-    pub pool_short: AtomicU64,
-    pub refills_done: AtomicU64,
-    pub refills_busy: AtomicU64,
-    pub refills_failed: AtomicU64,
-    pub refills_in_flight: AtomicU64,
-    pub refills_in_flight_peak: AtomicU64,
-    pub stale_numbers_rejected: AtomicU64,
-    pub pool_numbers_discarded: AtomicU64,
-    pub redis_trips: AtomicU64,
-    pub redis_resyncs: AtomicU64,
-    pub ledger_batches: AtomicU64,
-    pub ledger_rows: AtomicU64,
-    pub reconcile_runs: AtomicU64,
+    registry: Registry,
+    pub ids_from_pool: Counter,
+    pub ids_direct: Counter,
+    pub pool_pops: Counter,
+    pub pool_short: Counter,
+    pub refills_done: Counter,
+    pub refills_busy: Counter,
+    pub refills_failed: Counter,
+    refills_in_flight: Gauge,
+    refills_in_flight_peak: Gauge,
+    pub stale_numbers_rejected: Counter,
+    pub pool_numbers_discarded: Counter,
+    pub redis_trips: Counter,
+    pub redis_resyncs: Counter,
+    pub ledger_batches: Counter,
+    pub ledger_rows: Counter,
+    pub reconcile_runs: Counter,
     /// Background tasks and batch handlers that panicked (and were restarted).
-    pub task_panics: AtomicU64,
+    pub task_panics: Counter,
     /// Shared ledger writes that failed and were split to find the request at fault.
-    pub ledger_writes_split: AtomicU64,
-    pub reconcile_last_ms: AtomicU64,
+    pub ledger_writes_split: Counter,
+    pub reconcile_last_ms: Gauge,
     /// Numbers in open gaps by reason, as of the last reconciliation.
-    pub gaps_open: std::sync::Mutex<std::collections::BTreeMap<String, i64>>,
+    gaps_open: Family<Label, Gauge>,
+    mode_pool: Gauge,
+    requests: Histograms<RequestLabels>,
+    pub refill_duration: Histogram,
+    /// Requests served by one pop of the pipeline.
+    pub pipeline_pop_batch: Histogram,
+    /// Requests recorded by one commit of the pipeline.
+    pub pipeline_write_batch: Histogram,
+    /// From a document's acceptance to its delivery.
+    pub outbox_lag: Histogram,
 }
 
 /// Holds one refill slot in the in-flight gauge while alive.
@@ -38,157 +71,269 @@ pub struct InFlight<'a>(&'a Stats);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0.refills_in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.refills_in_flight.dec();
+    }
+}
+
+/// Seconds from half a millisecond to about 16 s.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// Batch sizes from 1 to 4096.
+fn batch_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1.0, 2.0, 13))
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("idpool");
+        let issued = Family::<Label, Counter>::default();
+        let refills = Family::<Label, Counter>::default();
+        let stats = Self {
+            ids_from_pool: issued.get_or_create_owned(&[("source", "pool")]),
+            ids_direct: issued.get_or_create_owned(&[("source", "direct")]),
+            pool_pops: Counter::default(),
+            pool_short: Counter::default(),
+            refills_done: refills.get_or_create_owned(&[("outcome", "done")]),
+            refills_busy: refills.get_or_create_owned(&[("outcome", "busy")]),
+            refills_failed: refills.get_or_create_owned(&[("outcome", "failed")]),
+            refills_in_flight: Gauge::default(),
+            refills_in_flight_peak: Gauge::default(),
+            stale_numbers_rejected: Counter::default(),
+            pool_numbers_discarded: Counter::default(),
+            redis_trips: Counter::default(),
+            redis_resyncs: Counter::default(),
+            ledger_batches: Counter::default(),
+            ledger_rows: Counter::default(),
+            reconcile_runs: Counter::default(),
+            task_panics: Counter::default(),
+            ledger_writes_split: Counter::default(),
+            reconcile_last_ms: Gauge::default(),
+            gaps_open: Family::default(),
+            mode_pool: Gauge::default(),
+            requests: Family::new_with_constructor(latency_histogram),
+            refill_duration: latency_histogram(),
+            pipeline_pop_batch: batch_histogram(),
+            pipeline_write_batch: batch_histogram(),
+            outbox_lag: latency_histogram(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "ids_issued",
+            "Numbers issued to callers, by where they came from",
+            issued,
+        );
+        r.register(
+            "pool_pops",
+            "Pop round trips to Redis",
+            stats.pool_pops.clone(),
+        );
+        r.register(
+            "pool_short",
+            "Requests a pool could not fully serve at once",
+            stats.pool_short.clone(),
+        );
+        r.register("refills", "Pool refills by outcome", refills);
+        r.register(
+            "refills_in_flight",
+            "Refills running in this instance now",
+            stats.refills_in_flight.clone(),
+        );
+        r.register(
+            "refills_in_flight_peak",
+            "Most refills this instance ever ran at once",
+            stats.refills_in_flight_peak.clone(),
+        );
+        r.register(
+            "stale_numbers_rejected",
+            "Popped numbers the issuance ledger refused as already issued",
+            stats.stale_numbers_rejected.clone(),
+        );
+        r.register(
+            "pool_numbers_discarded",
+            "Numbers removed from pools unissued (recorded as pool_discarded)",
+            stats.pool_numbers_discarded.clone(),
+        );
+        r.register(
+            "redis_trips",
+            "Times Redis failed and the instance fell back to Postgres",
+            stats.redis_trips.clone(),
+        );
+        r.register(
+            "redis_resyncs",
+            "Pool checks after a Redis (re)connect",
+            stats.redis_resyncs.clone(),
+        );
+        r.register(
+            "ledger_batches",
+            "Shared ledger statements written",
+            stats.ledger_batches.clone(),
+        );
+        r.register(
+            "ledger_rows",
+            "Ledger ranges written by those statements",
+            stats.ledger_rows.clone(),
+        );
+        r.register(
+            "task_panics",
+            "Background tasks and batch handlers that panicked; each was restarted",
+            stats.task_panics.clone(),
+        );
+        r.register("ledger_writes_split", "Shared ledger writes that failed and were split until the request at fault stood alone", stats.ledger_writes_split.clone());
+        r.register(
+            "reconcile_runs",
+            "Reconciliation runs of this instance",
+            stats.reconcile_runs.clone(),
+        );
+        r.register(
+            "reconcile_last_duration_ms",
+            "Duration of this instance's last reconciliation run",
+            stats.reconcile_last_ms.clone(),
+        );
+        r.register(
+            "gaps_open",
+            "Numbers in open gaps by reason, as of the last reconciliation run here",
+            stats.gaps_open.clone(),
+        );
+        r.register(
+            "mode_pool",
+            "1 while IDs come from Redis pools, 0 in Postgres fallback",
+            stats.mode_pool.clone(),
+        );
+        r.register(
+            "http_request_duration_seconds",
+            "Time from a request's arrival to its answer, by route and status",
+            stats.requests.clone(),
+        );
+        r.register(
+            "refill_duration_seconds",
+            "Time one pool refill took, lock to push",
+            stats.refill_duration.clone(),
+        );
+        r.register(
+            "pipeline_pop_batch_size",
+            "Requests served by one pop stage of the pipeline",
+            stats.pipeline_pop_batch.clone(),
+        );
+        r.register(
+            "pipeline_write_batch_size",
+            "Requests recorded by one shared ledger commit",
+            stats.pipeline_write_batch.clone(),
+        );
+        r.register(
+            "outbox_lag_seconds",
+            "Time from a document's acceptance to its delivery to the sink",
+            stats.outbox_lag.clone(),
+        );
+        Self { registry, ..stats }
     }
 }
 
 impl Stats {
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+    pub fn add(counter: &Counter, n: u64) {
+        counter.inc_by(n);
     }
 
     pub fn refill_started(&self) -> InFlight<'_> {
-        let now = self.refills_in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = self.refills_in_flight.inc() + 1;
         self.refills_in_flight_peak
+            .inner()
             .fetch_max(now, Ordering::Relaxed);
         InFlight(self)
     }
 
+    pub fn observe_request(&self, labels: &RequestLabels, took: Duration) {
+        self.requests
+            .get_or_create(labels)
+            .observe(took.as_secs_f64());
+    }
+
+    /// The open gaps of every reason; reasons not named have none.
+    pub fn set_gaps_open(&self, open: &[(&'static str, i64)]) {
+        self.gaps_open.clear();
+        for (reason, numbers) in open {
+            self.gaps_open
+                .get_or_create(&[("reason", reason)])
+                .set(*numbers);
+        }
+    }
+
+    /// OpenMetrics text, which Prometheus also reads as its text format.
     pub fn render(&self, mode_pool: bool) -> String {
-        let mut out = String::with_capacity(2048);
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            for (labels, value) in samples {
-                let _ = writeln!(out, "{name}{labels} {value}");
-            }
-        };
-        metric(
-            "idpool_ids_issued_total",
-            "counter",
-            "Numbers issued to callers, by where they came from.",
-            &[
-                ("{source=\"pool\"}", get(&self.ids_from_pool)),
-                ("{source=\"direct\"}", get(&self.ids_direct)),
-            ],
-        );
-        metric(
-            "idpool_pool_pops_total",
-            "counter",
-            "Pop round trips to Redis.",
-            &[("", get(&self.pool_pops))],
-        );
-        metric(
-            "idpool_pool_short_total",
-            "counter",
-            "Requests a pool could not fully serve at once.",
-            &[("", get(&self.pool_short))],
-        );
-        metric(
-            "idpool_refills_total",
-            "counter",
-            "Pool refills by outcome.",
-            &[
-                ("{outcome=\"done\"}", get(&self.refills_done)),
-                ("{outcome=\"busy\"}", get(&self.refills_busy)),
-                ("{outcome=\"failed\"}", get(&self.refills_failed)),
-            ],
-        );
-        metric(
-            "idpool_refills_in_flight",
-            "gauge",
-            "Refills running in this instance now.",
-            &[("", get(&self.refills_in_flight))],
-        );
-        metric(
-            "idpool_refills_in_flight_peak",
-            "gauge",
-            "Most refills this instance ever ran at once.",
-            &[("", get(&self.refills_in_flight_peak))],
-        );
-        metric(
-            "idpool_stale_numbers_rejected_total",
-            "counter",
-            "Popped numbers the issuance ledger refused as already issued.",
-            &[("", get(&self.stale_numbers_rejected))],
-        );
-        metric(
-            "idpool_pool_numbers_discarded_total",
-            "counter",
-            "Numbers removed from pools unissued (recorded as pool_discarded).",
-            &[("", get(&self.pool_numbers_discarded))],
-        );
-        metric(
-            "idpool_redis_trips_total",
-            "counter",
-            "Times Redis failed and the instance fell back to Postgres.",
-            &[("", get(&self.redis_trips))],
-        );
-        metric(
-            "idpool_redis_resyncs_total",
-            "counter",
-            "Pool checks after a Redis (re)connect.",
-            &[("", get(&self.redis_resyncs))],
-        );
-        metric(
-            "idpool_ledger_batches_total",
-            "counter",
-            "Shared ledger statements written.",
-            &[("", get(&self.ledger_batches))],
-        );
-        metric(
-            "idpool_ledger_rows_total",
-            "counter",
-            "Ledger ranges written by those statements.",
-            &[("", get(&self.ledger_rows))],
-        );
-        metric(
-            "idpool_task_panics_total",
-            "counter",
-            "Background tasks and batch handlers that panicked; each was restarted.",
-            &[("", get(&self.task_panics))],
-        );
-        metric(
-            "idpool_ledger_writes_split_total",
-            "counter",
-            "Shared ledger writes that failed and were split until the request at fault stood alone.",
-            &[("", get(&self.ledger_writes_split))],
-        );
-        metric(
-            "idpool_reconcile_runs_total",
-            "counter",
-            "Reconciliation runs of this instance.",
-            &[("", get(&self.reconcile_runs))],
-        );
-        metric(
-            "idpool_reconcile_last_duration_ms",
-            "gauge",
-            "Duration of this instance's last reconciliation run.",
-            &[("", get(&self.reconcile_last_ms))],
-        );
-        let open: Vec<(String, u64)> = self
-            .gaps_open
-            .lock()
-            .map(|g| {
-                g.iter()
-                    .map(|(r, n)| (format!("{{reason=\"{r}\"}}"), *n as u64))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let open: Vec<(&str, u64)> = open.iter().map(|(l, n)| (l.as_str(), *n)).collect();
-        metric(
-            "idpool_gaps_open",
-            "gauge",
-            "Numbers in open gaps by reason, as of the last reconciliation run here.",
-            &open,
-        );
-        metric(
-            "idpool_mode_pool",
-            "gauge",
-            "1 while IDs come from Redis pools, 0 in Postgres fallback.",
-            &[("", u64::from(mode_pool))],
-        );
+        self.mode_pool.set(i64::from(mode_pool));
+        let mut out = String::with_capacity(8192);
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "metrics could not be rendered");
+        }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn existing_metric_names_keep_their_names() {
+        let stats = Stats::default();
+        Stats::add(&stats.ids_from_pool, 3);
+        Stats::add(&stats.refills_busy, 1);
+        let _running = stats.refill_started();
+        stats.set_gaps_open(&[("outbox_dlq", 7)]);
+        let text = stats.render(true);
+        assert_eq!(
+            sample(&text, "idpool_ids_issued_total{source=\"pool\"}"),
+            Some(3.0)
+        );
+        assert_eq!(
+            sample(&text, "idpool_ids_issued_total{source=\"direct\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "idpool_refills_total{outcome=\"busy\"}"),
+            Some(1.0)
+        );
+        assert_eq!(sample(&text, "idpool_refills_in_flight"), Some(1.0));
+        assert_eq!(sample(&text, "idpool_refills_in_flight_peak"), Some(1.0));
+        assert_eq!(
+            sample(&text, "idpool_gaps_open{reason=\"outbox_dlq\"}"),
+            Some(7.0)
+        );
+        assert_eq!(sample(&text, "idpool_mode_pool"), Some(1.0));
+        assert_eq!(sample(&text, "idpool_ledger_writes_split_total"), Some(0.0));
+        assert!(text.contains("# HELP idpool_pool_pops Pop round trips to Redis.\n"));
+    }
+
+    #[test]
+    fn request_latency_is_a_histogram_per_route_and_status() {
+        let stats = Stats::default();
+        let labels = RequestLabels {
+            method: "POST".into(),
+            route: "/api/v1/ids".into(),
+            status: 200,
+        };
+        stats.observe_request(&labels, Duration::from_millis(3));
+        stats.observe_request(&labels, Duration::from_millis(300));
+        let text = stats.render(false);
+        let series = "idpool_http_request_duration_seconds_count{method=\"POST\",route=\"/api/v1/ids\",status=\"200\"}";
+        assert_eq!(sample(&text, series), Some(2.0));
+        let bucket = text
+            .lines()
+            .find(|l| {
+                l.starts_with("idpool_http_request_duration_seconds_bucket{")
+                    && l.contains("route=\"/api/v1/ids\"")
+                    && l.contains("le=\"0.004\"")
+            })
+            .and_then(|l| l.rsplit_once(' '))
+            .and_then(|(_, n)| n.parse::<f64>().ok());
+        assert_eq!(bucket, Some(1.0), "{text}");
     }
 }

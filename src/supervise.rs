@@ -115,11 +115,7 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(
-            stats.task_panics.load(Ordering::Relaxed),
-            2,
-            "each panic is counted"
-        );
+        assert_eq!(stats.task_panics.get(), 2, "each panic is counted");
         stop.cancel();
         supervisor.finish(Duration::from_secs(5)).await;
         assert!(supervisor.tasks.is_empty(), "the task ended at stop");

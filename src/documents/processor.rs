@@ -7,13 +7,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::outbox::DocumentStatus;
 use super::sink::{Delivery, Sink};
+use crate::stats::Stats;
 
 #[derive(Debug, Clone)]
 pub struct ProcessorSettings {
@@ -78,15 +78,23 @@ pub struct Processor {
     sink: Sink,
     settings: ProcessorSettings,
     wake: Arc<Notify>,
+    stats: Arc<Stats>,
 }
 
 impl Processor {
-    pub fn new(db: PgPool, sink: Sink, settings: ProcessorSettings, wake: Arc<Notify>) -> Self {
+    pub fn new(
+        db: PgPool,
+        sink: Sink,
+        settings: ProcessorSettings,
+        wake: Arc<Notify>,
+        stats: Arc<Stats>,
+    ) -> Self {
         Self {
             db,
             sink,
             settings,
             wake,
+            stats,
         }
     }
 
@@ -133,11 +141,17 @@ impl Processor {
             }
         }
         if !delivered.is_empty() {
-            sqlx::query("UPDATE id_outbox SET status = $2, processed_at = clock_timestamp() WHERE id = ANY($1)")
-                .bind(&delivered)
-                .bind(DocumentStatus::Committed)
-                .execute(&mut *tx)
-                .await?;
+            let lags: Vec<f64> = sqlx::query_scalar(
+                "UPDATE id_outbox SET status = $2, processed_at = clock_timestamp() WHERE id = ANY($1) \
+                 RETURNING extract(epoch FROM processed_at - created_at)::float8",
+            )
+            .bind(&delivered)
+            .bind(DocumentStatus::Committed)
+            .fetch_all(&mut *tx)
+            .await?;
+            for lag in lags {
+                self.stats.outbox_lag.observe(lag);
+            }
         }
         let mut dead_lettered = 0;
         if !failed_ids.is_empty() {
@@ -179,13 +193,18 @@ impl Processor {
         })
     }
 
-    /// When the next pending row is due, if any.
-    async fn next_due(&self) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    /// How long until the next pending row is due, if there is one, by
+    /// the database's clock (which set the due times).
+    async fn until_next_due(&self) -> Result<Option<Duration>, sqlx::Error> {
         let pending = DocumentStatus::Pending.as_str();
-        let sql = format!("SELECT min(next_retry_at) FROM id_outbox WHERE status = '{pending}'");
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        let sql = format!(
+            "SELECT extract(epoch FROM min(next_retry_at) - clock_timestamp())::float8 \
+             FROM id_outbox WHERE status = '{pending}'"
+        );
+        let seconds: Option<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_one(&self.db)
-            .await
+            .await?;
+        Ok(seconds.map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)))
     }
 
     /// Runs until `stop`: a full batch goes straight on to the next; else it
@@ -231,8 +250,8 @@ impl Processor {
                     continue;
                 }
             };
-            let until_due = match self.next_due().await {
-                Ok(Some(due)) => (due - Utc::now()).to_std().unwrap_or(Duration::ZERO),
+            let until_due = match self.until_next_due().await {
+                Ok(Some(wait)) => wait,
                 _ => self.settings.poll,
             };
             // A row that is due but was not claimed is held by another

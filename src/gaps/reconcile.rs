@@ -142,7 +142,7 @@ impl Reconciler {
         Stats::add(&self.stats.reconcile_runs, 1);
         self.stats
             .reconcile_last_ms
-            .store(summary.duration_ms, std::sync::atomic::Ordering::Relaxed);
+            .set(i64::try_from(summary.duration_ms).unwrap_or(i64::MAX));
         self.record_open_gaps().await;
         tracing::info!(
             periods = summary.periods_scanned,
@@ -159,21 +159,15 @@ impl Reconciler {
     }
 
     async fn record_open_gaps(&self) {
-        let rows: Result<Vec<(String, i64)>, _> = sqlx::query_as(
+        let rows: Result<Vec<(Reason, i64)>, _> = sqlx::query_as(
             "SELECT reason, sum(to_seq - from_seq + 1)::bigint FROM id_gaps WHERE resolved_at IS NULL GROUP BY reason",
         )
         .fetch_all(&self.db)
         .await;
         if let Ok(rows) = rows {
-            let mut open = self
-                .stats
-                .gaps_open
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            open.clear();
-            for (reason, numbers) in rows {
-                open.insert(reason, numbers);
-            }
+            let open: Vec<(&'static str, i64)> =
+                rows.iter().map(|(r, n)| (r.as_str(), *n)).collect();
+            self.stats.set_gaps_open(&open);
         }
     }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -107,9 +107,21 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
     tag = "operations",
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String))
 )]
-pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> impl IntoResponse {
+    // The text is OpenMetrics, which Prometheus reads under either name; a
+    // scraper that asks for OpenMetrics is told so.
+    let asks_openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let content_type = if asks_openmetrics {
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    } else {
+        "text/plain; version=0.0.4"
+    };
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(header::CONTENT_TYPE, content_type)],
         state.stats.render(state.pools.redis().is_up()),
     )
 }

@@ -15,12 +15,13 @@ mod schema;
 mod sequences;
 pub mod server;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, Request};
-use axum::http::{HeaderName, StatusCode};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
+use axum::http::{HeaderName, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use sqlx::PgPool;
@@ -40,7 +41,7 @@ use crate::gaps::reconcile::Reconciler;
 use crate::issuance::Issuer;
 use crate::pool::PoolService;
 use crate::sequence_store::SequenceStore;
-use crate::stats::Stats;
+use crate::stats::{RequestLabels, Stats};
 use problem::ApiError;
 
 /// Largest body the ID and sequence routes accept.
@@ -196,8 +197,12 @@ pub fn app(
     let request_id = HeaderName::from_static("x-request-id");
     let timeout = state.request_timeout;
     let authenticator = state.auth.clone();
+    let stats = state.stats.clone();
     tower::ServiceBuilder::new()
         .map_response(IntoResponse::into_response)
+        .layer(middleware::from_fn(move |req, next| {
+            record_latency(stats.clone(), req, next)
+        }))
         .layer(SetRequestIdLayer::new(
             request_id.clone(),
             RequestIds::new(),
@@ -234,10 +239,53 @@ pub fn router(state: AppState) -> Router {
     let (api, mut document) = api_router().split_for_parts();
     secure(&mut document);
     api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
+        .route_layer(middleware::from_fn(pass_route_on))
         .merge(SwaggerUi::new("/docs").url("/openapi.json", document))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+/// Times every request, whole (authentication and queueing included), by
+/// the route it matched.
+async fn record_latency(stats: Arc<Stats>, req: Request, next: Next) -> Response {
+    let started = std::time::Instant::now();
+    // A fixed set, so invented methods cannot grow the metrics either.
+    let method = match *req.method() {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    };
+    let response = next.run(req).await;
+    let route = match response.extensions().get::<MatchedPath>() {
+        Some(path) => Cow::Owned(path.as_str().to_owned()),
+        // Not one of our routes: one series for all of them, so a scan of
+        // random paths cannot grow the metrics.
+        None => Cow::Borrowed("unmatched"),
+    };
+    let labels = RequestLabels {
+        method: Cow::Borrowed(method),
+        route,
+        status: response.status().as_u16(),
+    };
+    stats.observe_request(&labels, started.elapsed());
+    response
+}
+
+/// Hands the matched route template to [`record_latency`], which runs
+/// outside the router and cannot see it on the request.
+async fn pass_route_on(req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().cloned();
+    let mut response = next.run(req).await;
+    if let Some(route) = route {
+        response.extensions_mut().insert(route);
+    }
+    response
 }
 
 /// Request ids unique across instances without a system call per request:

@@ -389,9 +389,14 @@ impl PoolService {
             return RefillOutcome::Failed;
         };
         let _gauge = self.stats.refill_started();
+        let started = std::time::Instant::now();
         let outcome = self.refill_locked(pool).await;
         let counter = match outcome {
-            RefillOutcome::Refilled => &self.stats.refills_done,
+            RefillOutcome::Refilled => {
+                let took = started.elapsed().as_secs_f64();
+                self.stats.refill_duration.observe(took);
+                &self.stats.refills_done
+            }
             RefillOutcome::Busy => &self.stats.refills_busy,
             RefillOutcome::Failed => &self.stats.refills_failed,
             RefillOutcome::NotNeeded | RefillOutcome::Exhausted => return outcome,

@@ -34,6 +34,74 @@ async fn health_readiness_and_metrics_answer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_time_requests_by_route_and_report_refills_batches_and_outbox_lag() {
+    let app = TestEnv::new().spawn().await;
+    app.issue("M", "1", 1).await;
+    app.issue("M", "1", 1).await;
+    let accepted = app
+        .post_document(
+            &serde_json::json!({"project": "M", "type": "2", "metadata": {}}),
+            None,
+        )
+        .await;
+    assert_eq!(accepted.status(), StatusCode::ACCEPTED);
+    let id = accepted.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    app.wait_for_status(&id, "committed", Duration::from_secs(10))
+        .await;
+    let missing = app
+        .client
+        .get(app.url("/no/such/route"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+
+    let metrics = app.metrics().await;
+    let count = |series: &str| metrics.get(series).copied().unwrap_or_default();
+    let ids = "idpool_http_request_duration_seconds_count{method=\"POST\",route=\"/ids\",status=\"200\"}";
+    assert_eq!(count(ids), 2.0, "one series per route and status");
+    let documents = "idpool_http_request_duration_seconds_count{method=\"POST\",route=\"/documents\",status=\"202\"}";
+    assert_eq!(count(documents), 1.0);
+    let unmatched = "idpool_http_request_duration_seconds_count{method=\"GET\",route=\"unmatched\",status=\"404\"}";
+    assert_eq!(count(unmatched), 1.0, "unknown paths share one series");
+    assert!(
+        !metrics.keys().any(|k| k.contains("/no/such/route")),
+        "raw paths never become labels"
+    );
+    assert!(
+        count("idpool_refill_duration_seconds_count") >= 1.0,
+        "pools were filled"
+    );
+    assert!(count("idpool_pipeline_pop_batch_size_count") >= 3.0);
+    assert!(count("idpool_pipeline_write_batch_size_count") >= 1.0);
+    assert_eq!(
+        count("idpool_outbox_lag_seconds_count"),
+        1.0,
+        "one document delivered"
+    );
+
+    let openmetrics = app
+        .client
+        .get(app.url("/metrics"))
+        .header(
+            "accept",
+            "application/openmetrics-text;version=1.0.0,text/plain;q=0.5",
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(openmetrics.status(), StatusCode::OK);
+    assert_eq!(
+        openmetrics.headers()["content-type"],
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(openmetrics.text().await.unwrap().ends_with("# EOF\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_committed_openapi_document_matches_the_code() {
     let generated = idpool::http::openapi().to_pretty_json().unwrap();
     let committed =
