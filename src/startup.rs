@@ -113,6 +113,7 @@ impl Application {
             sequences.clone(),
             stats.clone(),
             pool_settings,
+            overrides.clock.clone(),
             &batchers,
         );
         let pipeline =
@@ -185,6 +186,7 @@ impl Application {
                     concurrency: config.webhook_concurrency,
                     instance_id: instance_id.clone(),
                     secret: config.webhook_secret.clone(),
+                    clock: overrides.clock.clone(),
                 },
             )?;
             let processor = Arc::new(Processor::new(

@@ -9,6 +9,8 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, Utc};
 use futures::StreamExt;
 use serde::Serialize;
+
+use crate::clock::Clock;
 use serde_json::value::RawValue;
 use sqlx::PgConnection;
 
@@ -155,6 +157,8 @@ pub struct SinkSettings {
     pub instance_id: String,
     /// Webhook: the signing key (`whsec_<base64>`, or the bytes as given).
     pub secret: Option<String>,
+    /// Webhook: the time each delivery is signed with.
+    pub clock: Arc<dyn Clock>,
 }
 
 pub struct Webhook {
@@ -166,6 +170,7 @@ pub struct Webhook {
     concurrency: usize,
     instance_id: String,
     key: Vec<u8>,
+    clock: Arc<dyn Clock>,
 }
 
 pub enum Sink {
@@ -200,6 +205,7 @@ impl Sink {
                     concurrency: settings.concurrency.max(1),
                     instance_id: settings.instance_id.clone(),
                     key: signing_key(secret)?,
+                    clock: settings.clock.clone(),
                 }))
             }
         })
@@ -244,6 +250,7 @@ impl Sink {
                             shown_url: webhook.shown_url.clone(),
                             instance_id: webhook.instance_id.clone(),
                             key: webhook.key.clone(),
+                            clock: webhook.clock.clone(),
                         };
                         async move { post(&client, &target, &delivery).await }
                     })
@@ -342,6 +349,7 @@ struct Target {
     shown_url: String,
     instance_id: String,
     key: Vec<u8>,
+    clock: Arc<dyn Clock>,
 }
 
 /// `scheme://host[:port]/path`: no credentials, query or fragment, which
@@ -398,7 +406,7 @@ async fn post(
     delivery: &Delivery,
 ) -> Result<(), DeliveryError> {
     let body = delivery.json()?;
-    let timestamp = Utc::now().timestamp();
+    let timestamp = target.clock.now().timestamp();
     let signed = signature(&target.key, &delivery.document_id, timestamp, &body);
     let shown = &target.shown_url;
     let mut response = client

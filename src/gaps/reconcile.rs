@@ -532,7 +532,7 @@ impl Reconciler {
                 .await?;
         }
         if !plan.insert.is_empty() {
-            let mut labels = Labels::new(sequence, period, &evidence, &existing);
+            let mut labels = Labels::new(sequence, period, &evidence, &existing, now);
             let mut from_ids = Vec::new();
             let mut to_ids = Vec::new();
             for piece in &plan.insert {
@@ -718,6 +718,9 @@ struct Labels<'a> {
     period: &'a str,
     evidence: &'a FetchedEvidence,
     known: HashMap<i64, String>,
+    /// When this run started: the time printed for a number whose issue
+    /// time nothing records, in a period that has no start.
+    now: DateTime<Utc>,
 }
 
 impl<'a> Labels<'a> {
@@ -726,6 +729,7 @@ impl<'a> Labels<'a> {
         period: &'a str,
         evidence: &'a FetchedEvidence,
         existing: &[(OpenGap, String, String)],
+        now: DateTime<Utc>,
     ) -> Self {
         let mut known = HashMap::new();
         for (gap, from_id, to_id) in existing {
@@ -737,6 +741,7 @@ impl<'a> Labels<'a> {
             period,
             evidence,
             known,
+            now,
         }
     }
 
@@ -774,8 +779,7 @@ impl<'a> Labels<'a> {
             .reset
             .period_named(definition.timezone, self.period)
             .unwrap_or_else(crate::sequence::Period::never);
-        let at =
-            definition.time_within(&period, at.or(period.starts_at()).unwrap_or_else(Utc::now));
+        let at = definition.time_within(&period, at.or(period.starts_at()).unwrap_or(self.now));
         let id = definition
             .shape(
                 self.sequence.project.as_str(),

@@ -112,8 +112,12 @@ pub async fn insert(
     .fetch_all(&mut *conn)
     .await?;
     let by_id: std::collections::HashMap<String, DateTime<Utc>> = created.into_iter().collect();
-    Ok(document_ids
+    document_ids
         .iter()
-        .map(|id| by_id.get(*id).copied().unwrap_or_else(Utc::now))
-        .collect())
+        .map(|id| {
+            by_id.get(*id).copied().ok_or_else(|| {
+                sqlx::Error::Protocol(format!("the outbox insert did not return document {id}"))
+            })
+        })
+        .collect()
 }

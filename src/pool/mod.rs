@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::Utc;
+use crate::clock::Clock;
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use tokio::sync::{Semaphore, oneshot};
@@ -108,6 +108,7 @@ pub struct PoolService {
     sequences: Arc<SequenceStore>,
     stats: Arc<Stats>,
     settings: PoolSettings,
+    clock: Arc<dyn Clock>,
     pops: Batcher<PopRequest>,
     refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
     /// Numbers requests of this instance are waiting for, per pool.
@@ -131,6 +132,7 @@ impl PoolService {
         sequences: Arc<SequenceStore>,
         stats: Arc<Stats>,
         settings: PoolSettings,
+        clock: Arc<dyn Clock>,
         tasks: &TaskTracker,
     ) -> Arc<Self> {
         let pop_link = redis.clone();
@@ -144,6 +146,7 @@ impl PoolService {
             sequences,
             stats,
             settings,
+            clock,
             pops,
             refills_in_flight: Mutex::new(HashMap::new()),
             demand: Mutex::new(HashMap::new()),
@@ -422,7 +425,7 @@ impl PoolService {
                 return RefillOutcome::Failed;
             }
         };
-        let lock_acquired_at = Utc::now();
+        let lock_acquired_at = self.clock.now();
         let now_ms = lock_acquired_at.timestamp_millis();
         let target = self.adapted_target(pool, locked.target, locked.refilled_at_ms, now_ms);
         let demand = self.take_demand(pool);

@@ -61,7 +61,8 @@ async fn metrics_time_requests_by_route_and_report_refills_batches_and_outbox_la
 
     let metrics = app.metrics().await;
     let count = |series: &str| metrics.get(series).copied().unwrap_or_default();
-    let ids = "idpool_http_request_duration_seconds_count{method=\"POST\",route=\"/ids\",status=\"200\"}";
+    let ids =
+        "idpool_http_request_duration_seconds_count{method=\"POST\",route=\"/ids\",status=\"200\"}";
     assert_eq!(count(ids), 2.0, "one series per route and status");
     let documents = "idpool_http_request_duration_seconds_count{method=\"POST\",route=\"/documents\",status=\"202\"}";
     assert_eq!(count(documents), 1.0);
