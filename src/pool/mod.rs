@@ -68,7 +68,7 @@ impl Default for PoolSettings {
         Self {
             refill_concurrency: 8,
             lock_ttl: Duration::from_secs(10),
-            short_wait: Duration::from_secs(2),
+            short_wait: Duration::from_millis(250),
             grow_within: Duration::from_secs(2),
             shrink_after: Duration::from_secs(60),
             max_growth: 64,

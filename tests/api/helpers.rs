@@ -16,6 +16,35 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+/// `TEST_LOG=1`: the logs of in-process apps (at `RUST_LOG`, default
+/// debug) and the output of child processes go to the test's output, which
+/// the test runner shows for a failing test (or all, with --no-capture).
+pub fn test_log() -> bool {
+    std::env::var_os("TEST_LOG").is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+fn init_test_logging() {
+    if test_log() {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("debug"));
+        // Every app of the test process shares the first subscriber.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+/// Where a child process's output goes: the test's output with
+/// `TEST_LOG=1`, else nowhere.
+pub fn child_output() -> std::process::Stdio {
+    if test_log() {
+        std::process::Stdio::inherit()
+    } else {
+        std::process::Stdio::null()
+    }
+}
+
 pub fn base_database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idpool".into())
@@ -205,6 +234,7 @@ impl TestEnv {
     }
 
     pub async fn spawn_with(&self, clock: Arc<dyn Clock>, pool: PoolSettings) -> TestApp {
+        init_test_logging();
         let config = self.config();
         let reconcile = Some(ReconcileSettings {
             interval: Duration::from_secs(3600),
@@ -513,6 +543,27 @@ impl TestApp {
             .collect()
     }
 
+    /// Waits until the metric `series` exceeds `above`; returns its value.
+    pub async fn wait_for_metric_above(&self, series: &str, above: f64, limit: Duration) -> f64 {
+        let started = Instant::now();
+        loop {
+            let value = self
+                .metrics()
+                .await
+                .get(series)
+                .copied()
+                .unwrap_or_default();
+            if value > above {
+                return value;
+            }
+            assert!(
+                started.elapsed() < limit,
+                "{series} still {value} (not above {above}) after {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn redis_pool_key(&self, project: &str, doc_type: &str, period: &str) -> String {
         format!("{}:{{{project}:{doc_type}:{period}}}:pool", self.env.prefix)
     }
@@ -582,7 +633,7 @@ pub struct ServeProcess {
 impl ServeProcess {
     /// Starts the binary on `env` and waits until it answers /readyz.
     pub async fn start(env: &TestEnv) -> Self {
-        Self::launch(env, std::process::Stdio::null(), None).await
+        Self::launch(env, child_output(), None).await
     }
 
     /// The same, its logs (at `level`) written to `log`.
@@ -612,7 +663,7 @@ impl ServeProcess {
                 command.stderr(file).env("RUST_LOG", level);
             }
             None => {
-                command.stderr(std::process::Stdio::null());
+                command.stderr(child_output());
             }
         }
         let child = command.spawn().expect("idpool binary starts");

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::{DateTime, Duration, Utc};
-use idpool::clock::ManualClock;
+use idpool::clock::{ManualClock, SystemClock};
+use idpool::pool::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::json;
 use tokio::sync::Barrier;
@@ -47,7 +48,18 @@ async fn hundred_requests_released_at_once_get_hundred_distinct_ids() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_10000_is_distinct_ascending_and_formatted() {
-    let app = TestEnv::new().spawn().await;
+    // A request bigger than the pool waits for the refill it needs, and
+    // the next request continues above it: when that refill arrives within
+    // the wait. Under a loaded machine it may not within the default 250 ms
+    // (the rest then comes from the counter, above the refill's block), so
+    // this test gives the wait room rather than racing it.
+    let settings = PoolSettings {
+        short_wait: std::time::Duration::from_secs(60),
+        ..PoolSettings::default()
+    };
+    let app = TestEnv::new()
+        .spawn_with(Arc::new(SystemClock), settings)
+        .await;
     let (ids, seqs) = app.issue("BIG", "7", 10_000).await;
     assert_eq!(ids.len(), 10_000);
     assert!(

@@ -29,7 +29,7 @@ fn import(app: &TestApp, key: &str, file: &Path, out: &Path, extra: &[&str]) -> 
         .arg("--out")
         .arg(out)
         .args(extra)
-        .stdout(Stdio::null())
+        .stdout(crate::helpers::child_output())
         .stderr(Stdio::piped());
     command
 }

@@ -1,7 +1,7 @@
 //! Health, readiness, metrics, the OpenAPI document, start without Redis,
 //! and graceful shutdown of the real binary.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -192,8 +192,8 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         // Local development mode: allowed on a loopback address.
         .env("IDPOOL_AUTH", "off")
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(crate::helpers::child_output())
+        .stderr(crate::helpers::child_output())
         .spawn()
         .unwrap();
     let client = reqwest::Client::new();

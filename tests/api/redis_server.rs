@@ -2,7 +2,7 @@
 //! and restart without touching the shared one.
 
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 pub struct RedisServer {
@@ -52,8 +52,8 @@ impl RedisServer {
             ])
             .arg("--dir")
             .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stdout(crate::helpers::child_output())
+            .stderr(crate::helpers::child_output());
         if persist {
             command.args(["--dbfilename", "dump.rdb"]);
         } else {
@@ -112,7 +112,7 @@ impl RedisServer {
     pub fn restart_with_data(&mut self) {
         let status = Command::new("redis-cli")
             .args(["-p", &self.port.to_string(), "SAVE"])
-            .stdout(Stdio::null())
+            .stdout(crate::helpers::child_output())
             .status()
             .expect("redis-cli");
         assert!(status.success(), "SAVE failed");

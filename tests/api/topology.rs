@@ -5,7 +5,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -81,8 +81,8 @@ impl RedisNode {
             .arg("--dir")
             .arg(&self.dir)
             .args(&self.args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(crate::helpers::child_output())
+            .stderr(crate::helpers::child_output())
             .spawn()
             .expect("redis-server starts");
         self.child = Some(child);
@@ -182,8 +182,8 @@ impl RedisCluster {
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-yes"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(crate::helpers::child_output())
+            .stderr(crate::helpers::child_output())
             .status()
             .expect("redis-cli --cluster create");
         assert!(status.success(), "cluster create failed");
@@ -248,8 +248,8 @@ impl RedisSentinel {
             .arg(&config)
             .arg("--sentinel")
             .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(crate::helpers::child_output())
+            .stderr(crate::helpers::child_output())
             .spawn()
             .expect("sentinel starts");
         wait_for_port(sentinel_port);
