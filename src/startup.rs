@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::PgPool;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -21,6 +22,7 @@ use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
+use crate::pipeline::Pipeline;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
@@ -59,175 +61,23 @@ impl Application {
     }
 
     pub async fn build_with(config: &Config, overrides: Overrides) -> anyhow::Result<Self> {
-        let limits = config.db_limits();
-        let db = db::connect(&config.database_url, config.db_pool_size, limits).await?;
+        let db = db::connect(
+            &config.database_url,
+            config.db_pool_size,
+            config.db_limits(),
+        )
+        .await?;
         if config.migrate.is_on() {
             db::migrate(&db).await?;
         }
         let stop = CancellationToken::new();
         let stats = Arc::new(Stats::default());
         let supervisor = Supervisor::new(stop.clone(), stats.clone());
-        // The batch collectors of the hot path live as long as the
-        // handles to them; tracked, not waited for.
-        let batchers = TaskTracker::new();
-        let redis = RedisLink::connect(
-            &RedisSettings {
-                url: config.redis_url.clone(),
-                prefix: config.redis_prefix.clone(),
-                clients: config.redis_clients,
-                command_timeout: Duration::from_millis(config.redis_timeout_ms.max(1)),
-            },
-            stats.clone(),
-        )?;
-        let keys = Arc::new(KeyStore::new(db.clone()));
-        let auth = Arc::new(if config.auth.is_on() {
-            Authenticator::new(keys.clone(), config.rate_limit)
-        } else {
-            Authenticator::off(keys.clone())
-        });
-        let sequences = Arc::new(SequenceStore::new(
-            db.clone(),
-            config.max_sequences_per_project as usize,
-        ));
-        let options = (*db.connect_options()).clone();
-        let refill_db = db::pool(
-            options.clone(),
-            config.refill_concurrency.clamp(1, 4) as u32,
-            limits,
-        )
-        .await?;
-        let background_db = db::pool(options, 2, limits.for_background()).await?;
-        let instance_id = config.instance_id();
-        let counter = Arc::new(Counter::new(refill_db, instance_id.clone()));
-        let installation: uuid::Uuid = sqlx::query_scalar("SELECT id FROM installation")
-            .fetch_one(&db)
-            .await?;
-        let pool_settings = PoolSettings {
-            refill_concurrency: config.refill_concurrency,
-            installation: installation.to_string(),
-            ..overrides.pool
-        };
-        let pools = PoolService::new(
-            redis,
-            counter.clone(),
-            sequences.clone(),
-            stats.clone(),
-            pool_settings,
-            overrides.clock.clone(),
-            &batchers,
-        );
-        let pipeline =
-            crate::pipeline::Pipeline::spawn(db.clone(), pools.clone(), stats.clone(), &batchers);
-        let issuer = Arc::new(Issuer {
-            pipeline,
-            sequences: sequences.clone(),
-            pools: pools.clone(),
-            counter,
-            clock: overrides.clock.clone(),
-            stats: stats.clone(),
-            db: db.clone(),
-        });
-        let documents = Documents {
-            issuer: issuer.clone(),
-        };
-        let reconciler = Arc::new(Reconciler {
-            db: background_db,
-            redis: pools.redis().clone(),
-            pools: pools.clone(),
-            sequences: sequences.clone(),
-            clock: overrides.clock.clone(),
-            stats: stats.clone(),
-            settings: overrides
-                .reconcile
-                .unwrap_or_else(|| config.reconcile_settings()),
-            instance_id: instance_id.clone(),
-        });
-        let outbox_wake = Arc::new(Notify::new());
-        {
-            let (pools, stop) = (pools.clone(), stop.clone());
-            supervisor.spawn("redis watch", move || {
-                pools.clone().watch_redis(stop.clone())
-            });
-        }
-        {
-            let subscribers: listen::Subscribers = vec![
-                sequences.clone(),
-                keys.clone(),
-                Arc::new(OutboxWake(outbox_wake.clone())),
-            ];
-            let (db, stop) = (db.clone(), stop.clone());
-            supervisor.spawn("notifications", move || {
-                listen::run(db.clone(), subscribers.clone(), stop.clone())
-            });
-        }
-        {
-            let (auth, stop) = (auth.clone(), stop.clone());
-            supervisor.spawn("key use", move || {
-                crate::auth::record_use_periodically(auth.clone(), stop.clone())
-            });
-        }
-        {
-            let (db, stop) = (db.clone(), stop.clone());
-            supervisor.spawn("idempotency pruning", move || {
-                idempotency::prune_periodically(db.clone(), stop.clone())
-            });
-        }
-        if config.reconcile.is_on() {
-            let (reconciler, stop) = (reconciler.clone(), stop.clone());
-            supervisor.spawn("reconciliation", move || {
-                reconciler.clone().run_periodically(stop.clone())
-            });
-        }
-        if config.outbox_processor.is_on() {
-            let sink = Sink::build(
-                &config.sink,
-                &SinkSettings {
-                    timeout: Duration::from_millis(config.webhook_timeout_ms),
-                    concurrency: config.webhook_concurrency,
-                    instance_id: instance_id.clone(),
-                    secret: config.webhook_secret.clone(),
-                    clock: overrides.clock.clone(),
-                },
-            )?;
-            let processor = Arc::new(Processor::new(
-                db.clone(),
-                sink,
-                config.processor_settings(),
-                outbox_wake,
-                stats.clone(),
-            ));
-            // Several loops, so delivery can use more than one core of
-            // Postgres; SKIP LOCKED keeps them off each other's rows.
-            for _ in 0..config.outbox_workers {
-                let (processor, stop) = (processor.clone(), stop.clone());
-                supervisor.spawn("outbox processor", move || {
-                    processor.clone().run(stop.clone())
-                });
-            }
-        }
-        crate::db::warn_without_synchronous_standby(&db).await;
-        // The first request takes from the pool like every later one: a
-        // restart must not hand out numbers past the pool from Postgres.
-        let wait = Duration::from_millis(config.redis_start_wait_ms);
-        if !wait.is_zero() && !pools.redis().wait_up(wait).await {
-            tracing::warn!(
-                waited_ms = config.redis_start_wait_ms,
-                "Redis pools not in use yet; serving from Postgres until they are"
-            );
-        }
-        let state = AppState(Arc::new(AppInner {
-            auth,
-            issuer,
-            documents,
-            reconciler,
-            sequences,
-            pools,
-            stats,
-            clock: overrides.clock,
-            db,
-            request_timeout: config.request_timeout(),
-            batch_slots: Arc::new(tokio::sync::Semaphore::new(config.batch_concurrency.max(1))),
-        }));
+        let parts = Parts::build(config, &overrides, db, stats).await?;
+        parts.start_background(config, &overrides, &supervisor, &stop)?;
+        crate::db::warn_without_synchronous_standby(&parts.db).await;
+        parts.wait_for_pools(config).await;
+        let state = parts.into_state(config, overrides.clock);
         let listener = TcpListener::bind(&config.listen).await?;
         Ok(Self {
             listener,
@@ -274,6 +124,242 @@ impl Application {
         pools.redis().shutdown().await;
         tracing::info!("idpool stopped");
         Ok(())
+    }
+}
+
+/// Everything the routes and the background tasks share, built once.
+struct Parts {
+    db: PgPool,
+    stats: Arc<Stats>,
+    keys: Arc<KeyStore>,
+    auth: Arc<Authenticator>,
+    sequences: Arc<SequenceStore>,
+    pools: Arc<PoolService>,
+    issuer: Arc<Issuer>,
+    reconciler: Arc<Reconciler>,
+    instance_id: String,
+}
+
+impl Parts {
+    async fn build(
+        config: &Config,
+        overrides: &Overrides,
+        db: PgPool,
+        stats: Arc<Stats>,
+    ) -> anyhow::Result<Self> {
+        let keys = Arc::new(KeyStore::new(db.clone()));
+        let auth = Arc::new(if config.auth.is_on() {
+            Authenticator::new(keys.clone(), config.rate_limit)
+        } else {
+            Authenticator::off(keys.clone())
+        });
+        let sequences = Arc::new(SequenceStore::new(
+            db.clone(),
+            config.max_sequences_per_project as usize,
+        ));
+        let instance_id = config.instance_id();
+        let pools = Self::pools(config, overrides, &db, &sequences, &stats, &instance_id).await?;
+        let issuer = Arc::new(Issuer {
+            pipeline: Pipeline::spawn(
+                db.clone(),
+                pools.clone(),
+                stats.clone(),
+                &TaskTracker::new(),
+            ),
+            sequences: sequences.clone(),
+            pools: pools.clone(),
+            counter: pools.counter().clone(),
+            clock: overrides.clock.clone(),
+            stats: stats.clone(),
+            db: db.clone(),
+        });
+        let background_db = db::pool(
+            (*db.connect_options()).clone(),
+            2,
+            config.db_limits().for_background(),
+        )
+        .await?;
+        let reconciler = Arc::new(Reconciler {
+            db: background_db,
+            redis: pools.redis().clone(),
+            pools: pools.clone(),
+            sequences: sequences.clone(),
+            clock: overrides.clock.clone(),
+            stats: stats.clone(),
+            settings: overrides
+                .reconcile
+                .clone()
+                .unwrap_or_else(|| config.reconcile_settings()),
+            instance_id: instance_id.clone(),
+        });
+        Ok(Self {
+            db,
+            stats,
+            keys,
+            auth,
+            sequences,
+            pools,
+            issuer,
+            reconciler,
+            instance_id,
+        })
+    }
+
+    /// Redis, the counter on its own small connection pool (refills must
+    /// not queue behind requests), and the pool service over both.
+    async fn pools(
+        config: &Config,
+        overrides: &Overrides,
+        db: &PgPool,
+        sequences: &Arc<SequenceStore>,
+        stats: &Arc<Stats>,
+        instance_id: &str,
+    ) -> anyhow::Result<Arc<PoolService>> {
+        let redis = RedisLink::connect(
+            &RedisSettings {
+                url: config.redis_url.clone(),
+                prefix: config.redis_prefix.clone(),
+                clients: config.redis_clients,
+                command_timeout: Duration::from_millis(config.redis_timeout_ms.max(1)),
+            },
+            stats.clone(),
+        )?;
+        let refill_db = db::pool(
+            (*db.connect_options()).clone(),
+            config.refill_concurrency.clamp(1, 4) as u32,
+            config.db_limits(),
+        )
+        .await?;
+        let counter = Arc::new(Counter::new(refill_db, instance_id.to_owned()));
+        let installation: uuid::Uuid = sqlx::query_scalar("SELECT id FROM installation")
+            .fetch_one(db)
+            .await?;
+        let settings = PoolSettings {
+            refill_concurrency: config.refill_concurrency,
+            installation: installation.to_string(),
+            ..overrides.pool.clone()
+        };
+        // The batch collectors of the hot path live as long as the handles
+        // to them; tracked, not waited for.
+        Ok(PoolService::new(
+            redis,
+            counter,
+            sequences.clone(),
+            stats.clone(),
+            settings,
+            overrides.clock.clone(),
+            &TaskTracker::new(),
+        ))
+    }
+
+    /// The supervised loops: Redis watch, notifications, key use,
+    /// idempotency pruning, and (when on) reconciliation and the outbox.
+    fn start_background(
+        &self,
+        config: &Config,
+        overrides: &Overrides,
+        supervisor: &Supervisor,
+        stop: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let outbox_wake = Arc::new(Notify::new());
+        let (pools, auth, db) = (self.pools.clone(), self.auth.clone(), self.db.clone());
+        let watch_stop = stop.clone();
+        supervisor.spawn("redis watch", move || {
+            pools.clone().watch_redis(watch_stop.clone())
+        });
+        let subscribers: listen::Subscribers = vec![
+            self.sequences.clone(),
+            self.keys.clone(),
+            Arc::new(OutboxWake(outbox_wake.clone())),
+        ];
+        let (listen_db, listen_stop) = (db.clone(), stop.clone());
+        supervisor.spawn("notifications", move || {
+            listen::run(listen_db.clone(), subscribers.clone(), listen_stop.clone())
+        });
+        let key_stop = stop.clone();
+        supervisor.spawn("key use", move || {
+            crate::auth::record_use_periodically(auth.clone(), key_stop.clone())
+        });
+        let (prune_db, prune_stop) = (db.clone(), stop.clone());
+        supervisor.spawn("idempotency pruning", move || {
+            idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
+        });
+        if config.reconcile.is_on() {
+            let (reconciler, stop) = (self.reconciler.clone(), stop.clone());
+            supervisor.spawn("reconciliation", move || {
+                reconciler.clone().run_periodically(stop.clone())
+            });
+        }
+        if config.outbox_processor.is_on() {
+            self.start_outbox(config, overrides, supervisor, stop, outbox_wake)?;
+        }
+        Ok(())
+    }
+
+    fn start_outbox(
+        &self,
+        config: &Config,
+        overrides: &Overrides,
+        supervisor: &Supervisor,
+        stop: &CancellationToken,
+        wake: Arc<Notify>,
+    ) -> anyhow::Result<()> {
+        let sink = Sink::build(
+            &config.sink,
+            &SinkSettings {
+                timeout: Duration::from_millis(config.webhook_timeout_ms),
+                concurrency: config.webhook_concurrency,
+                instance_id: self.instance_id.clone(),
+                secret: config.webhook_secret.clone(),
+                clock: overrides.clock.clone(),
+            },
+        )?;
+        let processor = Arc::new(Processor::new(
+            self.db.clone(),
+            sink,
+            config.processor_settings(),
+            wake,
+            self.stats.clone(),
+        ));
+        // Several loops, so delivery can use more than one core of
+        // Postgres; SKIP LOCKED keeps them off each other's rows.
+        for _ in 0..config.outbox_workers {
+            let (processor, stop) = (processor.clone(), stop.clone());
+            supervisor.spawn("outbox processor", move || {
+                processor.clone().run(stop.clone())
+            });
+        }
+        Ok(())
+    }
+
+    /// The first request takes from the pool like every later one: a
+    /// restart must not hand out numbers past the pool from Postgres.
+    async fn wait_for_pools(&self, config: &Config) {
+        let wait = Duration::from_millis(config.redis_start_wait_ms);
+        if !wait.is_zero() && !self.pools.redis().wait_up(wait).await {
+            tracing::warn!(
+                waited_ms = config.redis_start_wait_ms,
+                "Redis pools not in use yet; serving from Postgres until they are"
+            );
+        }
+    }
+
+    fn into_state(self, config: &Config, clock: Arc<dyn Clock>) -> AppState {
+        AppState(Arc::new(AppInner {
+            auth: self.auth,
+            documents: Documents {
+                issuer: self.issuer.clone(),
+            },
+            issuer: self.issuer,
+            reconciler: self.reconciler,
+            sequences: self.sequences,
+            pools: self.pools,
+            stats: self.stats,
+            clock,
+            db: self.db,
+            request_timeout: config.request_timeout(),
+            batch_slots: Arc::new(tokio::sync::Semaphore::new(config.batch_concurrency.max(1))),
+        }))
     }
 }
 

@@ -119,114 +119,128 @@ impl Default for Stats {
             outbox_lag: latency_histogram(),
             registry: Registry::default(),
         };
-        let r = &mut registry;
-        r.register(
+        let counters = [
+            ("pool_pops", "Pop round trips to Redis", &stats.pool_pops),
+            (
+                "pool_short",
+                "Requests a pool could not fully serve at once",
+                &stats.pool_short,
+            ),
+            (
+                "stale_numbers_rejected",
+                "Popped numbers the issuance ledger refused as already issued",
+                &stats.stale_numbers_rejected,
+            ),
+            (
+                "pool_numbers_discarded",
+                "Numbers removed from pools unissued (recorded as pool_discarded)",
+                &stats.pool_numbers_discarded,
+            ),
+            (
+                "redis_trips",
+                "Times Redis failed and the instance fell back to Postgres",
+                &stats.redis_trips,
+            ),
+            (
+                "redis_resyncs",
+                "Pool checks after a Redis (re)connect",
+                &stats.redis_resyncs,
+            ),
+            (
+                "ledger_batches",
+                "Shared ledger statements written",
+                &stats.ledger_batches,
+            ),
+            (
+                "ledger_rows",
+                "Ledger ranges written by those statements",
+                &stats.ledger_rows,
+            ),
+            (
+                "task_panics",
+                "Background tasks and batch handlers that panicked; each was restarted",
+                &stats.task_panics,
+            ),
+            (
+                "ledger_writes_split",
+                "Shared ledger writes that failed and were split until the request at fault stood alone",
+                &stats.ledger_writes_split,
+            ),
+            (
+                "reconcile_runs",
+                "Reconciliation runs of this instance",
+                &stats.reconcile_runs,
+            ),
+        ];
+        let gauges = [
+            (
+                "refills_in_flight",
+                "Refills running in this instance now",
+                &stats.refills_in_flight,
+            ),
+            (
+                "refills_in_flight_peak",
+                "Most refills this instance ever ran at once",
+                &stats.refills_in_flight_peak,
+            ),
+            (
+                "reconcile_last_duration_ms",
+                "Duration of this instance's last reconciliation run",
+                &stats.reconcile_last_ms,
+            ),
+            (
+                "mode_pool",
+                "1 while IDs come from Redis pools, 0 in Postgres fallback",
+                &stats.mode_pool,
+            ),
+        ];
+        let histograms = [
+            (
+                "refill_duration_seconds",
+                "Time one pool refill took, lock to push",
+                &stats.refill_duration,
+            ),
+            (
+                "pipeline_pop_batch_size",
+                "Requests served by one pop stage of the pipeline",
+                &stats.pipeline_pop_batch,
+            ),
+            (
+                "pipeline_write_batch_size",
+                "Requests recorded by one shared ledger commit",
+                &stats.pipeline_write_batch,
+            ),
+            (
+                "outbox_lag_seconds",
+                "Time from a document's acceptance to its delivery to the sink",
+                &stats.outbox_lag,
+            ),
+        ];
+        registry.register(
             "ids_issued",
             "Numbers issued to callers, by where they came from",
             issued,
         );
-        r.register(
-            "pool_pops",
-            "Pop round trips to Redis",
-            stats.pool_pops.clone(),
-        );
-        r.register(
-            "pool_short",
-            "Requests a pool could not fully serve at once",
-            stats.pool_short.clone(),
-        );
-        r.register("refills", "Pool refills by outcome", refills);
-        r.register(
-            "refills_in_flight",
-            "Refills running in this instance now",
-            stats.refills_in_flight.clone(),
-        );
-        r.register(
-            "refills_in_flight_peak",
-            "Most refills this instance ever ran at once",
-            stats.refills_in_flight_peak.clone(),
-        );
-        r.register(
-            "stale_numbers_rejected",
-            "Popped numbers the issuance ledger refused as already issued",
-            stats.stale_numbers_rejected.clone(),
-        );
-        r.register(
-            "pool_numbers_discarded",
-            "Numbers removed from pools unissued (recorded as pool_discarded)",
-            stats.pool_numbers_discarded.clone(),
-        );
-        r.register(
-            "redis_trips",
-            "Times Redis failed and the instance fell back to Postgres",
-            stats.redis_trips.clone(),
-        );
-        r.register(
-            "redis_resyncs",
-            "Pool checks after a Redis (re)connect",
-            stats.redis_resyncs.clone(),
-        );
-        r.register(
-            "ledger_batches",
-            "Shared ledger statements written",
-            stats.ledger_batches.clone(),
-        );
-        r.register(
-            "ledger_rows",
-            "Ledger ranges written by those statements",
-            stats.ledger_rows.clone(),
-        );
-        r.register(
-            "task_panics",
-            "Background tasks and batch handlers that panicked; each was restarted",
-            stats.task_panics.clone(),
-        );
-        r.register("ledger_writes_split", "Shared ledger writes that failed and were split until the request at fault stood alone", stats.ledger_writes_split.clone());
-        r.register(
-            "reconcile_runs",
-            "Reconciliation runs of this instance",
-            stats.reconcile_runs.clone(),
-        );
-        r.register(
-            "reconcile_last_duration_ms",
-            "Duration of this instance's last reconciliation run",
-            stats.reconcile_last_ms.clone(),
-        );
-        r.register(
+        registry.register("refills", "Pool refills by outcome", refills);
+        for (name, help, counter) in counters {
+            registry.register(name, help, counter.clone());
+        }
+        for (name, help, gauge) in gauges {
+            registry.register(name, help, gauge.clone());
+        }
+        registry.register(
             "gaps_open",
             "Numbers in open gaps by reason, as of the last reconciliation run here",
             stats.gaps_open.clone(),
         );
-        r.register(
-            "mode_pool",
-            "1 while IDs come from Redis pools, 0 in Postgres fallback",
-            stats.mode_pool.clone(),
-        );
-        r.register(
+        registry.register(
             "http_request_duration_seconds",
             "Time from a request's arrival to its answer, by route and status",
             stats.requests.clone(),
         );
-        r.register(
-            "refill_duration_seconds",
-            "Time one pool refill took, lock to push",
-            stats.refill_duration.clone(),
-        );
-        r.register(
-            "pipeline_pop_batch_size",
-            "Requests served by one pop stage of the pipeline",
-            stats.pipeline_pop_batch.clone(),
-        );
-        r.register(
-            "pipeline_write_batch_size",
-            "Requests recorded by one shared ledger commit",
-            stats.pipeline_write_batch.clone(),
-        );
-        r.register(
-            "outbox_lag_seconds",
-            "Time from a document's acceptance to its delivery to the sink",
-            stats.outbox_lag.clone(),
-        );
+        for (name, help, histogram) in histograms {
+            registry.register(name, help, histogram.clone());
+        }
         Self { registry, ..stats }
     }
 }

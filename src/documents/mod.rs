@@ -195,13 +195,11 @@ impl Documents {
         inputs: &[DocumentInput],
         placements: &Placements,
     ) -> Result<Vec<AcceptedDocument>, BatchError> {
-        let issuer = &self.issuer;
         let placement_of = |input: &DocumentInput| {
             &placements[&(input.project.to_string(), input.doc_type.to_string())]
         };
-
-        // (sequence_id, period, row) per item, filled in below.
-        let mut rows: Vec<Option<(i64, String, OutboxRow)>> = vec![None; inputs.len()];
+        // One outbox row per item, in request order, filled in below.
+        let mut rows: Vec<Option<PlacedRow>> = vec![None; inputs.len()];
         for (index, input) in inputs.iter().enumerate() {
             if let Some(id) = &input.id {
                 let row = attachable(conn, placement_of(input), input, id)
@@ -210,7 +208,6 @@ impl Documents {
                 rows[index] = Some(row);
             }
         }
-
         // New numbers, grouped by sequence period, in request order.
         let mut groups: Vec<(&Placement, Vec<usize>)> = Vec::new();
         for (index, input) in inputs.iter().enumerate().filter(|(_, i)| i.id.is_none()) {
@@ -223,71 +220,94 @@ impl Documents {
                 None => groups.push((placement, vec![index])),
             }
         }
-        for (placement, mut waiting) in groups {
-            let sequence_id = placement.sequence.id;
-            let period = placement.period.key();
-            while !waiting.is_empty() {
-                let seqs = issuer
-                    .obtain(&placement.pool, waiting.len(), Db::Transaction(&mut *conn))
-                    .await
-                    .map_err(|e| BatchError::whole(DocumentError::Issue(e)))?;
-                let refused = ledger::record_in(
-                    conn,
-                    &issuer.stats,
-                    sequence_id,
-                    period,
-                    &seqs,
-                    Via::Document,
-                )
-                .await
-                .map_err(BatchError::whole)?;
-                let taken = without(seqs.clone(), &refused);
-                let mut still_waiting = Vec::new();
-                let mut taken = taken.into_iter();
-                for index in waiting {
-                    match taken.next() {
-                        Some(seq) => {
-                            rows[index] = Some((
-                                sequence_id,
-                                period.to_owned(),
-                                inputs[index].attachment().row(&placement.shape, seq),
-                            ));
-                        }
-                        None => still_waiting.push(index),
-                    }
-                }
-                if !refused.is_empty() {
-                    issuer.refused(&placement.pool, refused.len()).await;
-                }
-                waiting = still_waiting;
-            }
+        for (placement, members) in groups {
+            self.number_group(conn, placement, members, inputs, &mut rows)
+                .await?;
         }
-
-        let rows: Vec<(i64, String, OutboxRow)> = rows.into_iter().flatten().collect();
-        let ids: Vec<&str> = rows
-            .iter()
-            .map(|(_, _, r)| r.document_id.as_str())
-            .collect();
-        if let Some(index) = outbox::first_taken(conn, &ids)
-            .await
-            .map_err(BatchError::whole)?
-        {
-            return Err(BatchError::at(index)(DocumentError::IdTaken(
-                rows[index].2.document_id.clone(),
-            )));
-        }
-        let refs: Vec<(i64, &str, &OutboxRow)> =
-            rows.iter().map(|(s, p, r)| (*s, p.as_str(), r)).collect();
-        let created = ledger::outbox::insert(conn, &refs).await.map_err(|e| {
-            let e: LedgerError = e.into();
-            BatchError::whole(e)
-        })?;
-        Ok(rows
-            .iter()
-            .zip(created)
-            .map(|((_, _, row), created_at)| accepted(row, created_at))
-            .collect())
+        let rows: Vec<PlacedRow> = rows.into_iter().flatten().collect();
+        write_rows(conn, &rows).await
     }
+
+    /// Numbers for the items `members` of one sequence period, recorded in
+    /// the ledger; numbers the ledger refuses (a stale pool) are replaced.
+    async fn number_group(
+        &self,
+        conn: &mut PgConnection,
+        placement: &Placement,
+        mut members: Vec<usize>,
+        inputs: &[DocumentInput],
+        rows: &mut [Option<PlacedRow>],
+    ) -> Result<(), BatchError> {
+        let issuer = &self.issuer;
+        let sequence_id = placement.sequence.id;
+        let period = placement.period.key();
+        while !members.is_empty() {
+            let seqs = issuer
+                .obtain(&placement.pool, members.len(), Db::Transaction(&mut *conn))
+                .await
+                .map_err(|e| BatchError::whole(DocumentError::Issue(e)))?;
+            let refused = ledger::record_in(
+                conn,
+                &issuer.stats,
+                sequence_id,
+                period,
+                &seqs,
+                Via::Document,
+            )
+            .await
+            .map_err(BatchError::whole)?;
+            let mut taken = without(seqs, &refused).into_iter();
+            let mut still_waiting = Vec::new();
+            for index in members {
+                match taken.next() {
+                    Some(seq) => {
+                        let row = inputs[index].attachment().row(&placement.shape, seq);
+                        rows[index] = Some((sequence_id, period.to_owned(), row));
+                    }
+                    None => still_waiting.push(index),
+                }
+            }
+            if !refused.is_empty() {
+                issuer.refused(&placement.pool, refused.len()).await;
+            }
+            members = still_waiting;
+        }
+        Ok(())
+    }
+}
+
+/// An outbox row with the sequence and period its number belongs to.
+type PlacedRow = (i64, String, OutboxRow);
+
+/// Inserts the outbox rows, after checking no other document has one of
+/// their IDs (naming the first item that collides).
+async fn write_rows(
+    conn: &mut PgConnection,
+    rows: &[PlacedRow],
+) -> Result<Vec<AcceptedDocument>, BatchError> {
+    let ids: Vec<&str> = rows
+        .iter()
+        .map(|(_, _, r)| r.document_id.as_str())
+        .collect();
+    if let Some(index) = outbox::first_taken(conn, &ids)
+        .await
+        .map_err(BatchError::whole)?
+    {
+        return Err(BatchError::at(index)(DocumentError::IdTaken(
+            rows[index].2.document_id.clone(),
+        )));
+    }
+    let refs: Vec<(i64, &str, &OutboxRow)> =
+        rows.iter().map(|(s, p, r)| (*s, p.as_str(), r)).collect();
+    let created = ledger::outbox::insert(conn, &refs).await.map_err(|e| {
+        let e: LedgerError = e.into();
+        BatchError::whole(e)
+    })?;
+    Ok(rows
+        .iter()
+        .zip(created)
+        .map(|((_, _, row), created_at)| accepted(row, created_at))
+        .collect())
 }
 
 /// A document whose number the shared batch could not give at once: from

@@ -8,6 +8,8 @@ use sqlx::{PgConnection, PgPool};
 pub use crate::ledger::outbox::DocumentStatus;
 use utoipa::ToSchema;
 
+use super::sink::Delivery;
+
 /// The index (in `ids`) of the first document ID another document has.
 pub async fn first_taken(
     conn: &mut PgConnection,
@@ -233,4 +235,99 @@ async fn transition(
     }
     tx.commit().await?;
     Ok(view)
+}
+
+/// Claims up to `limit` due rows for delivery (locked until the caller's
+/// transaction ends; rows another processor holds are skipped). Their
+/// payload is read only when the sink needs it.
+pub async fn claim_due(
+    conn: &mut PgConnection,
+    limit: i64,
+    with_payload: bool,
+) -> Result<Vec<Delivery>, sqlx::Error> {
+    // Deliveries (a webhook's answers) keep this transaction open while
+    // no statement runs; their own timeouts bound that, not Postgres'.
+    sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
+        .execute(&mut *conn)
+        .await?;
+    let payload = if with_payload {
+        "payload::text"
+    } else {
+        "NULL::text"
+    };
+    // The status spelt out, so the planner matches the partial index of
+    // pending rows.
+    let pending = DocumentStatus::Pending.as_str();
+    let sql = format!(
+        "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
+                seq_number AS seq, created_at, {payload} AS payload \
+         FROM id_outbox WHERE status = '{pending}' AND next_retry_at <= now() \
+         ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+    );
+    sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(limit)
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// Marks rows delivered; returns each one's seconds from acceptance to
+/// delivery.
+pub async fn mark_delivered(
+    conn: &mut PgConnection,
+    row_ids: &[i64],
+) -> Result<Vec<f64>, sqlx::Error> {
+    if row_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar(
+        "UPDATE id_outbox SET status = $2, processed_at = clock_timestamp() WHERE id = ANY($1) \
+         RETURNING extract(epoch FROM processed_at - created_at)::float8",
+    )
+    .bind(row_ids)
+    .bind(DocumentStatus::Committed)
+    .fetch_all(&mut *conn)
+    .await
+}
+
+/// How failed deliveries are retried.
+pub struct Retry {
+    /// Failed attempts after which a document is dead-lettered.
+    pub max_retries: i32,
+    /// Retry n waits base × 2^n.
+    pub backoff_base: std::time::Duration,
+}
+
+/// Records failed deliveries `(row id, error)`: due again after the
+/// backoff, or dead-lettered after the last attempt. Returns how many were
+/// dead-lettered.
+pub async fn mark_failed(
+    conn: &mut PgConnection,
+    failed: &[(i64, String)],
+    retry: &Retry,
+) -> Result<usize, sqlx::Error> {
+    if failed.is_empty() {
+        return Ok(0);
+    }
+    let (ids, errors): (Vec<i64>, Vec<&str>) =
+        failed.iter().map(|(id, e)| (*id, e.as_str())).unzip();
+    let dead: Vec<bool> = sqlx::query_scalar(
+        "UPDATE id_outbox o SET \
+             retry_count = o.retry_count + 1, \
+             last_error = f.error, \
+             status = CASE WHEN o.retry_count + 1 >= $3 THEN $5 ELSE $6 END, \
+             processed_at = CASE WHEN o.retry_count + 1 >= $3 THEN clock_timestamp() END, \
+             next_retry_at = clock_timestamp() + make_interval(secs => $4 * power(2, o.retry_count + 1)) \
+         FROM UNNEST($1::bigint[], $2::text[]) AS f(id, error) \
+         WHERE o.id = f.id \
+         RETURNING o.status = $5",
+    )
+    .bind(&ids)
+    .bind(&errors)
+    .bind(retry.max_retries)
+    .bind(retry.backoff_base.as_secs_f64())
+    .bind(DocumentStatus::DeadLetter)
+    .bind(DocumentStatus::Pending)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(dead.iter().filter(|d| **d).count())
 }

@@ -11,8 +11,8 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::outbox::DocumentStatus;
-use super::sink::{Delivery, Sink};
+use super::outbox::{self, DocumentStatus};
+use super::sink::Sink;
 use crate::stats::Stats;
 
 #[derive(Debug, Clone)]
@@ -101,94 +101,41 @@ impl Processor {
     /// Claims and delivers one batch of due rows.
     pub async fn step(&self) -> Result<Step, sqlx::Error> {
         let mut tx = self.db.begin().await?;
-        // Deliveries (a webhook's answers) keep this transaction open while
-        // no statement runs; their own timeouts bound that, not Postgres'.
-        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
-            .execute(&mut *tx)
-            .await?;
-        let payload = if self.sink.needs_payload() {
-            "payload::text"
-        } else {
-            "NULL::text"
-        };
-        // The status spelt out, so the planner matches the partial index
-        // of pending rows.
-        let pending = DocumentStatus::Pending.as_str();
-        let sql = format!(
-            "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
-                    seq_number AS seq, created_at, {payload} AS payload \
-             FROM id_outbox WHERE status = '{pending}' AND next_retry_at <= now() \
-             ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED"
-        );
-        let claimed: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(self.settings.batch_size)
-            .fetch_all(&mut *tx)
-            .await?;
+        let claimed =
+            outbox::claim_due(&mut tx, self.settings.batch_size, self.sink.needs_payload()).await?;
         if claimed.is_empty() {
             return Ok(Step::default());
         }
         let outcomes = self.sink.deliver(&mut tx, &claimed).await;
         let mut delivered = Vec::new();
-        let mut failed_ids = Vec::new();
-        let mut errors = Vec::new();
+        let mut failed = Vec::new();
         for (delivery, outcome) in claimed.iter().zip(outcomes) {
             match outcome {
                 Ok(()) => delivered.push(delivery.row_id),
-                Err(error) => {
-                    failed_ids.push(delivery.row_id);
-                    errors.push(error.to_string());
-                }
+                Err(error) => failed.push((delivery.row_id, error.to_string())),
             }
         }
-        if !delivered.is_empty() {
-            let lags: Vec<f64> = sqlx::query_scalar(
-                "UPDATE id_outbox SET status = $2, processed_at = clock_timestamp() WHERE id = ANY($1) \
-                 RETURNING extract(epoch FROM processed_at - created_at)::float8",
-            )
-            .bind(&delivered)
-            .bind(DocumentStatus::Committed)
-            .fetch_all(&mut *tx)
-            .await?;
-            for lag in lags {
-                self.stats.outbox_lag.observe(lag);
-            }
+        for lag in outbox::mark_delivered(&mut tx, &delivered).await? {
+            self.stats.outbox_lag.observe(lag);
         }
-        let mut dead_lettered = 0;
-        if !failed_ids.is_empty() {
-            let dead: Vec<bool> = sqlx::query_scalar(
-                "UPDATE id_outbox o SET \
-                     retry_count = o.retry_count + 1, \
-                     last_error = f.error, \
-                     status = CASE WHEN o.retry_count + 1 >= $3 THEN $5 ELSE $6 END, \
-                     processed_at = CASE WHEN o.retry_count + 1 >= $3 THEN clock_timestamp() END, \
-                     next_retry_at = clock_timestamp() + make_interval(secs => $4 * power(2, o.retry_count + 1)) \
-                 FROM UNNEST($1::bigint[], $2::text[]) AS f(id, error) \
-                 WHERE o.id = f.id \
-                 RETURNING o.status = $5",
-            )
-            .bind(&failed_ids)
-            .bind(&errors)
-            .bind(self.settings.max_retries)
-            .bind(self.settings.backoff_base.as_secs_f64())
-            .bind(DocumentStatus::DeadLetter)
-            .bind(DocumentStatus::Pending)
-            .fetch_all(&mut *tx)
-            .await?;
-            dead_lettered = dead.iter().filter(|d| **d).count();
-        }
+        let retry = outbox::Retry {
+            max_retries: self.settings.max_retries,
+            backoff_base: self.settings.backoff_base,
+        };
+        let dead_lettered = outbox::mark_failed(&mut tx, &failed, &retry).await?;
         tx.commit().await?;
-        if !failed_ids.is_empty() {
+        if let Some((_, first_error)) = failed.first() {
             tracing::warn!(
-                failed = failed_ids.len(),
+                failed = failed.len(),
                 dead_lettered,
-                first_error = errors.first().map(String::as_str).unwrap_or_default(),
+                first_error,
                 "outbox deliveries failed"
             );
         }
         Ok(Step {
             claimed: claimed.len(),
             delivered: delivered.len(),
-            failed: failed_ids.len(),
+            failed: failed.len(),
             dead_lettered,
         })
     }

@@ -93,6 +93,15 @@ struct ActivePeriod {
     pool_closed: bool,
 }
 
+/// One run as recorded in `reconcile_runs`.
+struct Run {
+    id: i64,
+    /// When it started, by the database's clock.
+    now: DateTime<Utc>,
+    /// When the last finished run started.
+    previous: Option<DateTime<Utc>>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     #[error(transparent)]
@@ -172,36 +181,20 @@ impl Reconciler {
     }
 
     async fn run_locked(&self, conn: &mut PgConnection) -> Result<Summary, ReconcileError> {
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&mut *conn)
-            .await?;
-        let previous: Option<DateTime<Utc>> = sqlx::query_scalar(
-            "SELECT started_at FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
-        )
-        .fetch_optional(&mut *conn)
-        .await?;
-        let run_id: i64 = sqlx::query_scalar(
-            "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
-        )
-        .bind(&self.instance_id)
-        .bind(now)
-        .fetch_one(&mut *conn)
-        .await?;
+        let run = self.start_run(conn).await?;
         let mut summary = Summary {
             redis_available: self.redis.is_up(),
             ..Default::default()
         };
         let mut sequences: HashMap<i64, Arc<Sequence>> = HashMap::new();
-
         // Periods with numbers not judged yet: observe them, then judge
         // what has settled.
-        let active = self.active_periods(conn).await?;
-        for period in &active {
+        for period in &self.active_periods(conn).await? {
             let Some(sequence) = self.sequence(&mut sequences, period.sequence_id).await? else {
                 continue;
             };
             if summary.redis_available {
-                match self.observe(conn, &sequence, period, now).await {
+                match self.observe(conn, &sequence, period, run.now).await {
                     Ok(closed) => summary.pools_closed += usize::from(closed),
                     Err(ReconcileError::Redis(e)) => {
                         tracing::warn!(error = %e, "could not observe a pool; new numbers wait for the next run");
@@ -210,53 +203,11 @@ impl Reconciler {
                     Err(e) => return Err(e),
                 }
             }
-            let settled_before =
-                now - chrono::Duration::from_std(self.settings.settle).unwrap_or_default();
-            let bound: Option<i64> = sqlx::query_scalar(
-                "SELECT max(bound) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at <= $3",
-            )
-            .bind(period.sequence_id)
-            .bind(&period.period)
-            .bind(settled_before)
-            .fetch_one(&mut *conn)
-            .await?;
-            let Some(bound) = bound.filter(|b| *b > period.checkpoint) else {
-                continue;
-            };
-            let window = SeqRange::new(period.checkpoint, bound);
-            self.rejudge(
-                conn,
-                &sequence,
-                &period.period,
-                &[window],
-                now,
-                &mut summary,
-            )
-            .await?;
-            sqlx::query(
-                "INSERT INTO reconcile_periods (sequence_id, period, checkpoint) VALUES ($1, $2, $3) \
-                 ON CONFLICT (sequence_id, period) DO UPDATE SET checkpoint = EXCLUDED.checkpoint",
-            )
-            .bind(period.sequence_id)
-            .bind(&period.period)
-            .bind(bound)
-            .execute(&mut *conn)
-            .await?;
-            // Marks older than the one just used will never be needed again.
-            sqlx::query(
-                "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at < \
-                 (SELECT max(observed_at) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 \
-                  AND observed_at <= $3)",
-            )
-            .bind(period.sequence_id)
-            .bind(&period.period)
-            .bind(settled_before)
-            .execute(&mut *conn)
-            .await?;
+            self.judge_settled(conn, &sequence, period, run.now, &mut summary)
+                .await?;
         }
-
         // Numbers already judged whose evidence changed since the last run.
-        if let Some(previous) = previous {
+        if let Some(previous) = run.previous {
             let since =
                 previous - chrono::Duration::from_std(self.settings.lookback).unwrap_or_default();
             for ((sequence_id, period), seqs) in self.changed_since(conn, since).await? {
@@ -264,19 +215,88 @@ impl Reconciler {
                     continue;
                 };
                 let windows = runs(&seqs);
-                self.rejudge(conn, &sequence, &period, &windows, now, &mut summary)
+                self.rejudge(conn, &sequence, &period, &windows, run.now, &mut summary)
                     .await?;
             }
         }
-
         sqlx::query(
             "UPDATE reconcile_runs SET finished_at = clock_timestamp(), summary = $2 WHERE id = $1",
         )
-        .bind(run_id)
+        .bind(run.id)
         .bind(serde_json::to_value(&summary).unwrap_or_default())
         .execute(&mut *conn)
         .await?;
         Ok(summary)
+    }
+
+    /// Records the run's start, by the database's clock, and finds when
+    /// the last finished run started.
+    async fn start_run(&self, conn: &mut PgConnection) -> Result<Run, sqlx::Error> {
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&mut *conn)
+            .await?;
+        let previous: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "SELECT started_at FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_optional(&mut *conn)
+        .await?;
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
+        )
+        .bind(&self.instance_id)
+        .bind(now)
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(Run { id, now, previous })
+    }
+
+    /// Judges the numbers of `period` below its newest mark that is older
+    /// than the settle time, then moves its checkpoint there.
+    async fn judge_settled(
+        &self,
+        conn: &mut PgConnection,
+        sequence: &Arc<Sequence>,
+        period: &ActivePeriod,
+        now: DateTime<Utc>,
+        summary: &mut Summary,
+    ) -> Result<(), ReconcileError> {
+        let settled_before =
+            now - chrono::Duration::from_std(self.settings.settle).unwrap_or_default();
+        let bound: Option<i64> = sqlx::query_scalar(
+            "SELECT max(bound) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at <= $3",
+        )
+        .bind(period.sequence_id)
+        .bind(&period.period)
+        .bind(settled_before)
+        .fetch_one(&mut *conn)
+        .await?;
+        let Some(bound) = bound.filter(|b| *b > period.checkpoint) else {
+            return Ok(());
+        };
+        let window = SeqRange::new(period.checkpoint, bound);
+        self.rejudge(conn, sequence, &period.period, &[window], now, summary)
+            .await?;
+        sqlx::query(
+            "INSERT INTO reconcile_periods (sequence_id, period, checkpoint) VALUES ($1, $2, $3) \
+             ON CONFLICT (sequence_id, period) DO UPDATE SET checkpoint = EXCLUDED.checkpoint",
+        )
+        .bind(period.sequence_id)
+        .bind(&period.period)
+        .bind(bound)
+        .execute(&mut *conn)
+        .await?;
+        // Marks older than the one just used will never be needed again.
+        sqlx::query(
+            "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at < \
+             (SELECT max(observed_at) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 \
+              AND observed_at <= $3)",
+        )
+        .bind(period.sequence_id)
+        .bind(&period.period)
+        .bind(settled_before)
+        .execute(&mut *conn)
+        .await?;
+        Ok(())
     }
 
     async fn sequence(

@@ -171,6 +171,10 @@ impl PoolService {
         }
     }
 
+    pub fn counter(&self) -> &Arc<Counter> {
+        &self.counter
+    }
+
     pub fn redis(&self) -> &Arc<RedisLink> {
         &self.redis
     }
