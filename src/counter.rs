@@ -163,6 +163,7 @@ impl Counter {
     }
 
     /// Reserves up to `want` numbers for a pool (fewer near `max`).
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn reserve_pool_block(
         &self,
         sequence: &Sequence,

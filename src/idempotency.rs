@@ -105,6 +105,7 @@ pub async fn wait_for_twins_briefly(conn: &mut PgConnection) -> Result<(), sqlx:
 /// Claims `keys` (key, fingerprint) for `caller` in one round trip (plus
 /// one to read the answers of keys used before). In key order, so two
 /// batches sharing keys cannot deadlock.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn claim(
     conn: &mut PgConnection,
     caller: &Caller,
@@ -163,6 +164,7 @@ pub async fn claim(
 }
 
 /// Stores the answers of claimed keys; commits with the caller's work.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn store(
     conn: &mut PgConnection,
     caller: &Caller,
@@ -189,6 +191,7 @@ pub async fn store(
 }
 
 /// Deletes answers older than `ttl`; returns how many.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn prune(db: &PgPool, ttl: Duration) -> Result<u64, sqlx::Error> {
     let result = sqlx::query(
         "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)",

@@ -257,6 +257,7 @@ impl SequenceStore {
     }
 
     /// The sequence if it was defined or used, read fresh from Postgres.
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn get(
         &self,
         project: &str,
@@ -290,6 +291,7 @@ impl SequenceStore {
 
     /// Sequences of `projects` (`None`: all) ordered by (project, type),
     /// after the given pair.
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn list(
         &self,
         after: Option<(&str, &str)>,
@@ -325,6 +327,7 @@ impl SequenceStore {
     /// sequence with issued numbers unless `force`, and any definition whose
     /// IDs could read like IDs of another sequence of the project or like
     /// IDs this one printed under an earlier format.
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn put(
         &self,
         project: &ProjectCode,

@@ -173,6 +173,7 @@ impl KeyStore {
         }
     }
 
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn create(&self, new: &NewKey) -> Result<Created, KeyError> {
         match (new.admin, new.projects.is_empty()) {
             (false, true) => return Err(KeyError::NoScope),
@@ -219,6 +220,7 @@ impl KeyStore {
         }
     }
 
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn list(&self) -> Result<Vec<ApiKey>, KeyError> {
         let sql = format!("SELECT {COLUMNS} FROM api_keys ORDER BY created_at, id");
         let rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -228,6 +230,7 @@ impl KeyStore {
     }
 
     /// Revokes a key; every instance forgets it at once.
+    #[tracing::instrument(skip_all, level = "debug")]
     pub async fn revoke(&self, id: &str) -> Result<ApiKey, KeyError> {
         let mut tx = self.db.begin().await?;
         let sql = format!(

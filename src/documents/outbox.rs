@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 use super::sink::Delivery;
 
 /// The index (in `ids`) of the first document ID another document has.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn first_taken(
     conn: &mut PgConnection,
     ids: &[&str],
@@ -73,6 +74,7 @@ const VIEW_COLUMNS: &str = "document_id AS id, tenant_code AS project, entity_ty
      created_at, processed_at, id AS row_id";
 
 /// A document of one of `projects` (`None`: any project).
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn find(
     db: &PgPool,
     document_id: &str,
@@ -99,6 +101,7 @@ pub struct ListFilter<'a> {
     pub limit: i64,
 }
 
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentView>, sqlx::Error> {
     // The status is spelt out in the SQL (it is one of four fixed words),
     // so the planner can use the index of unfinished documents for it.
@@ -240,6 +243,7 @@ async fn transition(
 /// Claims up to `limit` due rows for delivery (locked until the caller's
 /// transaction ends; rows another processor holds are skipped). Their
 /// payload is read only when the sink needs it.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn claim_due(
     conn: &mut PgConnection,
     limit: i64,
@@ -272,6 +276,7 @@ pub async fn claim_due(
 
 /// Marks rows delivered; returns each one's seconds from acceptance to
 /// delivery.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn mark_delivered(
     conn: &mut PgConnection,
     row_ids: &[i64],
@@ -300,6 +305,7 @@ pub struct Retry {
 /// Records failed deliveries `(row id, error)`: due again after the
 /// backoff, or dead-lettered after the last attempt. Returns how many were
 /// dead-lettered.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn mark_failed(
     conn: &mut PgConnection,
     failed: &[(i64, String)],

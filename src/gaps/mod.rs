@@ -43,6 +43,7 @@ pub struct GapQuery<'a> {
 }
 
 /// Open gaps of a sequence in (period, position) order, from the index.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::Error> {
     let (after_period, after_seq) = query.after.clone().unwrap_or((String::new(), i64::MIN));
     sqlx::query_as(

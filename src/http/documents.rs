@@ -238,6 +238,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
         (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn create_document(
     State(state): State<AppState>,
     caller: Caller,
@@ -340,6 +341,7 @@ async fn accept_keyed(
         (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn create_document_short(
     state: State<AppState>,
     caller: Caller,
@@ -375,6 +377,7 @@ fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
         (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn create_batch(
     State(state): State<AppState>,
     caller: Caller,
@@ -472,6 +475,7 @@ impl axum::extract::FromRequestParts<AppState> for BatchTurn {
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn get_document(
     State(state): State<AppState>,
     caller: Caller,

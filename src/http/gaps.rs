@@ -16,6 +16,7 @@ use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::gaps::reconcile::{ReconcileError, Summary};
 use crate::gaps::{self, Gap, GapQuery, Reason};
+use crate::sequence::Sequence;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -87,6 +88,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         (status = 400, description = "Missing or invalid project, type, period, reason, limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn list_gaps(
     State(state): State<AppState>,
     caller: Caller,
@@ -100,23 +102,10 @@ pub async fn list_gaps(
         ));
     };
     let (project, doc_type) = parse_codes(project, doc_type)?;
-    if let Some(period) = &query.period
-        && !is_period_key(period)
-    {
-        return Err(ApiError::bad_request(
-            "invalid_period",
-            format!("{period:?} is not a period: \"\", YYYY, YYYYMM or YYYYMMDD"),
-        ));
+    if let Some(period) = &query.period {
+        check_period_key(period)?;
     }
-    let reason = match query.reason.as_deref() {
-        None => None,
-        Some(text) => Some(Reason::parse(text).ok_or_else(|| {
-            ApiError::bad_request(
-                "invalid_reason",
-                format!("reason {text:?} is not one of issued_unattached, outbox_dlq, abandoned, pool_discarded, untracked_loss"),
-            )
-        })?),
-    };
+    let reason = query.reason.as_deref().map(parse_reason).transpose()?;
     let page = Page::parse(query.limit, query.cursor.as_deref(), |cursor| {
         let (period, seq) = cursor.rsplit_once(':')?;
         Some((period.to_owned(), seq.parse::<i64>().ok()?))
@@ -132,23 +121,8 @@ pub async fn list_gaps(
     } else {
         None
     };
-    if let Some(period) = &query.period
-        && let Some(sequence) = sequence
-    {
-        let definition = &sequence.definition;
-        if definition
-            .reset
-            .period_named(definition.timezone, period)
-            .is_none()
-        {
-            return Err(ApiError::bad_request(
-                "invalid_period",
-                format!(
-                    "{period:?} is not a period of a {} sequence",
-                    definition.reset.as_str()
-                ),
-            ));
-        }
+    if let (Some(period), Some(sequence)) = (&query.period, sequence) {
+        check_period_of(&sequence, period)?;
     }
     let gaps = if !in_scope {
         Vec::new()
@@ -177,8 +151,43 @@ pub async fn list_gaps(
 }
 
 /// `""`, `YYYY`, `YYYYMM` or `YYYYMMDD`: what a period key can look like.
-fn is_period_key(text: &str) -> bool {
-    matches!(text.len(), 0 | 4 | 6 | 8) && text.bytes().all(|b| b.is_ascii_digit())
+fn check_period_key(text: &str) -> Result<(), ApiError> {
+    if matches!(text.len(), 0 | 4 | 6 | 8) && text.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(
+        "invalid_period",
+        format!("{text:?} is not a period: \"\", YYYY, YYYYMM or YYYYMMDD"),
+    ))
+}
+
+/// A period the sequence's reset can have (a daily one has no `2026`).
+fn check_period_of(sequence: &Sequence, period: &str) -> Result<(), ApiError> {
+    let definition = &sequence.definition;
+    if definition
+        .reset
+        .period_named(definition.timezone, period)
+        .is_some()
+    {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(
+        "invalid_period",
+        format!(
+            "{period:?} is not a period of a {} sequence",
+            definition.reset.as_str()
+        ),
+    ))
+}
+
+fn parse_reason(text: &str) -> Result<Reason, ApiError> {
+    Reason::parse(text).ok_or_else(|| {
+        let reasons: Vec<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        ApiError::bad_request(
+            "invalid_reason",
+            format!("reason {text:?} is not one of {}", reasons.join(", ")),
+        )
+    })
 }
 
 /// Run reconciliation now and return its summary (admin).
@@ -192,6 +201,7 @@ fn is_period_key(text: &str) -> bool {
         (status = 409, description = "Another instance is reconciling", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn reconcile_now(
     State(state): State<AppState>,
     caller: Caller,

@@ -50,6 +50,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 
 /// The process is up (no dependency is checked).
 #[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "The process is up", body = Health)))]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn healthz() -> axum::Json<Health> {
     axum::Json(Health { status: "ok" })
 }
@@ -62,6 +63,7 @@ pub async fn healthz() -> axum::Json<Health> {
     tag = "operations",
     responses((status = 200, description = "Postgres answers: IDs can be served", body = Readiness), (status = 503, description = "Postgres does not answer", body = Readiness))
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Readiness>) {
     let postgres = tokio::time::timeout(
         Duration::from_secs(1),
@@ -107,6 +109,7 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
     tag = "operations",
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String))
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> impl IntoResponse {
     // The text is OpenMetrics, which Prometheus reads under either name; a
     // scraper that asks for OpenMetrics is told so.

@@ -140,6 +140,7 @@ impl IdsInput {
         (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn issue_ids(
     State(state): State<AppState>,
     caller: Caller,
@@ -243,6 +244,7 @@ async fn issue_once(
         (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn issue_ids_short(
     state: State<AppState>,
     caller: Caller,

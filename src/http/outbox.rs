@@ -65,6 +65,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         (status = 400, description = "Invalid filter, limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn list_outbox(
     State(state): State<AppState>,
     caller: Caller,
@@ -124,6 +125,7 @@ fn transition_error(e: TransitionError) -> ApiError {
         (status = 409, description = "Not a dead letter (or abandoned)", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn retry_document(
     State(state): State<AppState>,
     caller: Caller,
@@ -147,6 +149,7 @@ pub async fn retry_document(
         (status = 409, description = "Already committed", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn abandon_document(
     State(state): State<AppState>,
     caller: Caller,

@@ -120,6 +120,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         (status = 400, description = "Invalid limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn list_sequences(
     State(state): State<AppState>,
     caller: Caller,
@@ -152,6 +153,7 @@ pub async fn list_sequences(
         (status = 404, description = "Never defined nor used", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn get_sequence(
     State(state): State<AppState>,
     caller: Caller,
@@ -243,6 +245,7 @@ async fn live_figures(
         (status = 409, description = "sequence_in_use (an identity change without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
     )
 )]
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn put_sequence(
     State(state): State<AppState>,
     caller: Caller,

@@ -136,6 +136,7 @@ const CONFLICT_ROUNDS: usize = 3;
 /// Records `seqs` inside the caller's transaction (idempotent requests and
 /// batches, whose ledger rows must commit with the rest of their work).
 /// Returns the refused numbers.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn record_in(
     conn: &mut PgConnection,
     stats: &Stats,
@@ -195,6 +196,7 @@ pub fn failed_all(
 /// Writes all `writes` on `conn` with one statement and one commit (a
 /// transaction when documents are among them). One outcome per write, in
 /// order.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn write_shared(
     conn: &mut PgConnection,
     stats: &Stats,
@@ -274,55 +276,11 @@ async fn write_together(
     stats: &Stats,
     batch: &[LedgerWrite],
 ) -> Result<Vec<Recorded>, LedgerError> {
-    let mut groups: Vec<Group> = Vec::new();
-    let mut group_index: HashMap<Group, usize> = HashMap::new();
-    let mut claimed: Vec<HashSet<i64>> = Vec::new();
-    // Numbers of each sequence period already in this batch, whoever
-    // (`POST /ids` or a document) holds them.
-    let mut in_batch: HashMap<(i64, &str), HashSet<i64>> = HashMap::new();
-    // Per write: its group, and numbers it repeats (a list holding a number
-    // twice, or two requests of this batch popping the same one), which it
-    // must not get.
-    let mut placed: Vec<(usize, Vec<i64>)> = Vec::with_capacity(batch.len());
-    for write in batch {
-        let group = Group {
-            sequence_id: write.sequence_id,
-            period: write.period.clone(),
-            via: write.via,
-        };
-        let index = *group_index.entry(group.clone()).or_insert_with(|| {
-            groups.push(group);
-            claimed.push(HashSet::new());
-            groups.len() - 1
-        });
-        let seen = in_batch
-            .entry((write.sequence_id, write.period.as_str()))
-            .or_default();
-        let mut repeats = Vec::new();
-        for seq in &write.seqs {
-            if seen.insert(*seq) {
-                claimed[index].insert(*seq);
-            } else {
-                repeats.push(*seq);
-            }
-        }
-        placed.push((index, repeats));
-    }
-    let rows: Vec<Row> = claimed
-        .iter()
-        .enumerate()
-        .flat_map(|(group, seqs)| {
-            let seqs: Vec<i64> = seqs.iter().copied().collect();
-            runs(&seqs)
-                .into_iter()
-                .map(move |range| Row { group, range })
-        })
-        .collect();
-    let refused = insert_resolving_conflicts(conn, stats, &groups, rows).await?;
-
+    let grouped = Grouped::of(batch);
+    let refused = insert_resolving_conflicts(conn, stats, &grouped.groups, grouped.rows()).await?;
     let mut answers: Vec<Recorded> = Vec::with_capacity(batch.len());
     let mut documents: Vec<(usize, &OutboxRow)> = Vec::new();
-    for (n, (write, (group, mut refused_here))) in batch.iter().zip(placed).enumerate() {
+    for (n, (write, (group, mut refused_here))) in batch.iter().zip(grouped.placed).enumerate() {
         if let Some(ranges) = refused.get(&group) {
             refused_here.extend(
                 write
@@ -357,6 +315,71 @@ async fn write_together(
         }
     }
     Ok(answers)
+}
+
+/// The writes of one batch grouped by (sequence, period, via), each number
+/// claimed by the first write that holds it.
+struct Grouped {
+    groups: Vec<Group>,
+    /// Per group, the numbers it records.
+    claimed: Vec<HashSet<i64>>,
+    /// Per write: its group, and numbers it repeats (a list holding a
+    /// number twice, or two requests of this batch popping the same one),
+    /// which it must not get.
+    placed: Vec<(usize, Vec<i64>)>,
+}
+
+impl Grouped {
+    fn of(batch: &[LedgerWrite]) -> Self {
+        let mut grouped = Grouped {
+            groups: Vec::new(),
+            claimed: Vec::new(),
+            placed: Vec::with_capacity(batch.len()),
+        };
+        let mut group_index: HashMap<Group, usize> = HashMap::new();
+        // Numbers of each sequence period already in this batch, whoever
+        // (`POST /ids` or a document) holds them.
+        let mut in_batch: HashMap<(i64, &str), HashSet<i64>> = HashMap::new();
+        for write in batch {
+            let group = Group {
+                sequence_id: write.sequence_id,
+                period: write.period.clone(),
+                via: write.via,
+            };
+            let index = *group_index.entry(group.clone()).or_insert_with(|| {
+                grouped.groups.push(group);
+                grouped.claimed.push(HashSet::new());
+                grouped.groups.len() - 1
+            });
+            let seen = in_batch
+                .entry((write.sequence_id, write.period.as_str()))
+                .or_default();
+            let mut repeats = Vec::new();
+            for seq in &write.seqs {
+                if seen.insert(*seq) {
+                    grouped.claimed[index].insert(*seq);
+                } else {
+                    repeats.push(*seq);
+                }
+            }
+            grouped.placed.push((index, repeats));
+        }
+        grouped
+    }
+
+    /// One row per run of consecutive numbers of a group.
+    fn rows(&self) -> Vec<Row> {
+        self.claimed
+            .iter()
+            .enumerate()
+            .flat_map(|(group, seqs)| {
+                let seqs: Vec<i64> = seqs.iter().copied().collect();
+                runs(&seqs)
+                    .into_iter()
+                    .map(move |range| Row { group, range })
+            })
+            .collect()
+    }
 }
 
 /// Inserts the rows; for any that conflict, inserts what is still free and

@@ -79,6 +79,7 @@ impl DocumentStatus {
 
 /// Inserts outbox rows `(sequence_id, period, row)`; returns each row's
 /// `created_at`, in the order given.
+#[tracing::instrument(skip_all, level = "debug")]
 pub async fn insert(
     conn: &mut PgConnection,
     rows: &[(i64, &str, &OutboxRow)],

@@ -30,7 +30,7 @@ pub use self::discard::DiscardCause;
 pub use self::placement::Placement;
 pub use self::redis::{PoolKeys, Popped, RedisFailure, RedisLink, RedisSettings};
 use crate::batch::Batcher;
-use crate::counter::{Counter, Reserved};
+use crate::counter::{Counter, PoolBlock, Reserved};
 use crate::numbers::SeqRange;
 use crate::sequence::{Period, ProjectCode, Sequence, TypeCode};
 use crate::sequence_store::SequenceStore;
@@ -440,67 +440,77 @@ impl PoolService {
             return RefillOutcome::NotNeeded;
         }
         let want = (target - locked.depth).max(0) + demand;
-        let block = match self
+        let block = match self.reserve_block(pool, want, lock_acquired_at).await {
+            Ok(block) => block,
+            Err(outcome) => {
+                let _ = self.redis.release(&pool.keys, &token).await;
+                return outcome;
+            }
+        };
+        self.push_block(pool, &token, block, target, now_ms).await
+    }
+
+    /// A block of `want` numbers from the counter, or why there is none.
+    async fn reserve_block(
+        &self,
+        pool: &PoolRef,
+        want: i64,
+        lock_acquired_at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<PoolBlock, RefillOutcome> {
+        let reserved = self
             .counter
             .reserve_pool_block(&pool.sequence, &pool.period, want, lock_acquired_at)
-            .await
-        {
-            Ok(Reserved::Got(block)) => block,
-            Ok(Reserved::Exhausted) => {
-                let _ = self.redis.release(&pool.keys, &token).await;
-                return RefillOutcome::Exhausted;
-            }
-            Ok(Reserved::Unfenced) => {
-                // The watch fences the counters, then refills go on.
-                let _ = self.redis.release(&pool.keys, &token).await;
-                return RefillOutcome::Failed;
-            }
+            .await;
+        match reserved {
+            Ok(Reserved::Got(block)) => Ok(block),
+            Ok(Reserved::Exhausted) => Err(RefillOutcome::Exhausted),
+            // The watch fences the counters, then refills go on.
+            Ok(Reserved::Unfenced) => Err(RefillOutcome::Failed),
             Ok(Reserved::Stale) => {
                 // The definition changed: the next request reads it anew.
                 self.sequences.forget(&pool.sequence);
-                let _ = self.redis.release(&pool.keys, &token).await;
-                return RefillOutcome::Failed;
+                Err(RefillOutcome::Failed)
             }
             Err(e) => {
                 tracing::error!(error = %e, pool = %pool.keys.pool, "block reservation failed");
-                let _ = self.redis.release(&pool.keys, &token).await;
-                return RefillOutcome::Failed;
+                Err(RefillOutcome::Failed)
             }
-        };
-        match self
+        }
+    }
+
+    /// Pushes the block while the lock `token` still holds; a block that
+    /// cannot be pushed is recorded as discarded.
+    async fn push_block(
+        &self,
+        pool: &PoolRef,
+        token: &str,
+        block: PoolBlock,
+        target: i64,
+        now_ms: i64,
+    ) -> RefillOutcome {
+        let pushed = self
             .redis
-            .push(&pool.keys, &token, block.range, target, now_ms)
-            .await
-        {
+            .push(&pool.keys, token, block.range, target, now_ms)
+            .await;
+        let cause = match pushed {
             Ok(Some(_depth)) => {
                 if let Err(e) = self.counter.mark_pushed(block.id).await {
                     tracing::warn!(error = %e, block = block.id, "could not mark block pushed");
                 }
-                RefillOutcome::Refilled
+                return RefillOutcome::Refilled;
             }
             Ok(None) => {
                 tracing::warn!(pool = %pool.keys.pool, "refill lock expired before the push; block discarded");
-                self.record_discard(
-                    &pool.sequence,
-                    pool.period.key(),
-                    &[block.range],
-                    DiscardCause::RefillLockLost,
-                )
-                .await;
-                RefillOutcome::Failed
+                DiscardCause::RefillLockLost
             }
             Err(e) => {
                 tracing::warn!(error = %e, pool = %pool.keys.pool, "push failed; block discarded");
-                self.record_discard(
-                    &pool.sequence,
-                    pool.period.key(),
-                    &[block.range],
-                    DiscardCause::PushFailed,
-                )
-                .await;
-                RefillOutcome::Failed
+                DiscardCause::PushFailed
             }
-        }
+        };
+        self.record_discard(&pool.sequence, pool.period.key(), &[block.range], cause)
+            .await;
+        RefillOutcome::Failed
     }
 
     fn add_demand(&self, pool: &PoolRef, numbers: usize) {
