@@ -626,9 +626,37 @@ async fn insert_definition(
     d: &Definition,
 ) -> Result<SequenceRow, StoreError> {
     let sql = format!("{INSERT_SEQUENCE} RETURNING {SELECT_COLUMNS}");
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+    let query = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(project.as_str())
-        .bind(doc_type.as_str())
+        .bind(doc_type.as_str());
+    Ok(bind_definition(query, d).fetch_one(&mut *conn).await?)
+}
+
+async fn update_definition(
+    conn: &mut PgConnection,
+    id: i64,
+    d: &Definition,
+    changes_identity: bool,
+) -> Result<(), sqlx::Error> {
+    let query = sqlx::query_as::<_, (i64,)>(
+        "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, max_seq = $6, \
+         reset = $7, timezone = $8, pool_size = $9, refill_at = $10, version = version + 1, \
+         identity_version = identity_version + $11::int, updated_at = now() WHERE id = $1 RETURNING id",
+    )
+    .bind(id);
+    bind_definition(query, d)
+        .bind(i32::from(changes_identity))
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// The definition's nine columns, in the order both statements list them.
+fn bind_definition<'q, O>(
+    query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    d: &'q Definition,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    query
         .bind(d.format.as_str())
         .bind(layout_name(d))
         .bind(d.epoch())
@@ -638,35 +666,6 @@ async fn insert_definition(
         .bind(d.timezone.name())
         .bind(d.pool_size as i32)
         .bind(d.refill_at)
-        .fetch_one(&mut *conn)
-        .await?)
-}
-
-async fn update_definition(
-    conn: &mut PgConnection,
-    id: i64,
-    d: &Definition,
-    changes_identity: bool,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, max_seq = $6, \
-         reset = $7, timezone = $8, pool_size = $9, refill_at = $10, version = version + 1, \
-         identity_version = identity_version + $11::int, updated_at = now() WHERE id = $1",
-    )
-    .bind(id)
-    .bind(d.format.as_str())
-    .bind(layout_name(d))
-    .bind(d.epoch())
-    .bind(d.start)
-    .bind(d.max)
-    .bind(d.reset.as_str())
-    .bind(d.timezone.name())
-    .bind(d.pool_size as i32)
-    .bind(d.refill_at)
-    .bind(i32::from(changes_identity))
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
 }
 
 fn layout_name(d: &Definition) -> &'static str {

@@ -296,34 +296,44 @@ impl PoolService {
     /// was lowered) and records them.
     pub async fn trim_sequence_pools(&self, sequence: &Sequence) {
         let max = sequence.definition.max_seq();
-        let keys = match self
-            .redis
-            .pool_keys(Some((
-                sequence.project.as_str(),
-                sequence.doc_type.as_str(),
-            )))
-            .await
-        {
-            Ok(keys) => keys,
+        let pools = match self.pools_of(sequence).await {
+            Ok(pools) => pools,
             Err(e) => {
                 tracing::warn!(error = %e, "could not list pools to trim; numbers above max are dropped when popped");
                 return;
             }
         };
-        for key in keys {
-            if let Some((project, doc_type, period)) =
-                PoolKeys::parse_pool_key(self.redis.prefix(), &key)
-            {
-                let keys = self.redis.keys(project, doc_type, period);
-                match self.redis.trim_above(&keys, max).await {
-                    Ok(ranges) => {
-                        self.record_discard(sequence, period, &ranges, DiscardCause::AboveMax)
-                            .await
-                    }
-                    Err(e) => tracing::warn!(error = %e, key, "could not trim pool"),
+        for (keys, period) in pools {
+            match self.redis.trim_above(&keys, max).await {
+                Ok(ranges) => {
+                    self.record_discard(sequence, &period, &ranges, DiscardCause::AboveMax)
+                        .await
                 }
+                Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not trim pool"),
             }
         }
+    }
+
+    /// The pools Redis holds for `sequence`, each with its period.
+    async fn pools_of(&self, sequence: &Sequence) -> Result<Vec<(PoolKeys, String)>, RedisFailure> {
+        let listed = self
+            .redis
+            .pool_keys(Some((
+                sequence.project.as_str(),
+                sequence.doc_type.as_str(),
+            )))
+            .await?;
+        Ok(listed
+            .iter()
+            .filter_map(|key| {
+                let (project, doc_type, period) =
+                    PoolKeys::parse_pool_key(self.redis.prefix(), key)?;
+                Some((
+                    self.redis.keys(project, doc_type, period),
+                    period.to_owned(),
+                ))
+            })
+            .collect())
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {
@@ -616,29 +626,17 @@ impl PoolService {
 
     /// Empties every period's pool of `sequence` (its definition changed).
     pub async fn discard_sequence_pools(&self, sequence: &Sequence, cause: DiscardCause) {
-        let keys = match self
-            .redis
-            .pool_keys(Some((
-                sequence.project.as_str(),
-                sequence.doc_type.as_str(),
-            )))
-            .await
-        {
-            Ok(keys) => keys,
+        let pools = match self.pools_of(sequence).await {
+            Ok(pools) => pools,
             Err(e) => {
                 tracing::warn!(error = %e, "could not list pools to discard; they stay until the next reconnect check");
                 return;
             }
         };
-        for key in keys {
-            if let Some((project, doc_type, period)) =
-                PoolKeys::parse_pool_key(self.redis.prefix(), &key)
-            {
-                let keys = self.redis.keys(project, doc_type, period);
-                match self.redis.discard(&keys, false).await {
-                    Ok(ranges) => self.record_discard(sequence, period, &ranges, cause).await,
-                    Err(e) => tracing::warn!(error = %e, key, "could not discard pool"),
-                }
+        for (keys, period) in pools {
+            match self.redis.discard(&keys, false).await {
+                Ok(ranges) => self.record_discard(sequence, &period, &ranges, cause).await,
+                Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not discard pool"),
             }
         }
     }
