@@ -4,7 +4,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idpool::documents::sink::SinkConfig;
+use idpool::clock::SystemClock;
+use idpool::documents::processor::{Processor, ProcessorSettings};
+use idpool::documents::sink::{Sink, SinkConfig, SinkSettings};
+use idpool::stats::Stats;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
@@ -754,4 +757,98 @@ async fn a_processor_killed_mid_batch_loses_nothing_and_never_writes_other_conte
         );
         assert_eq!(content["project"], "KILL");
     }
+}
+
+/// A processor of the test's own, over a directory, driven one step at a
+/// time (the app's own processor is off).
+fn dir_processor(app: &crate::helpers::TestApp, dir: &std::path::Path, batch: i64) -> Processor {
+    let sink = Sink::build(
+        &SinkConfig::Dir(dir.to_owned()),
+        &SinkSettings {
+            timeout: Duration::from_secs(5),
+            concurrency: 1,
+            instance_id: "test".into(),
+            secret: None,
+            clock: Arc::new(SystemClock),
+        },
+    )
+    .unwrap();
+    let settings = ProcessorSettings {
+        batch_size: batch,
+        max_retries: 2,
+        backoff_base: Duration::ZERO,
+        ..ProcessorSettings::default()
+    };
+    Processor::new(
+        app.db.clone(),
+        sink,
+        settings,
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(Stats::default()),
+    )
+}
+
+async fn accept_batch(app: &crate::helpers::TestApp, project: &str, count: usize) {
+    let documents = (0..count)
+        .map(|n| doc(project, "1", json!({"n": n})))
+        .collect();
+    assert_eq!(
+        app.post_batch(documents).await.status(),
+        StatusCode::ACCEPTED
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_processor_step_delivers_at_most_one_batch_of_due_rows() {
+    let mut env = TestEnv::new();
+    env.processor = false;
+    let app = env.spawn().await;
+    accept_batch(&app, "STEP", 5).await;
+    let dir = tempfile::tempdir().unwrap();
+    let processor = dir_processor(&app, dir.path(), 2);
+
+    let delivered: Vec<usize> = [
+        processor.step().await.unwrap(),
+        processor.step().await.unwrap(),
+        processor.step().await.unwrap(),
+        processor.step().await.unwrap(),
+    ]
+    .iter()
+    .map(|step| step.delivered)
+    .collect();
+    assert_eq!(delivered, vec![2, 2, 1, 0]);
+    assert_eq!(json_files(dir.path()).len(), 5);
+    assert_eq!(app.outbox_count(Some("committed")).await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_that_keeps_failing_is_dead_lettered_after_its_last_retry() {
+    let mut env = TestEnv::new();
+    env.processor = false;
+    let app = env.spawn().await;
+    accept_batch(&app, "FAILS", 3).await;
+    let dir = tempfile::tempdir().unwrap();
+    let processor = dir_processor(&app, dir.path(), 10);
+    // The directory goes away: every write fails.
+    std::fs::remove_dir(dir.path()).unwrap();
+
+    let first = processor.step().await.unwrap();
+    assert_eq!(
+        (first.claimed, first.failed, first.dead_lettered),
+        (3, 3, 0)
+    );
+    assert_eq!(app.outbox_count(Some("pending")).await, 3, "due again");
+    let last = processor.step().await.unwrap();
+    assert_eq!((last.claimed, last.failed, last.dead_lettered), (3, 3, 3));
+    assert_eq!(app.outbox_count(Some("dead_letter")).await, 3);
+    let (status, listed) = app.get_json("/api/v1/outbox?status=dead_letter").await;
+    assert_eq!(status, StatusCode::OK);
+    let error = listed["documents"][0]["last_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.starts_with("writing "),
+        "last_error says what failed: {error}"
+    );
+    assert_eq!(processor.step().await.unwrap().claimed, 0, "nothing is due");
 }

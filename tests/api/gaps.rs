@@ -39,15 +39,14 @@ fn by_reason(gaps: &[Value]) -> BTreeMap<String, Vec<(i64, i64)>> {
 }
 
 async fn post_doc(app: &TestApp, metadata: Value) -> (String, i64) {
-    let body: Value = app
+    let response = app
         .post_document(
             &json!({"project": "GAP", "type": "1", "metadata": metadata}),
             None,
         )
-        .await
-        .json()
-        .await
-        .unwrap();
+        .await;
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let body: Value = response.json().await.unwrap();
     (
         body["id"].as_str().unwrap().to_owned(),
         body["seq"].as_i64().unwrap(),
@@ -64,7 +63,7 @@ fn failing_webhook_env(webhook: &Webhook) -> TestEnv {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_reason_is_reported_as_such_and_resolved_numbers_leave_the_list() {
+async fn each_reason_is_reported_as_such() {
     let webhook = Webhook::start(Behaviour::FailFlagged).await;
     let mut redis = RedisServer::start();
     let app = failing_webhook_env(&webhook)
@@ -153,6 +152,19 @@ async fn each_reason_is_reported_as_such_and_resolved_numbers_leave_the_list() {
     let (_, view) = app.get_json("/api/v1/sequences/GAP/1").await;
     let open: i64 = gaps.iter().map(|g| g["count"].as_i64().unwrap()).sum();
     assert_eq!(view["live"]["gaps"], open);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_that_get_their_document_leave_the_gap_list() {
+    let webhook = Webhook::start(Behaviour::FailFlagged).await;
+    let app = failing_webhook_env(&webhook).spawn().await;
+    let (ids, unattached) = app.issue("GAP", "1", 3).await;
+    let (dlq_id, dlq) = post_doc(&app, json!({"fail": true})).await;
+    app.wait_for_status(&dlq_id, "dead_letter", Duration::from_secs(10))
+        .await;
+    app.settle_and_reconcile().await;
+    let before = by_reason(&app.gaps("GAP", "1").await);
+    assert_eq!(before["outbox_dlq"], vec![(dlq, dlq)]);
 
     // The dead letter is retried and delivered; a document is attached to
     // the middle number issued by POST /ids.
@@ -263,7 +275,7 @@ async fn numbers_held_by_a_running_request_are_not_reported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_after_a_million_numbers_costs_what_was_issued_since() {
     let app = TestEnv::new().spawn().await;
-    app.put_sequence("BIG", "1", json!({})).await;
+    app.define("BIG", "1", json!({})).await;
     let sequence_id: i64 = sqlx::query_scalar("SELECT id FROM sequences WHERE project = 'BIG'")
         .fetch_one(&app.db)
         .await
@@ -316,7 +328,7 @@ async fn an_ended_day_gives_up_its_pool() {
         "2026-11-22T10:00:00Z".parse::<DateTime<Utc>>().unwrap(),
     ));
     let app = TestEnv::new().spawn_with_clock(clock.clone()).await;
-    app.put_sequence(
+    app.define(
         "DAY",
         "1",
         json!({"format": "{type}{date:%Y%m%d}{seq:4}", "reset": "daily"}),
@@ -378,7 +390,7 @@ async fn gap_queries_are_validated_and_one_reconciliation_runs_at_a_time() {
         .await
         .unwrap();
     assert_problem(bad_code, StatusCode::BAD_REQUEST, "invalid_project").await;
-    app.put_sequence(
+    app.define(
         "DAILY",
         "1",
         json!({"format": "{date:%Y%m%d}-{seq}", "reset": "daily"}),

@@ -495,6 +495,19 @@ impl TestApp {
             .expect("request")
     }
 
+    /// Defines a new sequence, failing the test unless it is created.
+    pub async fn define(&self, project: &str, doc_type: &str, body: Value) -> Value {
+        let response = self.put_sequence(project, doc_type, body).await;
+        let status = response.status();
+        let view: Value = response.json().await.expect("sequence JSON");
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "PUT {project}/{doc_type}: {view}"
+        );
+        view
+    }
+
     pub async fn get_json(&self, path: &str) -> (StatusCode, Value) {
         let response = self
             .client
