@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -454,10 +454,18 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
 
     let running = Arc::new(AtomicBool::new(true));
     let b_alive = Arc::new(AtomicBool::new(true));
+    // Answers given so far: each step of the schedule below waits for
+    // traffic to have been served in the state the previous step made.
+    let answered = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for w in 0..12usize {
-        let (a, running, b_alive, b_url) =
-            (a.clone(), running.clone(), b_alive.clone(), b_url.clone());
+        let (a, running, b_alive, b_url, answered) = (
+            a.clone(),
+            running.clone(),
+            b_alive.clone(),
+            b_url.clone(),
+            answered.clone(),
+        );
         workers.push(tokio::spawn(async move {
             let mut out = Outcomes::default();
             let mut i = 0usize;
@@ -478,6 +486,7 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
                     continue; // the killed instance
                 };
                 let status = response.status();
+                answered.fetch_add(1, Ordering::Relaxed);
                 if status.is_server_error() {
                     out.server_errors.push(status.as_u16());
                     continue;
@@ -495,19 +504,33 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
         }));
     }
     let pause = |ms| tokio::time::sleep(Duration::from_millis(ms));
-    pause(800).await;
+    let served = |more: usize| {
+        let answered = answered.clone();
+        async move {
+            let target = answered.load(Ordering::Relaxed) + more;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while answered.load(Ordering::Relaxed) < target {
+                assert!(Instant::now() < deadline, "traffic stalled");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    served(300).await;
     redis.kill();
-    pause(600).await;
-    redis.restart_empty();
-    pause(800).await;
-    b_alive.store(false, Ordering::Relaxed);
-    b.kill();
-    pause(600).await;
-    redis.kill();
-    pause(600).await;
+    a.wait_for_mode("fallback", Duration::from_secs(10)).await;
+    served(150).await;
     redis.restart_empty();
     a.wait_for_mode("pool", Duration::from_secs(10)).await;
-    pause(800).await;
+    served(300).await;
+    b_alive.store(false, Ordering::Relaxed);
+    b.kill();
+    served(150).await;
+    redis.kill();
+    a.wait_for_mode("fallback", Duration::from_secs(10)).await;
+    served(150).await;
+    redis.restart_empty();
+    a.wait_for_mode("pool", Duration::from_secs(10)).await;
+    served(300).await;
     running.store(false, Ordering::Relaxed);
     let mut outcomes = Outcomes::default();
     for worker in workers {
