@@ -240,7 +240,25 @@ async fn numbers_held_by_a_running_request_are_not_reported() {
                 .unwrap()
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Held: its insert waits for our row's lock.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the request never waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(!held.is_finished(), "the request is being held");
 
     // A run while it is held judges the settled numbers, not the held one.
