@@ -85,163 +85,131 @@ fn batch_histogram() -> Histogram {
     Histogram::new(exponential_buckets(1.0, 2.0, 13))
 }
 
+/// Name (after `idpool_`; counters get `_total` from the encoder) and help
+/// of every metric: the names users' dashboards know.
+const METRICS: &[(&str, &str)] = &[
+    (
+        "ids_issued",
+        "Numbers issued to callers, by where they came from",
+    ),
+    ("pool_pops", "Pop round trips to Redis"),
+    (
+        "pool_short",
+        "Requests a pool could not fully serve at once",
+    ),
+    ("refills", "Pool refills by outcome"),
+    ("refills_in_flight", "Refills running in this instance now"),
+    (
+        "refills_in_flight_peak",
+        "Most refills this instance ever ran at once",
+    ),
+    (
+        "stale_numbers_rejected",
+        "Popped numbers the issuance ledger refused as already issued",
+    ),
+    (
+        "pool_numbers_discarded",
+        "Numbers removed from pools unissued (recorded as pool_discarded)",
+    ),
+    (
+        "redis_trips",
+        "Times Redis failed and the instance fell back to Postgres",
+    ),
+    ("redis_resyncs", "Pool checks after a Redis (re)connect"),
+    ("ledger_batches", "Shared ledger statements written"),
+    ("ledger_rows", "Ledger ranges written by those statements"),
+    (
+        "task_panics",
+        "Background tasks and batch handlers that panicked; each was restarted",
+    ),
+    (
+        "ledger_writes_split",
+        "Shared ledger writes that failed and were split until the request at fault stood alone",
+    ),
+    ("reconcile_runs", "Reconciliation runs of this instance"),
+    (
+        "reconcile_last_duration_ms",
+        "Duration of this instance's last reconciliation run",
+    ),
+    (
+        "gaps_open",
+        "Numbers in open gaps by reason, as of the last reconciliation run here",
+    ),
+    (
+        "mode_pool",
+        "1 while IDs come from Redis pools, 0 in Postgres fallback",
+    ),
+    (
+        "http_request_duration_seconds",
+        "Time from a request's arrival to its answer, by route and status",
+    ),
+    (
+        "refill_duration_seconds",
+        "Time one pool refill took, lock to push",
+    ),
+    (
+        "pipeline_pop_batch_size",
+        "Requests served by one pop stage of the pipeline",
+    ),
+    (
+        "pipeline_write_batch_size",
+        "Requests recorded by one shared ledger commit",
+    ),
+    (
+        "outbox_lag_seconds",
+        "Time from a document's acceptance to its delivery to the sink",
+    ),
+];
+
+/// Registers `metric` under `name` (one of [`METRICS`]) and returns it.
+fn registered<M>(registry: &mut Registry, name: &'static str, metric: M) -> M
+where
+    M: prometheus_client::registry::Metric + Clone,
+{
+    let help = METRICS
+        .iter()
+        .find(|(known, _)| *known == name)
+        .map_or("", |(_, help)| help);
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Default for Stats {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("idpool");
-        let issued = Family::<Label, Counter>::default();
-        let refills = Family::<Label, Counter>::default();
-        let stats = Self {
+        let r = &mut registry;
+        let issued = registered(r, "ids_issued", Family::<Label, Counter>::default());
+        let refills = registered(r, "refills", Family::<Label, Counter>::default());
+        let requests: Histograms<RequestLabels> = Family::new_with_constructor(latency_histogram);
+        Self {
             ids_from_pool: issued.get_or_create_owned(&[("source", "pool")]),
             ids_direct: issued.get_or_create_owned(&[("source", "direct")]),
-            pool_pops: Counter::default(),
-            pool_short: Counter::default(),
+            pool_pops: registered(r, "pool_pops", Counter::default()),
+            pool_short: registered(r, "pool_short", Counter::default()),
             refills_done: refills.get_or_create_owned(&[("outcome", "done")]),
             refills_busy: refills.get_or_create_owned(&[("outcome", "busy")]),
             refills_failed: refills.get_or_create_owned(&[("outcome", "failed")]),
-            refills_in_flight: Gauge::default(),
-            refills_in_flight_peak: Gauge::default(),
-            stale_numbers_rejected: Counter::default(),
-            pool_numbers_discarded: Counter::default(),
-            redis_trips: Counter::default(),
-            redis_resyncs: Counter::default(),
-            ledger_batches: Counter::default(),
-            ledger_rows: Counter::default(),
-            reconcile_runs: Counter::default(),
-            task_panics: Counter::default(),
-            ledger_writes_split: Counter::default(),
-            reconcile_last_ms: Gauge::default(),
-            gaps_open: Family::default(),
-            mode_pool: Gauge::default(),
-            requests: Family::new_with_constructor(latency_histogram),
-            refill_duration: latency_histogram(),
-            pipeline_pop_batch: batch_histogram(),
-            pipeline_write_batch: batch_histogram(),
-            outbox_lag: latency_histogram(),
-            registry: Registry::default(),
-        };
-        let counters = [
-            ("pool_pops", "Pop round trips to Redis", &stats.pool_pops),
-            (
-                "pool_short",
-                "Requests a pool could not fully serve at once",
-                &stats.pool_short,
-            ),
-            (
-                "stale_numbers_rejected",
-                "Popped numbers the issuance ledger refused as already issued",
-                &stats.stale_numbers_rejected,
-            ),
-            (
-                "pool_numbers_discarded",
-                "Numbers removed from pools unissued (recorded as pool_discarded)",
-                &stats.pool_numbers_discarded,
-            ),
-            (
-                "redis_trips",
-                "Times Redis failed and the instance fell back to Postgres",
-                &stats.redis_trips,
-            ),
-            (
-                "redis_resyncs",
-                "Pool checks after a Redis (re)connect",
-                &stats.redis_resyncs,
-            ),
-            (
-                "ledger_batches",
-                "Shared ledger statements written",
-                &stats.ledger_batches,
-            ),
-            (
-                "ledger_rows",
-                "Ledger ranges written by those statements",
-                &stats.ledger_rows,
-            ),
-            (
-                "task_panics",
-                "Background tasks and batch handlers that panicked; each was restarted",
-                &stats.task_panics,
-            ),
-            (
-                "ledger_writes_split",
-                "Shared ledger writes that failed and were split until the request at fault stood alone",
-                &stats.ledger_writes_split,
-            ),
-            (
-                "reconcile_runs",
-                "Reconciliation runs of this instance",
-                &stats.reconcile_runs,
-            ),
-        ];
-        let gauges = [
-            (
-                "refills_in_flight",
-                "Refills running in this instance now",
-                &stats.refills_in_flight,
-            ),
-            (
-                "refills_in_flight_peak",
-                "Most refills this instance ever ran at once",
-                &stats.refills_in_flight_peak,
-            ),
-            (
-                "reconcile_last_duration_ms",
-                "Duration of this instance's last reconciliation run",
-                &stats.reconcile_last_ms,
-            ),
-            (
-                "mode_pool",
-                "1 while IDs come from Redis pools, 0 in Postgres fallback",
-                &stats.mode_pool,
-            ),
-        ];
-        let histograms = [
-            (
-                "refill_duration_seconds",
-                "Time one pool refill took, lock to push",
-                &stats.refill_duration,
-            ),
-            (
-                "pipeline_pop_batch_size",
-                "Requests served by one pop stage of the pipeline",
-                &stats.pipeline_pop_batch,
-            ),
-            (
-                "pipeline_write_batch_size",
-                "Requests recorded by one shared ledger commit",
-                &stats.pipeline_write_batch,
-            ),
-            (
-                "outbox_lag_seconds",
-                "Time from a document's acceptance to its delivery to the sink",
-                &stats.outbox_lag,
-            ),
-        ];
-        registry.register(
-            "ids_issued",
-            "Numbers issued to callers, by where they came from",
-            issued,
-        );
-        registry.register("refills", "Pool refills by outcome", refills);
-        for (name, help, counter) in counters {
-            registry.register(name, help, counter.clone());
+            refills_in_flight: registered(r, "refills_in_flight", Gauge::default()),
+            refills_in_flight_peak: registered(r, "refills_in_flight_peak", Gauge::default()),
+            stale_numbers_rejected: registered(r, "stale_numbers_rejected", Counter::default()),
+            pool_numbers_discarded: registered(r, "pool_numbers_discarded", Counter::default()),
+            redis_trips: registered(r, "redis_trips", Counter::default()),
+            redis_resyncs: registered(r, "redis_resyncs", Counter::default()),
+            ledger_batches: registered(r, "ledger_batches", Counter::default()),
+            ledger_rows: registered(r, "ledger_rows", Counter::default()),
+            task_panics: registered(r, "task_panics", Counter::default()),
+            ledger_writes_split: registered(r, "ledger_writes_split", Counter::default()),
+            reconcile_runs: registered(r, "reconcile_runs", Counter::default()),
+            reconcile_last_ms: registered(r, "reconcile_last_duration_ms", Gauge::default()),
+            gaps_open: registered(r, "gaps_open", Family::default()),
+            mode_pool: registered(r, "mode_pool", Gauge::default()),
+            requests: registered(r, "http_request_duration_seconds", requests),
+            refill_duration: registered(r, "refill_duration_seconds", latency_histogram()),
+            pipeline_pop_batch: registered(r, "pipeline_pop_batch_size", batch_histogram()),
+            pipeline_write_batch: registered(r, "pipeline_write_batch_size", batch_histogram()),
+            outbox_lag: registered(r, "outbox_lag_seconds", latency_histogram()),
+            registry,
         }
-        for (name, help, gauge) in gauges {
-            registry.register(name, help, gauge.clone());
-        }
-        registry.register(
-            "gaps_open",
-            "Numbers in open gaps by reason, as of the last reconciliation run here",
-            stats.gaps_open.clone(),
-        );
-        registry.register(
-            "http_request_duration_seconds",
-            "Time from a request's arrival to its answer, by route and status",
-            stats.requests.clone(),
-        );
-        for (name, help, histogram) in histograms {
-            registry.register(name, help, histogram.clone());
-        }
-        Self { registry, ..stats }
     }
 }
 
@@ -324,6 +292,25 @@ mod tests {
         assert_eq!(sample(&text, "idpool_mode_pool"), Some(1.0));
         assert_eq!(sample(&text, "idpool_ledger_writes_split_total"), Some(0.0));
         assert!(text.contains("# HELP idpool_pool_pops Pop round trips to Redis.\n"));
+    }
+
+    #[test]
+    fn every_metric_is_described_once() {
+        let stats = Stats::default();
+        // Families are described once they have a member.
+        stats.set_gaps_open(&[("abandoned", 1)]);
+        let labels = RequestLabels {
+            method: "GET".into(),
+            route: "/healthz".into(),
+            status: 200,
+        };
+        stats.observe_request(&labels, Duration::from_millis(1));
+        let text = stats.render(true);
+        for (name, help) in METRICS {
+            let line = format!("# HELP idpool_{name} {help}.\n");
+            assert_eq!(text.matches(&line).count(), 1, "{line}");
+        }
+        assert_eq!(text.matches("# HELP ").count(), METRICS.len());
     }
 
     #[test]
