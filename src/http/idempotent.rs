@@ -72,15 +72,12 @@ where
     let (mut fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
     let mut tx = state.db.begin().await.map_err(db_error)?;
     if !to_claim.is_empty() {
-        idempotency::wait_for_twins_briefly(&mut tx)
-            .await
-            .map_err(db_error)?;
         let claims: Vec<(String, Vec<u8>)> = to_claim
             .iter()
             .filter_map(|i| keys[*i].as_ref())
             .map(|k| (k.key.clone(), k.fingerprint.clone()))
             .collect();
-        let claimed = idempotency::claim(&mut tx, caller, &claims).await?;
+        let claimed = claim(&mut tx, caller, &claims).await?;
         for (claimed, index) in claimed.into_iter().zip(&to_claim) {
             match claimed {
                 Claimed::New => {}
@@ -118,6 +115,25 @@ where
         .await
         .map_err(db_error)?;
     tx.commit().await.map_err(db_error)?;
+    complete(answers, fates)
+}
+
+/// Claims the keys in the caller's transaction, after twins of this
+/// request (the same key sent twice at once) had a moment to commit.
+async fn claim(
+    tx: &mut PgConnection,
+    caller: &Caller,
+    claims: &[(String, Vec<u8>)],
+) -> Result<Vec<Claimed>, ApiError> {
+    idempotency::wait_for_twins_briefly(tx)
+        .await
+        .map_err(db_error)?;
+    Ok(idempotency::claim(tx, caller, claims).await?)
+}
+
+/// Every item's answer: the worked ones as given, the others replayed or
+/// mirrored.
+fn complete(mut answers: Vec<Option<Answer>>, fates: Vec<Fate>) -> Result<Vec<Answer>, ApiError> {
     for (index, fate) in fates.into_iter().enumerate() {
         answers[index] = match fate {
             Fate::Work => continue,
