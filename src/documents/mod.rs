@@ -33,7 +33,7 @@ pub struct DocumentInput {
     pub project: ProjectCode,
     pub doc_type: TypeCode,
     /// The metadata object, as sent.
-    pub metadata: String,
+    pub metadata: Arc<str>,
     /// An ID from `POST /ids` to attach instead of taking a new number.
     pub id: Option<String>,
 }

@@ -162,7 +162,7 @@ fn document_input(
     Ok(DocumentInput {
         project,
         doc_type,
-        metadata: raw.to_owned(),
+        metadata: Arc::from(raw),
         id: id.map(str::to_owned),
     })
 }

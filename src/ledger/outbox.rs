@@ -2,6 +2,8 @@
 //! transaction as the ledger rows (so the ledger never needs to know what
 //! a document is: it writes rows for it).
 
+use std::sync::Arc;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
@@ -19,8 +21,9 @@ pub const NUMBER_ATTACHED: &str = "id_outbox_sequence_id_period_seq_key";
 pub struct Attachment {
     pub project: String,
     pub doc_type: String,
-    /// The metadata, as the client sent it (a JSON object).
-    pub payload: String,
+    /// The metadata, as the client sent it (a JSON object); shared, not
+    /// copied, by the rows made of it.
+    pub payload: Arc<str>,
 }
 
 impl Attachment {
@@ -46,7 +49,7 @@ pub struct OutboxRow {
     pub doc_type: String,
     pub seq_number: i64,
     /// The metadata, as the client sent it (a JSON object).
-    pub payload: String,
+    pub payload: Arc<str>,
 }
 
 #[derive(
@@ -90,7 +93,7 @@ pub async fn insert(
         .collect();
     let projects: Vec<&str> = rows.iter().map(|(_, _, r)| r.project.as_str()).collect();
     let types: Vec<&str> = rows.iter().map(|(_, _, r)| r.doc_type.as_str()).collect();
-    let payloads: Vec<&str> = rows.iter().map(|(_, _, r)| r.payload.as_str()).collect();
+    let payloads: Vec<&str> = rows.iter().map(|(_, _, r)| r.payload.as_ref()).collect();
     let sequence_ids: Vec<i64> = rows.iter().map(|(s, _, _)| *s).collect();
     let periods: Vec<&str> = rows.iter().map(|(_, p, _)| *p).collect();
     let seqs: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq).collect();

@@ -466,14 +466,14 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
         issuer.accept(Arc::new(idpool::documents::DocumentInput {
             project: idpool::sequence::ProjectCode::parse("PO").unwrap(),
             doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
-            metadata: format!(r#"{{"lib": {i}}}"#),
+            metadata: format!(r#"{{"lib": {i}}}"#).into(),
             id: None,
         }))
     });
     let bad = issuer.accept(Arc::new(idpool::documents::DocumentInput {
         project: idpool::sequence::ProjectCode::parse("PO").unwrap(),
         doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
-        metadata: r#"{"a": "\u0000"}"#.to_owned(),
+        metadata: r#"{"a": "\u0000"}"#.into(),
         id: None,
     }));
     let (good, bad) = tokio::join!(futures::future::join_all(good), bad);
