@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fred::prelude::*;
-use idpool::clock::SystemClock;
+use idpool::clock::ManualClock;
 use idpool::pool::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::json;
@@ -43,7 +43,10 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
         shrink_after: Duration::from_millis(1000),
         ..PoolSettings::default()
     };
-    let app = env.spawn_with(Arc::new(SystemClock), settings).await;
+    // The pools' sense of "soon" and "idle" is the injected clock: it
+    // stands still while the requests below run, and moves on when told.
+    let clock = Arc::new(ManualClock::new(chrono::Utc::now()));
+    let app = env.spawn_with(clock.clone(), settings).await;
     let created = app
         .put_sequence("GROW", "1", json!({"pool_size": 100}))
         .await;
@@ -65,7 +68,7 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     );
 
     // Idle past shrink_after: the next refill halves the target.
-    tokio::time::sleep(Duration::from_millis(1300)).await;
+    clock.advance(chrono::Duration::milliseconds(1300));
     let (_, view) = app.get_json("/api/v1/sequences/GROW/1").await;
     let depth = view["live"]["pool_depth"].as_i64().unwrap();
     seqs.extend(app.issue("GROW", "1", depth + 1).await.1);
