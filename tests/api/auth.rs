@@ -208,23 +208,9 @@ async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outs
         crate::helpers::ledger_numbers(&app.db, "B", "T", "").await,
         b_ledger
     );
-    let listed: Value = key_a
-        .get(app.url("/api/v1/sequences"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed: Value = crate::helpers::get_ok(&key_a, &app.url("/api/v1/sequences")).await;
     assert_eq!(listed["sequences"], json!([]), "{listed}");
-    let outbox: Value = key_a
-        .get(app.url("/api/v1/outbox"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let outbox: Value = crate::helpers::get_ok(&key_a, &app.url("/api/v1/outbox")).await;
     assert_eq!(outbox["documents"], json!([]), "{outbox}");
     // The table of the closing note.
     for (operation, scope) in scopes {
@@ -262,14 +248,7 @@ async fn a_project_key_works_inside_its_projects() {
         .await
         .unwrap();
     assert_eq!(read.status(), StatusCode::OK);
-    let listed: Value = key
-        .get(app.url("/api/v1/sequences"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed: Value = crate::helpers::get_ok(&key, &app.url("/api/v1/sequences")).await;
     let projects: BTreeSet<&str> = listed["sequences"]
         .as_array()
         .unwrap()

@@ -54,14 +54,8 @@ async fn a_rediss_url_takes_the_pools_over_tls() {
     ));
     let server = ServeProcess::start(&env).await;
     let client = reqwest::Client::new();
-    let ready: Value = client
-        .get(format!("http://127.0.0.1:{}/readyz", server.port))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: Value =
+        crate::helpers::get_ok(&client, &format!("http://127.0.0.1:{}/readyz", server.port)).await;
     assert_eq!(ready["mode"], "pool", "{ready}");
     for expected in 1..=3 {
         let response = client

@@ -134,22 +134,22 @@ async fn each_reason_is_reported_as_such() {
     assert!(DateTime::parse_from_rfc3339(dlq_gap["detected_at"].as_str().unwrap()).is_ok());
 
     // Filters.
-    let (_, only_dlq) = app
-        .get_json("/api/v1/ids/gaps?project=GAP&type=1&reason=outbox_dlq")
+    let only_dlq = app
+        .ok_json("/api/v1/ids/gaps?project=GAP&type=1&reason=outbox_dlq")
         .await;
     assert_eq!(only_dlq["gaps"].as_array().unwrap().len(), 1);
-    let (_, page) = app
-        .get_json("/api/v1/ids/gaps?project=GAP&type=1&limit=2")
+    let page = app
+        .ok_json("/api/v1/ids/gaps?project=GAP&type=1&limit=2")
         .await;
     assert_eq!(page["gaps"].as_array().unwrap().len(), 2);
     let cursor = page["next_cursor"].as_str().unwrap();
-    let (_, rest) = app
-        .get_json(&format!(
+    let rest = app
+        .ok_json(&format!(
             "/api/v1/ids/gaps?project=GAP&type=1&cursor={cursor}"
         ))
         .await;
     assert_eq!(rest["gaps"].as_array().unwrap().len(), gaps.len() - 2);
-    let (_, view) = app.get_json("/api/v1/sequences/GAP/1").await;
+    let view = app.ok_json("/api/v1/sequences/GAP/1").await;
     let open: i64 = gaps.iter().map(|g| g["count"].as_i64().unwrap()).sum();
     assert_eq!(view["live"]["gaps"], open);
 }
@@ -374,8 +374,8 @@ async fn an_ended_day_gives_up_its_pool() {
         next_seq - 1,
         "the whole rest of the day's pool"
     );
-    let (_, day) = app
-        .get_json("/api/v1/ids/gaps?project=DAY&type=1&period=20261122")
+    let day = app
+        .ok_json("/api/v1/ids/gaps?project=DAY&type=1&period=20261122")
         .await;
     assert_eq!(day["gaps"].as_array().unwrap().len(), 2);
     assert_eq!(day["gaps"][1]["from_id"], "120261122".to_owned() + "0006");
@@ -384,7 +384,7 @@ async fn an_ended_day_gives_up_its_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gap_queries_are_validated_and_one_reconciliation_runs_at_a_time() {
     let app = TestEnv::new().spawn().await;
-    let (_, empty) = app.get_json("/api/v1/ids/gaps?project=NONE&type=1").await;
+    let empty = app.ok_json("/api/v1/ids/gaps?project=NONE&type=1").await;
     assert_eq!(empty["gaps"], json!([]));
     assert_eq!(empty["next_cursor"], Value::Null);
     let missing = app

@@ -45,6 +45,24 @@ pub fn child_output() -> std::process::Stdio {
     }
 }
 
+/// GET `url`: asserts 200 and returns the JSON body.
+pub async fn get_ok(client: &reqwest::Client, url: &str) -> Value {
+    let response = client.get(url).send().await.expect("request");
+    let status = response.status();
+    let body: Value = response.json().await.expect("JSON body");
+    assert_eq!(status, StatusCode::OK, "GET {url}: {body}");
+    body
+}
+
+/// POST `body` to `url`: asserts 200 and returns the JSON body.
+pub async fn post_ok(client: &reqwest::Client, url: &str, body: &Value) -> Value {
+    let response = client.post(url).json(body).send().await.expect("request");
+    let status = response.status();
+    let answer: Value = response.json().await.expect("JSON body");
+    assert_eq!(status, StatusCode::OK, "POST {url}: {answer}");
+    answer
+}
+
 pub fn base_database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idpool".into())
@@ -506,6 +524,13 @@ impl TestApp {
             "PUT {project}/{doc_type}: {view}"
         );
         view
+    }
+
+    /// GET `path`: asserts 200 and returns the JSON body.
+    pub async fn ok_json(&self, path: &str) -> Value {
+        let (status, body) = self.get_json(path).await;
+        assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
+        body
     }
 
     pub async fn get_json(&self, path: &str) -> (StatusCode, Value) {

@@ -235,7 +235,7 @@ async fn the_int64_layout_returns_numbers_and_decimal_strings() {
         ]
     );
     assert_eq!(ids, seqs.iter().map(i64::to_string).collect::<Vec<_>>());
-    let (_, view) = app.get_json("/api/v1/sequences/SHOP/coupon").await;
+    let view = app.ok_json("/api/v1/sequences/SHOP/coupon").await;
     assert_eq!(view["layout"], "int64");
     assert_eq!(view["reset"], "daily");
     assert_eq!(view["max"], serde_json::Value::Null);

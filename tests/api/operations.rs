@@ -141,27 +141,18 @@ async fn without_redis_at_start_ids_come_from_postgres() {
     let key = crate::helpers::create_key(application.state(), &["NOREDIS"], false).await;
     let server = tokio::spawn(application.run_until_stopped());
     let client = crate::helpers::client_with_key(Some(&key));
-    let ready: serde_json::Value = client
-        .get(format!("{address}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: serde_json::Value =
+        crate::helpers::get_ok(&client, &format!("{address}/readyz")).await;
     assert_eq!(
         ready,
         serde_json::json!({"postgres": "up", "redis": "down", "mode": "fallback"})
     );
-    let issued: serde_json::Value = client
-        .post(format!("{address}/ids"))
-        .json(&serde_json::json!({"project": "NOREDIS", "type": "1", "count": 3}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let issued: serde_json::Value = crate::helpers::post_ok(
+        &client,
+        &format!("{address}/ids"),
+        &serde_json::json!({"project": "NOREDIS", "type": "1", "count": 3}),
+    )
+    .await;
     assert_eq!(
         issued["ids"],
         serde_json::json!(["NOREDIS-1-1", "NOREDIS-1-2", "NOREDIS-1-3"])

@@ -69,7 +69,7 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
 
     // Idle past shrink_after: the next refill halves the target.
     clock.advance(chrono::Duration::milliseconds(1300));
-    let (_, view) = app.get_json("/api/v1/sequences/GROW/1").await;
+    let view = app.ok_json("/api/v1/sequences/GROW/1").await;
     let depth = view["live"]["pool_depth"].as_i64().unwrap();
     seqs.extend(app.issue("GROW", "1", depth + 1).await.1);
     assert_distinct(&seqs, "GROW after idling");

@@ -23,7 +23,7 @@ async fn a_sequence_used_before_it_is_defined_gets_the_defaults() {
     assert_eq!(view["live"]["pool_depth"], 1000);
     assert_eq!(view["live"]["refills"], 1);
 
-    let (_, list) = app.get_json("/api/v1/sequences").await;
+    let list = app.ok_json("/api/v1/sequences").await;
     assert_eq!(list["sequences"].as_array().unwrap().len(), 1);
     assert_eq!(list["sequences"][0]["project"], "NEW");
     assert_eq!(list["next_cursor"], serde_json::Value::Null);
@@ -101,13 +101,13 @@ async fn the_sequence_list_pages_with_a_cursor() {
         let r = app.put_sequence("LIST", &format!("T{i}"), json!({})).await;
         assert_eq!(r.status(), StatusCode::CREATED);
     }
-    let (_, first) = app.get_json("/api/v1/sequences?limit=2").await;
+    let first = app.ok_json("/api/v1/sequences?limit=2").await;
     let cursor = first["next_cursor"].as_str().unwrap().to_owned();
-    let (_, second) = app
-        .get_json(&format!("/api/v1/sequences?limit=2&cursor={cursor}"))
+    let second = app
+        .ok_json(&format!("/api/v1/sequences?limit=2&cursor={cursor}"))
         .await;
-    let (_, third) = app
-        .get_json(&format!(
+    let third = app
+        .ok_json(&format!(
             "/api/v1/sequences?limit=2&cursor={}",
             second["next_cursor"].as_str().unwrap()
         ))
