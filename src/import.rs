@@ -189,106 +189,119 @@ fn read_file(
                 .with_context(|| format!("opening {}", settings.file))?,
         ))
     };
-    let csv = settings.file.to_ascii_lowercase().ends_with(".csv");
-    let mut seen: HashSet<u64> = HashSet::new();
-    let mut chunk: Vec<(u64, Entry)> = Vec::new();
-    let mut chunk_documents = 0;
-    let mut chunk_bytes = 0;
-    let batch = settings.batch.clamp(1, MAX_BATCH);
-    let send = |chunk: Vec<(u64, Entry)>| -> anyhow::Result<()> {
-        chunks
-            .blocking_send(chunk)
-            .map_err(|_| anyhow::anyhow!("the sender stopped"))
+    let mut chunker = Chunker {
+        settings,
+        chunks,
+        seen: HashSet::new(),
+        chunk: Vec::new(),
+        documents: 0,
+        bytes: 0,
+        batch: settings.batch.clamp(1, MAX_BATCH),
     };
-    let mut accept =
-        |line: u64, parsed: Result<(String, String), (Option<String>, String)>| match parsed {
-            Err((source_id, reason)) => Entry::Reject(Reject {
-                line,
-                source_id,
-                reason,
-            }),
-            Ok((source_id, metadata)) => {
-                let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                source_id.hash(&mut hasher);
-                if !seen.insert(hasher.finish()) {
-                    Entry::Reject(Reject {
-                        line,
-                        source_id: Some(source_id),
-                        reason: "duplicate source_id: an earlier line has it".into(),
-                    })
-                } else if let Some(what) =
-                    crate::http::extract::unstorable_escape(metadata.as_bytes())
-                {
-                    Entry::Reject(Reject {
-                        line,
-                        source_id: Some(source_id),
-                        reason: format!("metadata contains {what}, which cannot be stored"),
-                    })
-                } else if metadata.len() > MAX_METADATA_BYTES {
-                    Entry::Reject(Reject {
-                        line,
-                        source_id: Some(source_id),
-                        reason: format!(
-                            "metadata is {} bytes; the limit is {MAX_METADATA_BYTES}",
-                            metadata.len()
-                        ),
-                    })
-                } else {
-                    let body = document_body(settings, &source_id, &metadata);
-                    Entry::Document { source_id, body }
-                }
-            }
-        };
-    let mut push = |entry: (u64, Entry)| -> anyhow::Result<()> {
-        if let Entry::Document { body, .. } = &entry.1 {
-            if chunk_documents >= batch || chunk_bytes + body.len() > MAX_BATCH_BYTES {
-                send(std::mem::take(&mut chunk))?;
-                chunk_documents = 0;
-                chunk_bytes = 0;
-            }
-            chunk_documents += 1;
-            chunk_bytes += body.len() + 1;
-        }
-        chunk.push(entry);
-        Ok(())
-    };
-    if csv {
+    let set_read = |n: u64| bytes_read.store(n, std::sync::atomic::Ordering::Relaxed);
+    if settings.file.to_ascii_lowercase().ends_with(".csv") {
         let mut reader = csv::ReaderBuilder::new().flexible(false).from_reader(input);
         let headers = reader.headers().context("reading the CSV header")?.clone();
         let Some(source_column) = headers.iter().position(|h| h == "source_id") else {
             bail!("the CSV file has no source_id column");
         };
         for (n, record) in reader.records().enumerate() {
-            let line = n as u64 + 2;
             let parsed = match record {
                 Err(e) => Err((None, format!("not a CSV record: {e}"))),
                 Ok(record) => {
-                    bytes_read.store(
-                        record.position().map_or(0, |p| p.byte()),
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
+                    set_read(record.position().map_or(0, |p| p.byte()));
                     csv_document(&headers, source_column, &record)
                 }
             };
-            push((line, accept(line, parsed)))?;
+            chunker.push(n as u64 + 2, parsed)?;
         }
     } else {
         let mut read = 0u64;
         for (n, text) in input.lines().enumerate() {
             let text = text.context("reading the input")?;
             read += text.len() as u64 + 1;
-            bytes_read.store(read, std::sync::atomic::Ordering::Relaxed);
-            if text.trim().is_empty() {
-                continue;
+            set_read(read);
+            if !text.trim().is_empty() {
+                chunker.push(n as u64 + 1, json_document(&text))?;
             }
-            let line = n as u64 + 1;
-            push((line, accept(line, json_document(&text))))?;
         }
     }
-    if !chunk.is_empty() {
-        send(chunk)?;
+    chunker.send()
+}
+
+/// A line read: `(source_id, metadata)`, or why it is no document.
+type Parsed = Result<(String, String), (Option<String>, String)>;
+
+/// Turns parsed lines into entries and entries into chunks for the sender.
+struct Chunker<'a> {
+    settings: &'a Settings,
+    chunks: &'a tokio::sync::mpsc::Sender<Vec<(u64, Entry)>>,
+    /// Hashes of the source ids seen so far.
+    seen: HashSet<u64>,
+    chunk: Vec<(u64, Entry)>,
+    documents: usize,
+    bytes: usize,
+    batch: usize,
+}
+
+impl Chunker<'_> {
+    fn push(&mut self, line: u64, parsed: Parsed) -> anyhow::Result<()> {
+        let entry = self.entry(line, parsed);
+        if let Entry::Document { body, .. } = &entry {
+            if self.documents >= self.batch || self.bytes + body.len() > MAX_BATCH_BYTES {
+                self.send()?;
+            }
+            self.documents += 1;
+            self.bytes += body.len() + 1;
+        }
+        self.chunk.push((line, entry));
+        Ok(())
     }
-    Ok(())
+
+    /// Hands the chunk so far to the sender (nothing if it is empty).
+    fn send(&mut self) -> anyhow::Result<()> {
+        self.documents = 0;
+        self.bytes = 0;
+        if self.chunk.is_empty() {
+            return Ok(());
+        }
+        self.chunks
+            .blocking_send(std::mem::take(&mut self.chunk))
+            .map_err(|_| anyhow::anyhow!("the sender stopped"))
+    }
+
+    fn entry(&mut self, line: u64, parsed: Parsed) -> Entry {
+        let reject = |source_id, reason| {
+            Entry::Reject(Reject {
+                line,
+                source_id,
+                reason,
+            })
+        };
+        let (source_id, metadata) = match parsed {
+            Err((source_id, reason)) => return reject(source_id, reason),
+            Ok(document) => document,
+        };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        source_id.hash(&mut hasher);
+        if !self.seen.insert(hasher.finish()) {
+            let reason = "duplicate source_id: an earlier line has it".into();
+            return reject(Some(source_id), reason);
+        }
+        if let Some(what) = crate::http::extract::unstorable_escape(metadata.as_bytes()) {
+            let reason = format!("metadata contains {what}, which cannot be stored");
+            return reject(Some(source_id), reason);
+        }
+        if metadata.len() > MAX_METADATA_BYTES {
+            let reason = format!(
+                "metadata is {} bytes; the limit is {MAX_METADATA_BYTES}",
+                metadata.len()
+            );
+            return reject(Some(source_id), reason);
+        }
+        let body = document_body(self.settings, &source_id, &metadata);
+        Entry::Document { source_id, body }
+    }
 }
 
 #[derive(Deserialize)]
@@ -396,31 +409,8 @@ async fn send_chunk(
     );
     let mut attempt = 0;
     while !pending.is_empty() {
-        let mut body =
-            String::with_capacity(pending.iter().map(|p| p.3.len() + 1).sum::<usize>() + 20);
-        body.push_str(r#"{"documents":["#);
-        for (i, (_, _, _, item)) in pending.iter().enumerate() {
-            if i > 0 {
-                body.push(',');
-            }
-            body.push_str(item);
-        }
-        body.push_str("]}");
-        let mut request = client
-            .post(&url)
-            .header("content-type", "application/json")
-            .body(body);
-        if let Some(key) = &settings.key {
-            request = request.bearer_auth(key);
-        }
-        let answer = request.send().await;
-        let (status, text) = match answer {
-            Ok(response) => {
-                let status = response.status();
-                (Some(status), response.text().await.unwrap_or_default())
-            }
-            Err(e) => (None, e.without_url().to_string()),
-        };
+        let body = batch_body(pending.iter().map(|(_, _, _, item)| item.as_str()));
+        let (status, text) = post_batch(client, &url, settings.key.as_deref(), body).await;
         match status {
             Some(s) if s.as_u16() == 202 => {
                 let accepted: Accepted =
@@ -452,18 +442,7 @@ async fn send_chunk(
                 };
                 // One document is at fault: it is rejected, the rest go again.
                 let (slot, line, source_id, _) = pending.remove(index);
-                let reason = problem
-                    .map(|p| {
-                        let code = p.code.unwrap_or_default();
-                        let detail = p.detail.unwrap_or_default();
-                        let detail = detail
-                            .split_once(": ")
-                            .filter(|(head, _)| head.starts_with("documents["))
-                            .map_or(detail.as_str(), |(_, rest)| rest)
-                            .to_owned();
-                        format!("{code}: {detail}")
-                    })
-                    .unwrap_or_else(|| s.to_string());
+                let reason = problem.map_or_else(|| s.to_string(), rejection_reason);
                 fates[slot] = Some(Fate::Reject(Reject {
                     line,
                     source_id: Some(source_id),
@@ -484,6 +463,57 @@ async fn send_chunk(
         }
     }
     Ok(fates.into_iter().flatten().collect())
+}
+
+/// `{"documents":[…]}` of documents already serialised.
+fn batch_body<'a>(items: impl Iterator<Item = &'a str> + Clone) -> String {
+    let size: usize = items.clone().map(|item| item.len() + 1).sum();
+    let mut body = String::with_capacity(size + 20);
+    body.push_str(r#"{"documents":["#);
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(item);
+    }
+    body.push_str("]}");
+    body
+}
+
+/// POSTs one batch: the answer's status and text, or no status and what
+/// went wrong on the way.
+async fn post_batch(
+    client: &reqwest::Client,
+    url: &str,
+    key: Option<&str>,
+    body: String,
+) -> (Option<reqwest::StatusCode>, String) {
+    let mut request = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    match request.send().await {
+        Ok(response) => {
+            let status = response.status();
+            (Some(status), response.text().await.unwrap_or_default())
+        }
+        Err(e) => (None, e.without_url().to_string()),
+    }
+}
+
+/// `code: detail` of a problem about one document, without the
+/// `documents[i]: ` the server puts before the detail.
+fn rejection_reason(problem: Problem) -> String {
+    let code = problem.code.unwrap_or_default();
+    let detail = problem.detail.unwrap_or_default();
+    let detail = detail
+        .split_once(": ")
+        .filter(|(head, _)| head.starts_with("documents["))
+        .map_or(detail.as_str(), |(_, rest)| rest);
+    format!("{code}: {detail}")
 }
 
 /// 200 ms doubling up to 10 s, with jitter so concurrent batches spread.
