@@ -138,15 +138,7 @@ impl Counter {
         if self.known(&key) {
             return Ok(());
         }
-        sqlx::query(
-            "INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, $2, $3) \
-             ON CONFLICT (sequence_id, period) DO NOTHING",
-        )
-        .bind(sequence.id)
-        .bind(period.key())
-        .bind(sequence.first_number(period))
-        .execute(db)
-        .await?;
+        create_counter(db, sequence, period).await?;
         let mut known = self.known_periods.lock().unwrap_or_else(|e| e.into_inner());
         if known.len() >= MAX_KNOWN_PERIODS {
             known.clear();
@@ -249,15 +241,7 @@ impl Counter {
         max_end: i64,
     ) -> Result<Option<SeqRange>, sqlx::Error> {
         let mut tx = self.refill_db.begin().await?;
-        sqlx::query(
-            "INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, $2, $3) \
-             ON CONFLICT (sequence_id, period) DO NOTHING",
-        )
-        .bind(sequence.id)
-        .bind(period.key())
-        .bind(sequence.first_number(period))
-        .execute(&mut *tx)
-        .await?;
+        create_counter(&mut *tx, sequence, period).await?;
         let next: i64 = sqlx::query_scalar(
             "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2 FOR UPDATE",
         )
@@ -374,4 +358,22 @@ impl Counter {
             None => self.why_not(&mut *conn, sequence).await,
         }
     }
+}
+
+/// The period's counter at its first number, unless it exists.
+async fn create_counter<'e, E: sqlx::PgExecutor<'e>>(
+    db: E,
+    sequence: &Sequence,
+    period: &Period,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, $2, $3) \
+         ON CONFLICT (sequence_id, period) DO NOTHING",
+    )
+    .bind(sequence.id)
+    .bind(period.key())
+    .bind(sequence.first_number(period))
+    .execute(db)
+    .await?;
+    Ok(())
 }
