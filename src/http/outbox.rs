@@ -79,9 +79,7 @@ pub async fn list_outbox(
     if let Some(doc_type) = &query.doc_type {
         parse_type(doc_type)?;
     }
-    let page = Page::parse(Some(limit), query.cursor.as_deref(), |c| {
-        c.parse::<i64>().ok()
-    })?;
+    let page = Page::with_limit(limit, query.cursor.as_deref(), |c| c.parse::<i64>().ok())?;
     let documents = outbox::list(
         &state.db,
         &ListFilter {

@@ -21,7 +21,15 @@ impl<K> Page<K> {
         cursor: Option<&'a str>,
         key_of: impl FnOnce(&'a str) -> Option<K>,
     ) -> Result<Self, ApiError> {
-        let limit = Self::limit(limit)?;
+        Self::with_limit(Self::limit(limit)?, cursor, key_of)
+    }
+
+    /// The same with a limit [`Page::limit`] already checked.
+    pub fn with_limit<'a>(
+        limit: i64,
+        cursor: Option<&'a str>,
+        key_of: impl FnOnce(&'a str) -> Option<K>,
+    ) -> Result<Self, ApiError> {
         let after = match cursor {
             None => None,
             Some(cursor) => Some(key_of(cursor).ok_or_else(|| {
