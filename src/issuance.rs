@@ -236,13 +236,13 @@ impl Issuer {
                 Vec::new()
             }
         };
-        Stats::add(&self.stats.ids_from_pool, seqs.len() as u64);
+        self.stats.ids_from_pool.inc_by(seqs.len() as u64);
         while seqs.len() < count {
             let missing = count - seqs.len();
             let reserved = self.reserve_direct(&mut db, pool, missing as i64).await;
             match reserved {
                 Ok(Reserved::Got(range)) => {
-                    Stats::add(&self.stats.ids_direct, missing as u64);
+                    self.stats.ids_direct.inc_by(missing as u64);
                     seqs.extend(range.iter());
                 }
                 Ok(Reserved::Stale) => {
@@ -265,7 +265,7 @@ impl Issuer {
                         self.give_back(pool, &seqs).await;
                         return Err(self.exhausted(pool, count));
                     }
-                    Stats::add(&self.stats.ids_from_pool, more.len() as u64);
+                    self.stats.ids_from_pool.inc_by(more.len() as u64);
                     seqs.extend(more);
                 }
                 Err(e) => {
@@ -299,7 +299,7 @@ impl Issuer {
     /// The ledger refused numbers as issued before: the pool handed out a
     /// stale list. Nothing more is taken from it.
     pub async fn refused(&self, pool: &PoolRef, how_many: usize) {
-        Stats::add(&self.stats.stale_numbers_rejected, how_many as u64);
+        self.stats.stale_numbers_rejected.inc_by(how_many as u64);
         tracing::warn!(
             project = %pool.sequence.project, doc_type = %pool.sequence.doc_type,
             period = pool.period.key(), refused = how_many,

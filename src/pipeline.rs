@@ -175,7 +175,7 @@ async fn pop(
     let mut popped_jobs = Vec::new();
     for (job, popped) in popped {
         let seqs = popped.map(|p| p.seqs).unwrap_or_default();
-        Stats::add(&stats.ids_from_pool, seqs.len() as u64);
+        stats.ids_from_pool.inc_by(seqs.len() as u64);
         if seqs.is_empty() {
             // Nothing to record: the caller takes the slower path.
             let _ = job.reply.send(Ok(Served::default()));

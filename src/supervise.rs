@@ -44,7 +44,7 @@ impl Supervisor {
                 match AssertUnwindSafe(make()).catch_unwind().await {
                     Ok(()) => return,
                     Err(panic) => {
-                        Stats::add(&stats.task_panics, 1);
+                        stats.task_panics.inc();
                         tracing::error!(
                             task = name,
                             panic = panic_message(panic.as_ref()),

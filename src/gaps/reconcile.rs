@@ -148,7 +148,7 @@ impl Reconciler {
             .await;
         let mut summary = result?;
         summary.duration_ms = started.elapsed().as_millis() as u64;
-        Stats::add(&self.stats.reconcile_runs, 1);
+        self.stats.reconcile_runs.inc();
         self.stats
             .reconcile_last_ms
             .set(i64::try_from(summary.duration_ms).unwrap_or(i64::MAX));

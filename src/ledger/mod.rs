@@ -226,7 +226,7 @@ pub async fn write_shared(
             Err(e) if part.len() > 1 && e.statement_failed() => {
                 if !split {
                     tracing::warn!(error = %e, writes = writes.len(), "shared ledger write failed; finding the request at fault");
-                    Stats::add(&stats.ledger_writes_split, 1);
+                    stats.ledger_writes_split.inc();
                     split = true;
                 }
                 if matches!(e, LedgerError::Waited(_)) {
@@ -453,8 +453,8 @@ async fn insert_rows(
     .bind(&vias)
     .fetch_all(&mut *conn)
     .await?;
-    Stats::add(&stats.ledger_batches, 1);
-    Stats::add(&stats.ledger_rows, inserted.len() as u64);
+    stats.ledger_batches.inc();
+    stats.ledger_rows.inc_by(inserted.len() as u64);
     if inserted.len() == rows.len() {
         return Ok(Vec::new());
     }

@@ -221,7 +221,7 @@ impl PoolService {
             .within_max(pool, std::mem::take(&mut popped.seqs))
             .await;
         if seqs.len() < count {
-            Stats::add(&self.stats.pool_short, 1);
+            self.stats.pool_short.inc();
             // The refill also brings what waiting requests lack, so a big
             // request is served from the pool, in order, rather than from
             // the counter past numbers a refill just pushed. Registered
@@ -393,7 +393,7 @@ impl PoolService {
                 .await
                 .unwrap_or_else(|_| {
                     tracing::error!(pool = %pool.keys.pool, "refill panicked");
-                    Stats::add(&service.stats.task_panics, 1);
+                    service.stats.task_panics.inc();
                     RefillOutcome::Failed
                 });
             let _ = done.send(outcome);
@@ -418,7 +418,7 @@ impl PoolService {
             RefillOutcome::Failed => &self.stats.refills_failed,
             RefillOutcome::NotNeeded | RefillOutcome::Exhausted => return outcome,
         };
-        Stats::add(counter, 1);
+        counter.inc();
         outcome
     }
 
@@ -598,7 +598,7 @@ impl PoolService {
             return;
         }
         let numbers: i64 = ranges.iter().map(SeqRange::len).sum();
-        Stats::add(&self.stats.pool_numbers_discarded, numbers as u64);
+        self.stats.pool_numbers_discarded.inc_by(numbers as u64);
         let starts: Vec<i64> = ranges.iter().map(|r| r.start).collect();
         let ends: Vec<i64> = ranges.iter().map(|r| r.end).collect();
         let written = sqlx::query(
@@ -646,7 +646,7 @@ impl PoolService {
     /// promoted replica with a stale list) is emptied and its numbers
     /// recorded; then Postgres is checked against what Redis has seen.
     pub async fn resync(&self) -> Result<Resynced, ResyncError> {
-        Stats::add(&self.stats.redis_resyncs, 1);
+        self.stats.redis_resyncs.inc();
         self.redis.claim_prefix(&self.settings.installation).await?;
         let mut resynced = Resynced::default();
         for key in self.redis.pool_keys(None).await? {

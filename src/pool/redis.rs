@@ -224,7 +224,7 @@ impl RedisLink {
         self.failures.fetch_add(1, Ordering::AcqRel);
         why.clone_into(&mut self.last_failure.lock().unwrap_or_else(|e| e.into_inner()));
         if self.up.swap(false, Ordering::AcqRel) {
-            Stats::add(&self.stats.redis_trips, 1);
+            self.stats.redis_trips.inc();
             tracing::warn!(reason = why, "redis unavailable, serving from postgres");
         }
         self.wake.notify_one();
@@ -288,7 +288,7 @@ impl RedisLink {
         if !self.is_up() {
             return Err(RedisFailure::Open);
         }
-        Stats::add(&self.stats.pool_pops, 1);
+        self.stats.pool_pops.inc();
         self.guarded(async {
             let reply = self
                 .eval(
