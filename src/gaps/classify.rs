@@ -38,15 +38,19 @@ pub enum Reason {
     PoolDiscarded,
     /// Taken from the counter, found nowhere else.
     UntrackedLoss,
+    /// Recorded as leased to an instance that stopped before reporting
+    /// whether it handed the number out.
+    LeaseLost,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 5] = [
+    pub const ALL: [Reason; 6] = [
         Reason::IssuedUnattached,
         Reason::OutboxDlq,
         Reason::Abandoned,
         Reason::PoolDiscarded,
         Reason::UntrackedLoss,
+        Reason::LeaseLost,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -64,8 +68,12 @@ impl Reason {
 pub struct Evidence {
     /// Blocks taken from the counter.
     pub taken: Vec<SeqRange>,
-    /// Issued ranges (ledger).
+    /// Issued ranges (ledger, per request).
     pub issued: Vec<SeqRange>,
+    /// Ranges leased to an instance (ledger, via lease).
+    pub leased: Vec<SeqRange>,
+    /// Lease numbers their instance reported handing to `POST /ids`.
+    pub handed_out: Vec<SeqRange>,
     /// Documents attached to numbers: (seq, status).
     pub documents: Vec<(i64, DocumentStatus)>,
     /// Numbers removed from pools unissued.
@@ -102,6 +110,8 @@ pub fn judge(window: SeqRange, evidence: &Evidence) -> Vec<Judged> {
     };
     evidence.taken.iter().for_each(&mut add);
     evidence.issued.iter().for_each(&mut add);
+    evidence.leased.iter().for_each(&mut add);
+    evidence.handed_out.iter().for_each(&mut add);
     evidence.discarded.iter().for_each(&mut add);
     for (seq, _) in &evidence.documents {
         add(&SeqRange::single(*seq));
@@ -113,7 +123,12 @@ pub fn judge(window: SeqRange, evidence: &Evidence) -> Vec<Judged> {
         if !covers(&evidence.taken, piece.start) {
             continue;
         }
-        let reason = if covers(&evidence.issued, piece.start) {
+        // A reported handout is evidence of issue even where its lease's
+        // record is gone (it went with a failed Postgres primary).
+        let issued =
+            covers(&evidence.issued, piece.start) || covers(&evidence.handed_out, piece.start);
+        let leased = !issued && covers(&evidence.leased, piece.start);
+        let reason = if issued || leased {
             let document = evidence
                 .documents
                 .binary_search_by_key(&piece.start, |(seq, _)| *seq)
@@ -123,7 +138,10 @@ pub fn judge(window: SeqRange, evidence: &Evidence) -> Vec<Judged> {
                 Some(DocumentStatus::Pending | DocumentStatus::Committed) => None,
                 Some(DocumentStatus::DeadLetter) => Some(Reason::OutboxDlq),
                 Some(DocumentStatus::Abandoned) => Some(Reason::Abandoned),
-                None => Some(Reason::IssuedUnattached),
+                None if issued => Some(Reason::IssuedUnattached),
+                // Leased, never reported: given back, or lost with its instance.
+                None if covers(&evidence.discarded, piece.start) => Some(Reason::PoolDiscarded),
+                None => Some(Reason::LeaseLost),
             }
         } else if covers(&evidence.discarded, piece.start) {
             Some(Reason::PoolDiscarded)
@@ -164,6 +182,7 @@ mod tests {
                 (4, DocumentStatus::Abandoned),
             ],
             discarded: vec![r(12, 16)],
+            ..Default::default()
         };
         let judged = judge(r(1, 21), &evidence);
         assert_eq!(
@@ -196,6 +215,41 @@ mod tests {
                 Judged {
                     range: r(16, 21),
                     reason: Some(Reason::UntrackedLoss)
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn lease_numbers_are_judged_by_what_their_instance_reported() {
+        // 1..=10 leased: 1-2 carry documents, 3-4 reported handed out,
+        // 5-6 given back, 7-10 never reported (the instance died).
+        let evidence = Evidence {
+            taken: vec![r(1, 11)],
+            leased: vec![r(1, 11)],
+            documents: vec![(1, DocumentStatus::Pending), (2, DocumentStatus::Committed)],
+            handed_out: vec![r(3, 5)],
+            discarded: vec![r(5, 7)],
+            ..Default::default()
+        };
+        assert_eq!(
+            judge(r(1, 11), &evidence),
+            vec![
+                Judged {
+                    range: r(1, 3),
+                    reason: None
+                },
+                Judged {
+                    range: r(3, 5),
+                    reason: Some(Reason::IssuedUnattached)
+                },
+                Judged {
+                    range: r(5, 7),
+                    reason: Some(Reason::PoolDiscarded)
+                },
+                Judged {
+                    range: r(7, 11),
+                    reason: Some(Reason::LeaseLost)
                 },
             ]
         );
@@ -245,6 +299,8 @@ mod tests {
         #[test]
         fn stretches_match_a_number_by_number_verdict(
             issued in proptest::collection::vec(0i64..60, 0..30),
+            leased in proptest::collection::vec(0i64..60, 0..30),
+            handed in proptest::collection::vec(0i64..60, 0..30),
             discarded in proptest::collection::vec(0i64..60, 0..20),
             docs in proptest::collection::btree_map(0i64..60, 0u8..4, 0..20),
             lo in 0i64..30,
@@ -261,6 +317,8 @@ mod tests {
                     _ => DocumentStatus::Abandoned,
                 })).collect(),
                 discarded: crate::numbers::runs(&discarded),
+                leased: crate::numbers::runs(&leased),
+                handed_out: crate::numbers::runs(&handed),
             };
             let judged = judge(window, &evidence);
             let expanded: Vec<(i64, Option<Reason>)> = judged
@@ -271,12 +329,15 @@ mod tests {
                 .iter()
                 .filter(|s| *s < 50)
                 .map(|s| {
-                    let reason = if issued.contains(&s) {
+                    let handed_or_issued = issued.contains(&s) || handed.contains(&s);
+                    let reason = if handed_or_issued || leased.contains(&s) {
                         match docs.get(&s) {
                             Some(0) | Some(1) => None,
                             Some(2) => Some(Reason::OutboxDlq),
                             Some(_) => Some(Reason::Abandoned),
-                            None => Some(Reason::IssuedUnattached),
+                            None if handed_or_issued => Some(Reason::IssuedUnattached),
+                            None if discarded.contains(&s) => Some(Reason::PoolDiscarded),
+                            None => Some(Reason::LeaseLost),
                         }
                     } else if discarded.contains(&s) {
                         Some(Reason::PoolDiscarded)

@@ -21,6 +21,7 @@ use utoipa::ToSchema;
 
 use super::classify::{self, Evidence, Judged, OpenGap, Reason};
 use crate::clock::Clock;
+use crate::ledger::Via;
 use crate::ledger::outbox::DocumentStatus;
 use crate::numbers::{SeqRange, merge, runs};
 use crate::pool::{PoolService, RedisLink};
@@ -262,14 +263,20 @@ impl Reconciler {
     ) -> Result<(), ReconcileError> {
         let settled_before =
             now - chrono::Duration::from_std(self.settings.settle).unwrap_or_default();
-        let bound: Option<i64> = sqlx::query_scalar(
-            "SELECT max(bound) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at <= $3",
+        // Numbers can go back to a pool after leaving it (what a lease did
+        // not hand out goes back to the head), so the newest mark, which
+        // sees them in the pool again, caps the settled one.
+        let (settled, newest): (Option<i64>, Option<i64>) = sqlx::query_as(
+            "SELECT max(bound) FILTER (WHERE observed_at <= $3), \
+                    (array_agg(bound ORDER BY observed_at DESC))[1] \
+             FROM reconcile_marks WHERE sequence_id = $1 AND period = $2",
         )
         .bind(period.sequence_id)
         .bind(&period.period)
         .bind(settled_before)
         .fetch_one(&mut *conn)
         .await?;
+        let bound = settled.map(|b| newest.map_or(b, |n| b.min(n)));
         let Some(bound) = bound.filter(|b| *b > period.checkpoint) else {
             return Ok(());
         };
@@ -482,9 +489,15 @@ impl Reconciler {
              UNION ALL \
              SELECT d.sequence_id, d.period, greatest(lower(d.seqs), g.from_seq), least(upper(d.seqs), g.to_seq + 1) \
                FROM pool_discards d JOIN id_gaps g ON g.sequence_id = d.sequence_id AND g.period = d.period \
-                AND g.resolved_at IS NULL AND g.reason = $6 \
+                AND g.resolved_at IS NULL AND g.reason IN ($6, $8) \
                 AND int8range(g.from_seq, g.to_seq, '[]') && d.seqs \
-              WHERE d.discarded_at > $1",
+              WHERE d.discarded_at > $1 \
+             UNION ALL \
+             SELECT h.sequence_id, h.period, greatest(lower(h.seqs), g.from_seq), least(upper(h.seqs), g.to_seq + 1) \
+               FROM lease_handouts h JOIN id_gaps g ON g.sequence_id = h.sequence_id AND g.period = h.period \
+                AND g.resolved_at IS NULL AND g.reason = $8 \
+                AND int8range(g.from_seq, g.to_seq, '[]') && h.seqs \
+              WHERE h.reported_at > $1",
         )
         .bind(since)
         .bind(DocumentStatus::DeadLetter)
@@ -493,6 +506,7 @@ impl Reconciler {
         .bind(Reason::Abandoned)
         .bind(Reason::UntrackedLoss)
         .bind(Reason::PoolDiscarded)
+        .bind(Reason::LeaseLost)
         .fetch_all(&mut *conn)
         .await?;
         let mut changed: BTreeMap<(i64, String), Vec<i64>> = BTreeMap::new();
@@ -614,10 +628,23 @@ async fn fetch_evidence(
     .bind(&his)
     .fetch_all(&mut *conn)
     .await?;
-    let ledger: Vec<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at \
+    let ledger: Vec<(i64, i64, DateTime<Utc>, bool)> = sqlx::query_as(
+        "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
          FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
          JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
+         ORDER BY 1",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(&los)
+    .bind(&his)
+    .bind(Via::Lease.as_str())
+    .fetch_all(&mut *conn)
+    .await?;
+    let handouts: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT DISTINCT lower(h.seqs), upper(h.seqs) \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN lease_handouts h ON h.sequence_id = $1 AND h.period = $2 AND h.seqs && int8range(w.lo, w.hi) \
          ORDER BY 1",
     )
     .bind(sequence_id)
@@ -650,7 +677,15 @@ async fn fetch_evidence(
     .bind(&his)
     .fetch_all(&mut *conn)
     .await?;
-    let rows_read = (blocks.len() + ledger.len() + documents.len() + discards.len()) as i64;
+    let rows_read =
+        (blocks.len() + ledger.len() + handouts.len() + documents.len() + discards.len()) as i64;
+    let ledger_part = |lease: bool| -> Vec<(i64, i64)> {
+        ledger
+            .iter()
+            .filter(|(_, _, _, leased)| *leased == lease)
+            .map(|(s, e, _, _)| (*s, *e))
+            .collect()
+    };
     let seq_ranges = |rows: &[(i64, i64)]| -> Vec<SeqRange> {
         let numbers: Vec<SeqRange> = rows.iter().map(|(s, e)| SeqRange::new(*s, *e)).collect();
         merge(numbers)
@@ -662,7 +697,9 @@ async fn fetch_evidence(
     Ok(FetchedEvidence {
         ranges: Evidence {
             taken: seq_ranges(&blocks.iter().map(|(s, e, _)| (*s, *e)).collect::<Vec<_>>()),
-            issued: seq_ranges(&ledger.iter().map(|(s, e, _)| (*s, *e)).collect::<Vec<_>>()),
+            issued: seq_ranges(&ledger_part(false)),
+            leased: seq_ranges(&ledger_part(true)),
+            handed_out: seq_ranges(&handouts),
             documents: statuses,
             discarded: seq_ranges(&discards),
         },
@@ -672,7 +709,7 @@ async fn fetch_evidence(
             .collect(),
         issue_times: ledger
             .iter()
-            .map(|(s, e, t)| (SeqRange::new(*s, *e), *t))
+            .map(|(s, e, t, _)| (SeqRange::new(*s, *e), *t))
             .collect(),
         document_ids: documents
             .into_iter()

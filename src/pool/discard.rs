@@ -23,6 +23,9 @@ pub enum DiscardCause {
     RedisReconnect,
     /// Postgres was found behind Redis (a failover); its pools were emptied.
     PostgresBehindRedis,
+    /// A lease's numbers this instance did not hand out, which could not be
+    /// taken off the ledger to go back to their pool.
+    LeaseReturned,
 }
 
 #[cfg(test)]

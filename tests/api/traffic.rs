@@ -111,7 +111,8 @@ impl Outcome {
 /// one open gap, and numbers `issued` to callers without a document are
 /// `issued_unattached`. Numbers in `records_lost` were issued but their
 /// record went with a failed Postgres primary: they can only be
-/// `untracked_loss`. The number of numbers judged.
+/// `untracked_loss` (`lease_lost` when only their lease was kept,
+/// `issued_unattached` when only a lease's report of the handout was). The number of numbers judged.
 pub async fn assert_every_number_explained(
     db: &PgPool,
     project: &str,
@@ -173,7 +174,16 @@ pub async fn assert_every_number_explained(
             );
             let reasons = explained.get(&n).cloned().unwrap_or_default();
             let fine = match (live, reasons.as_slice()) {
-                _ if records_lost.contains(&n) => !live && reasons == ["untracked_loss"],
+                // Lost with the primary: the ledger has no record of the
+                // number, or only its lease and not the report of its
+                // handout, or (a lease's) only the report, sent later.
+                _ if records_lost.contains(&n) => {
+                    !live
+                        && matches!(
+                            reasons.as_slice(),
+                            ["untracked_loss" | "lease_lost" | "issued_unattached"]
+                        )
+                }
                 (true, []) => true,
                 (false, [reason]) => {
                     !issued.contains(&n)
