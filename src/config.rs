@@ -365,6 +365,18 @@ pub struct Config {
     )]
     pub auth: Switch,
 
+    /// `off` records every `POST /ids` request's numbers on its own instead
+    /// of serving busy sequences from leases recorded ahead.
+    #[arg(
+        long = "idpool-leases",
+        env = "IDPOOL_LEASES",
+        value_name = "IDPOOL_LEASES",
+        value_enum,
+        default_value = "on",
+        global = true
+    )]
+    pub leases: Switch,
+
     /// Requests per second per API key (bursts of twice that).
     #[arg(
         long = "idpool-rate-limit",

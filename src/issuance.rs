@@ -136,9 +136,24 @@ impl Issuer {
         count: usize,
     ) -> Result<Issued, IssueError> {
         let placement = self.place(project, doc_type).await?;
+        let seqs = self
+            .issue_placed(placement.clone(), count, Via::Ids)
+            .await?;
+        Ok(Issued { placement, seqs })
+    }
+
+    /// `count` numbers of `placement`'s pool, recorded in the shared ledger
+    /// commit as received by `via` (a caller of `POST /ids`, or a lease of
+    /// this instance). Ascending.
+    pub async fn issue_placed(
+        self: &Arc<Self>,
+        placement: Arc<Placement>,
+        count: usize,
+        via: Via,
+    ) -> Result<Vec<i64>, IssueError> {
         let served = self
             .pipeline
-            .submit(placement.clone(), Demand::Ids { count })
+            .submit(placement.clone(), demand(via, count))
             .await?;
         let mut seqs = served.issued;
         if !served.refused.is_empty() || seqs.len() < count {
@@ -151,14 +166,14 @@ impl Issuer {
                     issuer.refused(&slow.pool, served.refused.len()).await;
                 }
                 issuer
-                    .issue_with(&slow, missing, LedgerTarget::Shared)
+                    .issue_with(&slow, missing, LedgerTarget::Shared(via))
                     .await
             })
             .await??;
             seqs.extend(more);
             seqs.sort_unstable();
         }
-        Ok(Issued { placement, seqs })
+        Ok(seqs)
     }
 
     /// The same, with the ledger rows written in the caller's transaction
@@ -191,12 +206,13 @@ impl Issuer {
         let mut pending = self.obtain(pool, count, ledger.db(&self.db)).await?;
         loop {
             let refused = match &mut ledger {
-                LedgerTarget::Shared => {
-                    let demand = Demand::Ids {
-                        count: pending.len(),
-                    };
+                LedgerTarget::Shared(via) => {
                     self.pipeline
-                        .record(placement.clone(), demand, pending.clone())
+                        .record(
+                            placement.clone(),
+                            demand(*via, pending.len()),
+                            pending.clone(),
+                        )
                         .await?
                         .refused
                 }
@@ -341,11 +357,19 @@ impl Issuer {
     }
 }
 
-/// Where `POST /ids` records its numbers.
+/// What a request for `count` numbers received `via` asks of the pipeline.
+fn demand(via: Via, count: usize) -> Demand {
+    match via {
+        Via::Lease => Demand::Lease { count },
+        Via::Ids | Via::Document => Demand::Ids { count },
+    }
+}
+
+/// Where `POST /ids` (or a lease) records its numbers.
 enum LedgerTarget<'a> {
     /// The pipeline's write stage: one statement and commit for concurrent
     /// requests.
-    Shared,
+    Shared(Via),
     /// The caller's transaction.
     Transaction(&'a mut PgConnection),
 }
@@ -355,7 +379,7 @@ impl LedgerTarget<'_> {
     /// caller's transaction if it has one (never a second connection).
     fn db<'s>(&'s mut self, pool: &'s PgPool) -> Db<'s> {
         match self {
-            LedgerTarget::Shared => Db::Pool(pool),
+            LedgerTarget::Shared(_) => Db::Pool(pool),
             LedgerTarget::Transaction(conn) => Db::Transaction(conn),
         }
     }

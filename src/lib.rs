@@ -16,6 +16,7 @@ pub mod http;
 pub mod idempotency;
 pub mod import;
 pub mod issuance;
+pub mod lease;
 pub mod ledger;
 mod listen;
 pub mod numbers;

@@ -34,6 +34,10 @@ pub enum Demand {
     Ids {
         count: usize,
     },
+    /// Numbers leased to this instance, handed out later from memory.
+    Lease {
+        count: usize,
+    },
     /// One number, carrying a document's outbox row.
     Document {
         attachment: Arc<Attachment>,
@@ -43,7 +47,7 @@ pub enum Demand {
 impl Demand {
     fn numbers(&self) -> usize {
         match self {
-            Demand::Ids { count } => *count,
+            Demand::Ids { count } | Demand::Lease { count } => *count,
             Demand::Document { .. } => 1,
         }
     }
@@ -215,6 +219,7 @@ impl Writer {
                 let placement = &job.placement;
                 let (via, documents) = match &job.demand {
                     Demand::Ids { .. } => (Via::Ids, Vec::new()),
+                    Demand::Lease { .. } => (Via::Lease, Vec::new()),
                     Demand::Document { attachment } => (
                         Via::Document,
                         vec![attachment.row(&placement.shape, seqs[0])],

@@ -22,6 +22,7 @@ use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
 use crate::issuance::Issuer;
+use crate::lease::{LeaseSettings, Leases};
 use crate::pipeline::Pipeline;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence_store::SequenceStore;
@@ -35,6 +36,10 @@ pub struct Overrides {
     pub pool: PoolSettings,
     /// Replaces the configured reconciliation timing (tests settle in seconds).
     pub reconcile: Option<ReconcileSettings>,
+    /// Replaces the lease timing (`enabled` still follows `IDPOOL_LEASES`).
+    pub leases: Option<LeaseSettings>,
+    /// The clock leases measure a sequence's rate by.
+    pub lease_clock: Arc<dyn Clock>,
 }
 
 impl Default for Overrides {
@@ -43,6 +48,8 @@ impl Default for Overrides {
             clock: Arc::new(SystemClock),
             pool: PoolSettings::default(),
             reconcile: None,
+            leases: None,
+            lease_clock: Arc::new(SystemClock),
         }
     }
 }
@@ -136,6 +143,7 @@ struct Parts {
     sequences: Arc<SequenceStore>,
     pools: Arc<PoolService>,
     issuer: Arc<Issuer>,
+    leases: Arc<Leases>,
     reconciler: Arc<Reconciler>,
     instance_id: String,
 }
@@ -173,6 +181,16 @@ impl Parts {
             stats: stats.clone(),
             db: db.clone(),
         });
+        let leases = Leases::new(
+            issuer.clone(),
+            pools.clone(),
+            overrides.lease_clock.clone(),
+            LeaseSettings {
+                enabled: config.leases.is_on(),
+                ..overrides.leases.clone().unwrap_or_default()
+            },
+            stats.clone(),
+        );
         let background_db = db::pool(
             (*db.connect_options()).clone(),
             2,
@@ -200,6 +218,7 @@ impl Parts {
             sequences,
             pools,
             issuer,
+            leases,
             reconciler,
             instance_id,
         })
@@ -284,6 +303,10 @@ impl Parts {
         supervisor.spawn("idempotency pruning", move || {
             idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
         });
+        let (leases, lease_db, lease_stop) = (self.leases.clone(), db.clone(), stop.clone());
+        supervisor.spawn("lease reports", move || {
+            leases.clone().report(lease_db.clone(), lease_stop.clone())
+        });
         if config.reconcile.is_on() {
             let (reconciler, stop) = (self.reconciler.clone(), stop.clone());
             supervisor.spawn("reconciliation", move || {
@@ -349,8 +372,10 @@ impl Parts {
             auth: self.auth,
             documents: Documents {
                 issuer: self.issuer.clone(),
+                leases: self.leases.clone(),
             },
             issuer: self.issuer,
+            leases: self.leases,
             reconciler: self.reconciler,
             sequences: self.sequences,
             pools: self.pools,

@@ -53,7 +53,14 @@ pub struct Stats {
     /// Shared ledger writes that failed and were split to find the request at fault.
     pub ledger_writes_split: Counter,
     pub reconcile_last_ms: Gauge,
-    /// Numbers in open gaps by reason, as of the last reconciliation.
+    /// Leases recorded for this instance, and their numbers.
+    pub leases_taken: Counter,
+    pub lease_numbers: Counter,
+    /// Numbers handed to callers from a lease (no Redis call, no commit).
+    pub lease_numbers_served: Counter,
+    /// Lease numbers given back unused (an idle lease, a clean stop).
+    pub lease_numbers_returned: Counter,
+    /// Numbers in open gaps in open gaps by reason, as of the last reconciliation.
     gaps_open: Family<Label, Gauge>,
     mode_pool: Gauge,
     requests: Histograms<RequestLabels>,
@@ -90,7 +97,7 @@ fn batch_histogram() -> Histogram {
 const METRICS: &[(&str, &str)] = &[
     (
         "ids_issued",
-        "Numbers issued to callers, by where they came from",
+        "Numbers taken for callers (leases included), by where they came from",
     ),
     ("pool_pops", "Pop round trips to Redis"),
     (
@@ -127,6 +134,22 @@ const METRICS: &[(&str, &str)] = &[
         "Shared ledger writes that failed and were split until the request at fault stood alone",
     ),
     ("reconcile_runs", "Reconciliation runs of this instance"),
+    (
+        "leases",
+        "Leases this instance recorded before handing out their numbers",
+    ),
+    (
+        "lease_numbers",
+        "Numbers in the leases this instance recorded",
+    ),
+    (
+        "lease_numbers_served",
+        "Numbers handed to callers from a lease in memory",
+    ),
+    (
+        "lease_numbers_returned",
+        "Lease numbers given back unused (to their pool, or recorded as pool_discarded)",
+    ),
     (
         "reconcile_last_duration_ms",
         "Duration of this instance's last reconciliation run",
@@ -198,6 +221,10 @@ impl Default for Stats {
             ledger_batches: registered(r, "ledger_batches", Counter::default()),
             ledger_rows: registered(r, "ledger_rows", Counter::default()),
             task_panics: registered(r, "task_panics", Counter::default()),
+            leases_taken: registered(r, "leases", Counter::default()),
+            lease_numbers: registered(r, "lease_numbers", Counter::default()),
+            lease_numbers_served: registered(r, "lease_numbers_served", Counter::default()),
+            lease_numbers_returned: registered(r, "lease_numbers_returned", Counter::default()),
             ledger_writes_split: registered(r, "ledger_writes_split", Counter::default()),
             reconcile_runs: registered(r, "reconcile_runs", Counter::default()),
             reconcile_last_ms: registered(r, "reconcile_last_duration_ms", Gauge::default()),

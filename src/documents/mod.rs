@@ -118,6 +118,8 @@ impl BatchError {
 
 pub struct Documents {
     pub issuer: Arc<Issuer>,
+    /// Attached IDs may have come from this instance's lease moments ago.
+    pub leases: Arc<crate::lease::Leases>,
 }
 
 /// The placement of each (project, type) of a batch.
@@ -171,6 +173,11 @@ impl Documents {
     /// transaction begins (placing may read or create the sequence, which
     /// takes a connection of its own).
     pub async fn place_all(&self, inputs: &[DocumentInput]) -> Result<Placements, BatchError> {
+        if inputs.iter().any(|input| input.id.is_some()) {
+            // An ID handed out from a lease is found once its handout is
+            // written; a caller attaching it right away must not miss it.
+            self.leases.flush().await;
+        }
         let mut placements = Placements::new();
         for (index, input) in inputs.iter().enumerate() {
             let key = (input.project.to_string(), input.doc_type.to_string());

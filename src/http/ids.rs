@@ -153,7 +153,7 @@ pub async fn issue_ids(
         // The hot path: numbers are popped and recorded inside the shared
         // batch, so a client hanging up cannot leave one half-taken.
         let issued = state
-            .issuer
+            .leases
             .issue(&input.project, &input.doc_type, input.count)
             .await?;
         return Ok(axum::Json(answer(&input, &issued)).into_response());

@@ -50,6 +50,7 @@ pub const SMALL_BODY_LIMIT: usize = 64 * 1024;
 pub struct AppInner {
     pub auth: Arc<Authenticator>,
     pub issuer: Arc<Issuer>,
+    pub leases: Arc<crate::lease::Leases>,
     pub documents: Documents,
     pub reconciler: Arc<Reconciler>,
     pub sequences: Arc<SequenceStore>,

@@ -100,6 +100,8 @@ pub struct TestEnv {
     /// Requests per second per key: high, so load tests are not throttled.
     pub rate_limit: u32,
     pub redis_start_wait_ms: u64,
+    /// `IDPOOL_LEASES` (on by default, as in production).
+    pub leases: bool,
     /// More environment for `ServeProcess` (after the settings above).
     pub extra_env: Vec<(String, String)>,
 }
@@ -134,6 +136,7 @@ impl TestEnv {
             auth: true,
             rate_limit: 1_000_000,
             redis_start_wait_ms: 5000,
+            leases: true,
             extra_env: Vec::new(),
         }
     }
@@ -187,6 +190,10 @@ impl TestEnv {
                 "IDPOOL_REDIS_START_WAIT_MS",
                 self.redis_start_wait_ms.to_string(),
             ),
+            (
+                "IDPOOL_LEASES",
+                if self.leases { "on" } else { "off" }.to_owned(),
+            ),
             ("RUST_LOG", "warn".to_owned()),
         ]
         .into_iter()
@@ -239,6 +246,7 @@ impl TestEnv {
             auth: if self.auth { Switch::On } else { Switch::Off },
             rate_limit: self.rate_limit,
             redis_start_wait_ms: self.redis_start_wait_ms,
+            leases: if self.leases { Switch::On } else { Switch::Off },
         }
     }
 
@@ -252,6 +260,17 @@ impl TestEnv {
     }
 
     pub async fn spawn_with(&self, clock: Arc<dyn Clock>, pool: PoolSettings) -> TestApp {
+        self.spawn_with_lease_clock(clock, pool, Arc::new(SystemClock))
+            .await
+    }
+
+    /// The same, leases measuring the rate by `lease_clock`.
+    pub async fn spawn_with_lease_clock(
+        &self,
+        clock: Arc<dyn Clock>,
+        pool: PoolSettings,
+        lease_clock: Arc<dyn Clock>,
+    ) -> TestApp {
         init_test_logging();
         let config = self.config();
         let reconcile = Some(ReconcileSettings {
@@ -265,6 +284,8 @@ impl TestEnv {
                 clock,
                 pool,
                 reconcile,
+                leases: None,
+                lease_clock,
             },
         )
         .await
@@ -635,18 +656,38 @@ pub async fn assert_problem(response: reqwest::Response, status: StatusCode, cod
 }
 
 /// Numbers the ledger holds for a sequence period, expanded.
+/// Numbers recorded as handed to callers (the ledger's per-request rows
+/// and what leases reported handing out), once the reports have settled.
 pub async fn ledger_numbers(db: &PgPool, project: &str, doc_type: &str, period: &str) -> Vec<i64> {
-    let rows: Vec<(i64, i64)> = sqlx::query_as(
-        "SELECT lower(l.seqs), upper(l.seqs) FROM issuance_ledger l JOIN sequences s ON s.id = l.sequence_id \
-         WHERE s.project = $1 AND s.doc_type = $2 AND l.period = $3 ORDER BY lower(l.seqs)",
-    )
-    .bind(project)
-    .bind(doc_type)
-    .bind(period)
-    .fetch_all(db)
-    .await
-    .expect("ledger");
-    rows.into_iter().flat_map(|(s, e)| s..e).collect()
+    let read = || async {
+        let rows: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT lower(l.seqs), upper(l.seqs) FROM issuance_ledger l JOIN sequences s ON s.id = l.sequence_id \
+             WHERE s.project = $1 AND s.doc_type = $2 AND l.period = $3 AND l.via <> 'lease' \
+             UNION ALL \
+             SELECT lower(h.seqs), upper(h.seqs) FROM lease_handouts h JOIN sequences s ON s.id = h.sequence_id \
+             WHERE s.project = $1 AND s.doc_type = $2 AND h.period = $3 \
+             ORDER BY 1",
+        )
+        .bind(project)
+        .bind(doc_type)
+        .bind(period)
+        .fetch_all(db)
+        .await
+        .expect("ledger");
+        rows.into_iter()
+            .flat_map(|(s, e)| s..e)
+            .collect::<Vec<i64>>()
+    };
+    // Leases report in the background within milliseconds.
+    let mut last = read().await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = read().await;
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
 }
 
 pub fn assert_distinct(seqs: &[i64], what: &str) {

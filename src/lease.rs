@@ -1,0 +1,644 @@
+//! Leases: `POST /ids` served from memory.
+//!
+//! An instance takes numbers from a pool in runs sized to about 50 ms of
+//! the sequence's traffic on it, and records each run in the issuance
+//! ledger as leased to it (one shared commit) before handing out any
+//! number of it. Requests then take numbers from memory: no Redis call and
+//! no commit on their path. The next lease is taken while a quarter of the
+//! current one is left, so a request waits only when a lease runs dry
+//! faster than a commit. At low rates a lease would be the request itself,
+//! so the request is recorded on its own as before (strict order, one
+//! commit per request).
+//!
+//! Which numbers went to callers is reported in the background, batched
+//! (`lease_handouts`). Numbers a lease still holds when it goes idle or the
+//! instance stops cleanly are taken off the ledger and pushed back to the
+//! head of their pool, so the next caller gets them; where that fails they
+//! are recorded as `pool_discarded`. Numbers of an instance that died
+//! before reporting are judged `lease_lost`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::Clock;
+use crate::issuance::{IssueError, Issued, Issuer};
+use crate::ledger::{self, LeaseReport, Via};
+use crate::numbers::runs;
+use crate::pool::{DiscardCause, Placement, PoolRef, PoolService};
+use crate::sequence::{ProjectCode, Sequence, TypeCode};
+use crate::stats::Stats;
+
+#[derive(Debug, Clone)]
+pub struct LeaseSettings {
+    /// Off: every request is recorded on its own (`IDPOOL_LEASES=off`).
+    pub enabled: bool,
+    /// How much of a sequence's traffic one lease carries.
+    pub traffic: Duration,
+    /// A lease not used up this long after it was taken is given back, so
+    /// a live instance never holds numbers reconciliation would judge.
+    pub max_idle: Duration,
+    /// How often handouts are reported.
+    pub report_every: Duration,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            traffic: Duration::from_millis(50),
+            max_idle: Duration::from_millis(500),
+            report_every: Duration::from_millis(20),
+        }
+    }
+}
+
+/// How quickly the rate estimate forgets: a burst counts for about this long.
+const RATE_MEMORY: Duration = Duration::from_millis(100);
+
+/// Numbers asked of one pool per second on this instance, as an
+/// exponentially decaying sum (a steady rate r reads r).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Rate {
+    per_second: f64,
+    at: Option<DateTime<Utc>>,
+}
+
+impl Rate {
+    fn decayed(&self, now: DateTime<Utc>) -> f64 {
+        let Some(at) = self.at else {
+            return 0.0;
+        };
+        let elapsed = (now - at).to_std().unwrap_or_default();
+        self.per_second * (-elapsed.as_secs_f64() / RATE_MEMORY.as_secs_f64()).exp()
+    }
+
+    pub fn add(&mut self, numbers: usize, now: DateTime<Utc>) {
+        self.per_second = self.decayed(now) + numbers as f64 / RATE_MEMORY.as_secs_f64();
+        self.at = Some(now.max(self.at.unwrap_or(now)));
+    }
+
+    pub fn per_second(&self, now: DateTime<Utc>) -> f64 {
+        self.decayed(now)
+    }
+}
+
+/// The lease to take for a request still missing `missing` numbers, at
+/// `rate`: about `traffic` of it, at most `pool_size`. None when that is
+/// no more than the request (the request is recorded on its own).
+pub fn lease_size(rate: f64, traffic: Duration, missing: usize, pool_size: usize) -> Option<usize> {
+    let size = (rate * traffic.as_secs_f64()).ceil() as usize;
+    let size = size.min(pool_size);
+    (size > missing).then_some(size)
+}
+
+/// The leased numbers of one pool (sequence version and period) on this
+/// instance.
+struct Holder {
+    pool: PoolRef,
+    sequence: Arc<Sequence>,
+    period: String,
+    state: Mutex<State>,
+    /// Woken when a lease arrives or fails.
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    /// Leased, not handed out yet; ascending.
+    numbers: VecDeque<i64>,
+    fetching: bool,
+    /// Failed lease attempts so far: a waiter that sees this grow stops
+    /// waiting and is served on its own.
+    failures: u64,
+    last_size: usize,
+    leased_at: Option<Instant>,
+    rate: Rate,
+    /// The instance is stopping: nothing more is leased or handed out.
+    closed: bool,
+}
+
+impl Holder {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+type HolderKey = (i64, i32, String);
+
+/// Where a request stands after taking what a lease had.
+enum Progress {
+    Complete,
+    /// A lease is on its way.
+    Waiting,
+    /// No lease is coming: the rest is recorded for this request alone.
+    Alone,
+}
+
+enum Report {
+    Handed(LeaseReport),
+    Returned(PoolRef, LeaseReport),
+    Flush(oneshot::Sender<()>),
+}
+
+pub struct Leases {
+    issuer: Arc<Issuer>,
+    pools: Arc<PoolService>,
+    /// Measures the rate; injected so tests can set it.
+    clock: Arc<dyn Clock>,
+    settings: LeaseSettings,
+    holders: Mutex<HashMap<HolderKey, Arc<Holder>>>,
+    reports: mpsc::UnboundedSender<Report>,
+    /// Held by the reporter while it runs (a restarted one takes it over).
+    received: tokio::sync::Mutex<mpsc::UnboundedReceiver<Report>>,
+    /// Handouts reported and not yet written.
+    unwritten: AtomicUsize,
+    stats: Arc<Stats>,
+}
+
+impl Leases {
+    /// The leases; [`Leases::report`] must run for their reports to be
+    /// written.
+    pub fn new(
+        issuer: Arc<Issuer>,
+        pools: Arc<PoolService>,
+        clock: Arc<dyn Clock>,
+        settings: LeaseSettings,
+        stats: Arc<Stats>,
+    ) -> Arc<Self> {
+        let (reports, received) = mpsc::unbounded_channel();
+        Arc::new(Self {
+            issuer,
+            pools,
+            clock,
+            settings,
+            holders: Mutex::new(HashMap::new()),
+            reports,
+            received: tokio::sync::Mutex::new(received),
+            unwritten: AtomicUsize::new(0),
+            stats,
+        })
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.settings.enabled
+    }
+
+    /// Issues `count` numbers to `POST /ids`: from this instance's lease
+    /// when the sequence's rate makes one worthwhile, on their own otherwise.
+    pub async fn issue(
+        self: &Arc<Self>,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
+        count: usize,
+    ) -> Result<Issued, IssueError> {
+        if !self.settings.enabled {
+            return self.issuer.issue(project, doc_type, count).await;
+        }
+        let placement = self.issuer.place(project, doc_type).await?;
+        let holder = self.holder(&placement);
+        let mut got = Vec::with_capacity(count);
+        // The common case takes numbers under the lock and returns: no
+        // await, so a caller going away cannot drop numbers on the floor.
+        match self.take_or_fetch(&holder, &placement, count, &mut got, true) {
+            Progress::Complete => {
+                self.handed(&holder, &got);
+                return Ok(Issued {
+                    placement,
+                    seqs: got,
+                });
+            }
+            Progress::Alone if got.is_empty() => {
+                // A quiet sequence: the lease would be this request.
+                let seqs = self
+                    .issuer
+                    .issue_placed(placement.clone(), count, Via::Ids)
+                    .await?;
+                return Ok(Issued { placement, seqs });
+            }
+            Progress::Alone | Progress::Waiting => {}
+        }
+        // Waiting for a lease (or recording the rest on its own) runs in a
+        // task of its own, for the same reason.
+        let leases = self.clone();
+        let waiting = placement.clone();
+        let seqs =
+            tokio::spawn(async move { leases.wait(holder, waiting, count, got).await }).await??;
+        Ok(Issued { placement, seqs })
+    }
+
+    fn holder(&self, placement: &Placement) -> Arc<Holder> {
+        let sequence = &placement.sequence;
+        let key = (
+            sequence.id,
+            sequence.version,
+            placement.period.key().to_owned(),
+        );
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        holders
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(Holder {
+                    pool: placement.pool.clone(),
+                    sequence: sequence.clone(),
+                    period: placement.period.key().to_owned(),
+                    state: Mutex::new(State::default()),
+                    changed: Notify::new(),
+                })
+            })
+            .clone()
+    }
+
+    /// Moves leased numbers into `got` until it holds `count`, and starts
+    /// the next lease when a quarter of the last one is left (or none is,
+    /// and the rate asks for one).
+    fn take_or_fetch(
+        self: &Arc<Self>,
+        holder: &Arc<Holder>,
+        placement: &Arc<Placement>,
+        count: usize,
+        got: &mut Vec<i64>,
+        first_visit: bool,
+    ) -> Progress {
+        let now = self.clock.now();
+        let mut state = holder.state();
+        if first_visit {
+            state.rate.add(count, now);
+        }
+        if state.closed {
+            return Progress::Alone;
+        }
+        let take = (count - got.len()).min(state.numbers.len());
+        got.extend(state.numbers.drain(..take));
+        let missing = count - got.len();
+        let low = state.numbers.len() * 4 <= state.last_size;
+        if !state.fetching && (missing > 0 || low) {
+            let pool_size = placement.sequence.definition.pool_size as usize;
+            let rate = state.rate.per_second(now);
+            if let Some(size) = lease_size(rate, self.settings.traffic, missing, pool_size) {
+                state.fetching = true;
+                state.last_size = size;
+                drop(state);
+                self.fetch(holder.clone(), placement.clone(), size);
+                return if missing == 0 {
+                    Progress::Complete
+                } else {
+                    Progress::Waiting
+                };
+            }
+        }
+        if missing == 0 {
+            Progress::Complete
+        } else if state.fetching {
+            Progress::Waiting
+        } else {
+            Progress::Alone
+        }
+    }
+
+    /// Waits for leases until `count` numbers are in `got`; whatever no
+    /// lease is coming for is recorded on its own.
+    async fn wait(
+        self: Arc<Self>,
+        holder: Arc<Holder>,
+        placement: Arc<Placement>,
+        count: usize,
+        mut got: Vec<i64>,
+    ) -> Result<Vec<i64>, IssueError> {
+        loop {
+            let changed = holder.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the state is read, so a lease arriving in
+            // between still wakes this request.
+            changed.as_mut().enable();
+            let failures = holder.state().failures;
+            match self.take_or_fetch(&holder, &placement, count, &mut got, false) {
+                Progress::Complete => break,
+                Progress::Alone => return self.on_its_own(&holder, placement, count, got).await,
+                Progress::Waiting => {}
+            }
+            changed.await;
+            if holder.state().failures != failures {
+                // The lease failed; this request finds out why on its own.
+                return self.on_its_own(&holder, placement, count, got).await;
+            }
+        }
+        self.handed(&holder, &got);
+        got.sort_unstable();
+        Ok(got)
+    }
+
+    /// The numbers `got` lacks, recorded for this request alone; `got`
+    /// goes back to the lease if that fails.
+    async fn on_its_own(
+        &self,
+        holder: &Holder,
+        placement: Arc<Placement>,
+        count: usize,
+        mut got: Vec<i64>,
+    ) -> Result<Vec<i64>, IssueError> {
+        let missing = count - got.len();
+        match self.issuer.issue_placed(placement, missing, Via::Ids).await {
+            Ok(more) => {
+                self.handed(holder, &got);
+                got.extend(more);
+                got.sort_unstable();
+                Ok(got)
+            }
+            Err(e) => {
+                self.put_back(holder, got);
+                Err(e)
+            }
+        }
+    }
+
+    fn put_back(&self, holder: &Holder, seqs: Vec<i64>) {
+        if seqs.is_empty() {
+            return;
+        }
+        let mut state = holder.state();
+        if state.closed {
+            drop(state);
+            self.returned(holder, seqs);
+            return;
+        }
+        state.numbers.extend(seqs);
+        state.numbers.make_contiguous().sort_unstable();
+    }
+
+    /// Takes a lease of `size` numbers in a task of its own.
+    fn fetch(self: &Arc<Self>, holder: Arc<Holder>, placement: Arc<Placement>, size: usize) {
+        let leases = self.clone();
+        tokio::spawn(async move {
+            let leased = leases
+                .issuer
+                .issue_placed(placement, size, Via::Lease)
+                .await;
+            let mut state = holder.state();
+            state.fetching = false;
+            match leased {
+                Ok(seqs) => {
+                    leases.stats.leases_taken.inc();
+                    leases.stats.lease_numbers.inc_by(seqs.len() as u64);
+                    if state.closed {
+                        drop(state);
+                        leases.returned(&holder, seqs);
+                    } else {
+                        state.numbers.extend(seqs);
+                        state.numbers.make_contiguous().sort_unstable();
+                        state.leased_at = Some(Instant::now());
+                        drop(state);
+                    }
+                }
+                Err(e) => {
+                    state.failures += 1;
+                    drop(state);
+                    tracing::debug!(error = %e, size, "lease not taken; requests are served on their own");
+                }
+            }
+            holder.changed.notify_waiters();
+        });
+    }
+
+    fn handed(&self, holder: &Holder, seqs: &[i64]) {
+        if seqs.is_empty() {
+            return;
+        }
+        self.stats.lease_numbers_served.inc_by(seqs.len() as u64);
+        self.unwritten.fetch_add(1, Ordering::AcqRel);
+        let _ = self.reports.send(Report::Handed(LeaseReport {
+            sequence_id: holder.sequence.id,
+            period: holder.period.clone(),
+            seqs: seqs.to_vec(),
+        }));
+    }
+
+    fn returned(&self, holder: &Holder, seqs: Vec<i64>) {
+        if seqs.is_empty() {
+            return;
+        }
+        self.stats.lease_numbers_returned.inc_by(seqs.len() as u64);
+        let report = LeaseReport {
+            sequence_id: holder.sequence.id,
+            period: holder.period.clone(),
+            seqs,
+        };
+        let _ = self
+            .reports
+            .send(Report::Returned(holder.pool.clone(), report));
+    }
+
+    /// Gives back what leases idle longer than `max_idle` still hold (all
+    /// of it when `everything`, at a clean stop), and forgets holders no
+    /// request uses any more.
+    fn sweep(&self, everything: bool) {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        let mut unused = Vec::new();
+        for (key, holder) in holders.iter() {
+            let mut state = holder.state();
+            if everything {
+                state.closed = true;
+            }
+            let idle = state
+                .leased_at
+                .is_none_or(|at| at.elapsed() >= self.settings.max_idle);
+            if (everything || (idle && !state.fetching)) && !state.numbers.is_empty() {
+                let seqs: Vec<i64> = state.numbers.drain(..).collect();
+                drop(state);
+                self.returned(holder, seqs);
+                continue;
+            }
+            if idle && !state.fetching && state.numbers.is_empty() && Arc::strong_count(holder) == 1
+            {
+                unused.push(key.clone());
+            }
+        }
+        for key in unused {
+            holders.remove(&key);
+        }
+    }
+
+    /// At a clean stop: leases still being taken arrive (and are given
+    /// back) before the last write, within a bound.
+    async fn wait_for_fetches(&self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            let fetching = {
+                let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+                holders.values().any(|h| h.state().fetching)
+            };
+            if !fetching {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Waits until every handout reported before this call is written (an
+    /// ID a caller attaches right after receiving it is then found).
+    pub async fn flush(&self) {
+        if self.unwritten.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let (done, written) = oneshot::channel();
+        if self.reports.send(Report::Flush(done)).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), written).await;
+        }
+    }
+
+    /// The background reporter: writes handouts and returns in batches
+    /// every `report_every`, gives back idle leases, and at `stop` gives
+    /// back every lease and writes everything before it returns.
+    pub async fn report(self: Arc<Self>, db: PgPool, stop: CancellationToken) {
+        let mut reports = self.received.lock().await;
+        let mut handed: Vec<LeaseReport> = Vec::new();
+        let mut flushes: Vec<oneshot::Sender<()>> = Vec::new();
+        let mut tick = tokio::time::interval(self.settings.report_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let stopping = tokio::select! {
+                _ = stop.cancelled() => true,
+                _ = tick.tick() => false,
+            };
+            self.sweep(stopping);
+            if stopping {
+                self.wait_for_fetches().await;
+                self.sweep(true);
+            }
+            while let Ok(report) = reports.try_recv() {
+                match report {
+                    Report::Handed(report) => handed.push(report),
+                    Report::Returned(pool, report) => self.give_back(&db, &pool, &report).await,
+                    Report::Flush(done) => flushes.push(done),
+                }
+            }
+            if !handed.is_empty() {
+                match write_handouts(&db, &handed).await {
+                    Ok(()) => {
+                        self.unwritten.fetch_sub(handed.len(), Ordering::AcqRel);
+                        handed.clear();
+                    }
+                    Err(e) => {
+                        // Kept and written again next time: a handout is
+                        // never dropped while the instance lives.
+                        tracing::warn!(error = %e, reports = handed.len(), "lease handouts not written yet");
+                        if stopping {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+            }
+            for done in flushes.drain(..) {
+                let _ = done.send(());
+            }
+            if stopping {
+                tracing::info!("leases given back and handouts written");
+                return;
+            }
+        }
+    }
+}
+
+impl Leases {
+    /// Numbers a lease did not hand out go back to the head of their pool
+    /// (off the ledger first), so the next caller gets them and no gap is
+    /// left. Where that cannot be done they are recorded as discarded.
+    async fn give_back(&self, db: &PgPool, pool: &PoolRef, unused: &LeaseReport) {
+        let released = match db.acquire().await {
+            Ok(mut conn) => ledger::release_lease(&mut conn, unused).await,
+            Err(e) => Err(e),
+        };
+        let cause = match released {
+            Ok(()) => match self.pools.give_back(pool, &unused.seqs).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "unused lease numbers not pushed back to the pool");
+                    DiscardCause::GiveBackFailed
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "unused lease numbers stay recorded as leased");
+                DiscardCause::LeaseReturned
+            }
+        };
+        self.pools
+            .record_discard(&pool.sequence, &unused.period, &runs(&unused.seqs), cause)
+            .await;
+    }
+}
+
+async fn write_handouts(db: &PgPool, handed: &[LeaseReport]) -> Result<(), sqlx::Error> {
+    let mut conn = db.acquire().await?;
+    ledger::record_handouts(&mut conn, handed).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn at(ms: i64) -> DateTime<Utc> {
+        Utc.timestamp_millis_opt(1_800_000_000_000 + ms).unwrap()
+    }
+
+    #[test]
+    fn a_steady_rate_reads_as_itself() {
+        let mut rate = Rate::default();
+        // 10,000 numbers a second: one every 100 µs, for a second.
+        for i in 0..10_000 {
+            rate.add(1, at(0) + chrono::Duration::microseconds(i * 100));
+        }
+        let read = rate.per_second(at(1000));
+        assert!((9_000.0..11_000.0).contains(&read), "{read}");
+    }
+
+    #[test]
+    fn a_quiet_sequence_gets_no_lease_and_a_busy_one_gets_50_ms_of_traffic() {
+        let traffic = Duration::from_millis(50);
+        // One request a second: the lease would be the request.
+        let mut rate = Rate::default();
+        for s in 0..10 {
+            rate.add(1, at(s * 1000));
+        }
+        assert_eq!(
+            lease_size(rate.per_second(at(9000)), traffic, 1, 1000),
+            None
+        );
+        // 20,000 a second: 1,000 numbers is 50 ms of it.
+        let mut rate = Rate::default();
+        for i in 0..20_000 {
+            rate.add(1, at(0) + chrono::Duration::microseconds(i * 50));
+        }
+        let size = lease_size(rate.per_second(at(1000)), traffic, 1, 5000).unwrap();
+        assert!((900..=1100).contains(&size), "{size}");
+        // Never more than the pool holds.
+        assert_eq!(
+            lease_size(rate.per_second(at(1000)), traffic, 1, 100),
+            Some(100)
+        );
+    }
+
+    #[test]
+    fn the_rate_forgets_a_burst() {
+        let mut rate = Rate::default();
+        rate.add(10_000, at(0));
+        assert!(lease_size(rate.per_second(at(0)), Duration::from_millis(50), 1, 1000).is_some());
+        assert_eq!(
+            lease_size(
+                rate.per_second(at(2000)),
+                Duration::from_millis(50),
+                1,
+                1000
+            ),
+            None
+        );
+    }
+}

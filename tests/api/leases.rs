@@ -1,0 +1,458 @@
+//! Leases: busy sequences served from numbers recorded ahead, reported in
+//! the background, given back at a clean stop, `lease_lost` when the
+//! instance dies holding them.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use idpool::clock::{ManualClock, SystemClock};
+use idpool::pool::PoolSettings;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::helpers::{ServeProcess, TestApp, TestEnv};
+use crate::redis_server::RedisServer;
+
+/// Ledger rows of a sequence recorded `via`, in the order they were written.
+async fn ledger_rows(db: &PgPool, project: &str, via: &str) -> Vec<(i64, i64)> {
+    sqlx::query_as(
+        "SELECT lower(l.seqs), upper(l.seqs) FROM issuance_ledger l \
+         JOIN sequences s ON s.id = l.sequence_id \
+         WHERE s.project = $1 AND l.via = $2 ORDER BY l.issued_at, lower(l.seqs)",
+    )
+    .bind(project)
+    .bind(via)
+    .fetch_all(db)
+    .await
+    .unwrap()
+}
+
+fn numbers_of(rows: &[(i64, i64)]) -> BTreeSet<i64> {
+    rows.iter().flat_map(|(a, b)| *a..*b).collect()
+}
+
+async fn handed_out(db: &PgPool, project: &str) -> BTreeSet<i64> {
+    let rows: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT lower(h.seqs), upper(h.seqs) FROM lease_handouts h \
+         JOIN sequences s ON s.id = h.sequence_id WHERE s.project = $1",
+    )
+    .bind(project)
+    .fetch_all(db)
+    .await
+    .unwrap();
+    numbers_of(&rows)
+}
+
+async fn discarded(db: &PgPool, project: &str, cause: &str) -> BTreeSet<i64> {
+    let rows: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT lower(d.seqs), upper(d.seqs) FROM pool_discards d \
+         JOIN sequences s ON s.id = d.sequence_id WHERE s.project = $1 AND d.cause = $2",
+    )
+    .bind(project)
+    .bind(cause)
+    .fetch_all(db)
+    .await
+    .unwrap();
+    numbers_of(&rows)
+}
+
+async fn metric(client: &reqwest::Client, base: &str, series: &str) -> f64 {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(name, _)| *name == series)
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_default()
+}
+
+/// Numbers this instance holds in leases right now (recorded, neither
+/// handed out nor given back).
+async fn held(client: &reqwest::Client, base: &str) -> f64 {
+    metric(client, base, "idpool_lease_numbers_total").await
+        - metric(client, base, "idpool_lease_numbers_served_total").await
+        - metric(client, base, "idpool_lease_numbers_returned_total").await
+}
+
+#[tokio::test]
+async fn lease_size_follows_the_rate_on_the_injected_clock() {
+    let env = TestEnv::new();
+    let rate_clock = Arc::new(ManualClock::new(Utc::now()));
+    let app = env
+        .spawn_with_lease_clock(
+            Arc::new(SystemClock),
+            PoolSettings::default(),
+            rate_clock.clone(),
+        )
+        .await;
+    app.define("RATE", "1", json!({"format": "{seq}", "pool_size": 1000}))
+        .await;
+    let mut issued = Vec::new();
+
+    // One request a second: a lease would be the request itself, so each
+    // is recorded on its own, in strict order.
+    for _ in 0..20 {
+        rate_clock.advance(chrono::Duration::seconds(1));
+        issued.extend(app.issue("RATE", "1", 1).await.1);
+    }
+    assert!(ledger_rows(&app.db, "RATE", "lease").await.is_empty());
+    assert_eq!(ledger_rows(&app.db, "RATE", "ids").await.len(), 20);
+    assert!(issued.windows(2).all(|w| w[0] < w[1]), "{issued:?}");
+
+    // 200 a second: leases of about 50 ms of it (10 numbers).
+    for _ in 0..150 {
+        rate_clock.advance(chrono::Duration::milliseconds(5));
+        issued.extend(app.issue("RATE", "1", 1).await.1);
+    }
+    let slow = ledger_rows(&app.db, "RATE", "lease").await;
+    let (a, b) = *slow.last().expect("leases at 200 a second");
+    assert!((5..=15).contains(&(b - a)), "lease at 200/s: {}", b - a);
+
+    // 4,000 a second: leases of about 200.
+    for _ in 0..1000 {
+        rate_clock.advance(chrono::Duration::microseconds(250));
+        issued.extend(app.issue("RATE", "1", 1).await.1);
+    }
+    let fast = ledger_rows(&app.db, "RATE", "lease").await;
+    let (a, b) = *fast.last().unwrap();
+    assert!((150..=250).contains(&(b - a)), "lease at 4000/s: {}", b - a);
+
+    // Quiet again: the idle lease goes back to the pool, and the next
+    // request, recorded on its own, gets its first number.
+    rate_clock.advance(chrono::Duration::seconds(10));
+    let leased = numbers_of(&ledger_rows(&app.db, "RATE", "lease").await);
+    app.wait_for_metric_above(
+        "idpool_lease_numbers_returned_total",
+        0.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    app.state.leases.flush().await;
+    let handed = handed_out(&app.db, "RATE").await;
+    let unused: BTreeSet<i64> = leased.difference(&handed).copied().collect();
+    assert!(!unused.is_empty());
+    let (_, last) = app.issue("RATE", "1", 1).await;
+    assert_eq!(
+        Some(&last[0]),
+        unused.first(),
+        "the given-back numbers come next"
+    );
+    let per_request = numbers_of(&ledger_rows(&app.db, "RATE", "ids").await);
+    assert!(per_request.contains(&last[0]));
+    issued.extend(last);
+    let distinct: HashSet<i64> = issued.iter().copied().collect();
+    assert_eq!(distinct.len(), issued.len(), "a number issued twice");
+    // What stays recorded as leased is exactly what was handed out.
+    assert_eq!(
+        numbers_of(&ledger_rows(&app.db, "RATE", "lease").await),
+        handed
+    );
+    assert!(
+        discarded(&app.db, "RATE", "lease_returned")
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn redis_stopped_mid_lease_serves_the_lease_then_groups_the_fallback() {
+    let mut redis = RedisServer::start();
+    let env = TestEnv::new().with_redis(&redis.url());
+    // The rate clock stands still: every request adds to the rate, so the
+    // sequence is busy from the first few requests on.
+    let rate_clock = Arc::new(ManualClock::new(Utc::now()));
+    let app = env
+        .spawn_with_lease_clock(Arc::new(SystemClock), PoolSettings::default(), rate_clock)
+        .await;
+    app.define("RDS", "1", json!({"format": "{seq}", "pool_size": 1000}))
+        .await;
+    let mut issued = Vec::new();
+    while held(&app.client, &app.address).await < 50.0 {
+        issued.extend(app.issue("RDS", "1", 1).await.1);
+        assert!(issued.len() < 2000, "no lease taken");
+    }
+    let leased_before = numbers_of(&ledger_rows(&app.db, "RDS", "lease").await);
+    redis.kill();
+
+    // Served from the lease: no Redis call on the path.
+    for _ in 0..10 {
+        let (_, seqs) = app.issue("RDS", "1", 1).await;
+        assert!(
+            leased_before.contains(&seqs[0]),
+            "{} not from the lease",
+            seqs[0]
+        );
+        issued.extend(seqs);
+    }
+    // Then from Postgres, a lease at a time: far fewer counter updates
+    // than requests.
+    let direct_before = metric(
+        &app.client,
+        &app.address,
+        "idpool_ids_issued_total{source=\"direct\"}",
+    )
+    .await;
+    for _ in 0..400 {
+        issued.extend(app.issue("RDS", "1", 1).await.1);
+    }
+    let direct = metric(
+        &app.client,
+        &app.address,
+        "idpool_ids_issued_total{source=\"direct\"}",
+    )
+    .await;
+    assert!(direct > direct_before, "nothing came from Postgres");
+    let direct_blocks: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM blocks b JOIN sequences s ON s.id = b.sequence_id \
+         WHERE s.project = 'RDS' AND b.purpose = 'direct'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert!(
+        (1..=20).contains(&direct_blocks),
+        "{direct_blocks} counter updates for 400 requests"
+    );
+    let distinct: HashSet<i64> = issued.iter().copied().collect();
+    assert_eq!(distinct.len(), issued.len(), "a number issued twice");
+}
+
+/// Requests on `base` from `workers` clients until `running` is cleared;
+/// every number each answer carried.
+fn load(
+    client: &reqwest::Client,
+    base: String,
+    project: &'static str,
+    workers: usize,
+    running: Arc<AtomicBool>,
+    answered: Arc<AtomicUsize>,
+) -> Vec<tokio::task::JoinHandle<Vec<i64>>> {
+    (0..workers)
+        .map(|w| {
+            let (client, base, running, answered) = (
+                client.clone(),
+                base.clone(),
+                running.clone(),
+                answered.clone(),
+            );
+            tokio::spawn(async move {
+                let mut seqs = Vec::new();
+                let mut i = 0usize;
+                while running.load(Ordering::Relaxed) {
+                    i += 1;
+                    let body = json!({"project": project, "type": "1", "count": 1 + (w + i) % 3});
+                    let Ok(response) = client.post(format!("{base}/ids")).json(&body).send().await
+                    else {
+                        continue;
+                    };
+                    assert_eq!(response.status(), 200, "POST /ids on {base}");
+                    let body: Value = response.json().await.unwrap();
+                    seqs.extend(
+                        body["seqs"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|s| s.as_i64().unwrap()),
+                    );
+                    answered.fetch_add(1, Ordering::Relaxed);
+                }
+                seqs
+            })
+        })
+        .collect()
+}
+
+async fn collect(workers: Vec<tokio::task::JoinHandle<Vec<i64>>>) -> Vec<i64> {
+    let mut seqs = Vec::new();
+    for worker in workers {
+        seqs.extend(worker.await.unwrap());
+    }
+    seqs
+}
+
+async fn wait_for_answers(answered: &AtomicUsize, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while answered.load(Ordering::Relaxed) < n {
+        assert!(Instant::now() < deadline, "traffic stalled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Open gaps of a sequence as number → reasons.
+async fn reasons(app: &TestApp, project: &str) -> HashMap<i64, Vec<String>> {
+    let mut by_number: HashMap<i64, Vec<String>> = HashMap::new();
+    for gap in app.gaps(project, "1").await {
+        for n in gap["from_seq"].as_i64().unwrap()..=gap["to_seq"].as_i64().unwrap() {
+            by_number
+                .entry(n)
+                .or_default()
+                .push(gap["reason"].as_str().unwrap().to_owned());
+        }
+    }
+    by_number
+}
+
+async fn judged_below(app: &TestApp, project: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT r.checkpoint, (SELECT min(lower(seqs)) FROM blocks b WHERE b.sequence_id = r.sequence_id) \
+         FROM reconcile_periods r JOIN sequences s ON s.id = r.sequence_id WHERE s.project = $1",
+    )
+    .bind(project)
+    .fetch_one(&app.db)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_clean_stop_gives_the_lease_back() {
+    let env = TestEnv::new();
+    let a = env.spawn().await;
+    a.define("STOP", "1", json!({"format": "{seq}"})).await;
+    let mut b = ServeProcess::start(&env).await;
+    let b_url = format!("http://127.0.0.1:{}", b.port);
+    let (running, answered) = (
+        Arc::new(AtomicBool::new(true)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let workers = load(
+        &a.client,
+        b_url.clone(),
+        "STOP",
+        8,
+        running.clone(),
+        answered.clone(),
+    );
+    wait_for_answers(&answered, 1500).await;
+    running.store(false, Ordering::Relaxed);
+    let issued = collect(workers).await;
+    let still_held = held(&a.client, &b_url).await;
+    assert!(still_held > 0.0, "the instance held no lease when stopped");
+    let leased = numbers_of(&ledger_rows(&a.db, "STOP", "lease").await);
+    b.stop();
+    assert!(b.child.try_wait().unwrap().is_some(), "b stopped cleanly");
+
+    // What b handed out stays recorded; the rest went back to the pool.
+    let handed = handed_out(&a.db, "STOP").await;
+    for seq in &issued {
+        assert!(
+            handed.contains(seq) || !leased.contains(seq),
+            "{seq} was handed out but not reported"
+        );
+    }
+    assert_eq!(
+        numbers_of(&ledger_rows(&a.db, "STOP", "lease").await),
+        handed
+    );
+    let unused: BTreeSet<i64> = leased.difference(&handed).copied().collect();
+    assert_eq!(unused.len() as f64, still_held);
+    // The next caller gets the first number b did not hand out.
+    let (_, next) = a.issue("STOP", "1", 1).await;
+    assert_eq!(Some(&next[0]), unused.first());
+    a.settle_and_reconcile().await;
+    let gaps = reasons(&a, "STOP").await;
+    assert!(
+        gaps.values().flatten().all(|r| r != "lease_lost"),
+        "a clean stop lost lease numbers: {gaps:?}"
+    );
+}
+
+#[tokio::test]
+async fn two_instances_under_load_one_killed_mid_lease() {
+    let mut env = TestEnv::new();
+    env.settle = Duration::from_secs(2);
+    let a = Arc::new(env.spawn().await);
+    a.define("KIL", "1", json!({"format": "{seq}"})).await;
+    let mut b = ServeProcess::start(&env).await;
+    let b_url = format!("http://127.0.0.1:{}", b.port);
+
+    let (a_running, a_answered) = (
+        Arc::new(AtomicBool::new(true)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let (b_running, b_answered) = (
+        Arc::new(AtomicBool::new(true)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let a_workers = load(
+        &a.client,
+        a.address.clone(),
+        "KIL",
+        4,
+        a_running.clone(),
+        a_answered.clone(),
+    );
+    let b_workers = load(
+        &a.client,
+        b_url.clone(),
+        "KIL",
+        8,
+        b_running.clone(),
+        b_answered.clone(),
+    );
+    wait_for_answers(&b_answered, 2000).await;
+    // b's clients finish; it reports what it handed out, and dies while
+    // its lease still holds numbers it never handed out.
+    b_running.store(false, Ordering::Relaxed);
+    let from_b = collect(b_workers).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let held_at_kill = held(&a.client, &b_url).await;
+    b.kill();
+    let a_so_far = a_answered.load(Ordering::Relaxed);
+    wait_for_answers(&a_answered, a_so_far + 500).await;
+    a_running.store(false, Ordering::Relaxed);
+    let from_a = collect(a_workers).await;
+
+    let mut seen = HashSet::new();
+    for seq in from_a.iter().chain(&from_b) {
+        assert!(seen.insert(*seq), "{seq} handed out twice");
+    }
+    assert!(
+        !ledger_rows(&a.db, "KIL", "lease").await.is_empty(),
+        "no lease taken"
+    );
+
+    a.settle_and_reconcile().await;
+    a.settle_and_reconcile().await;
+    let gaps = reasons(&a, "KIL").await;
+    let (checkpoint, first) = judged_below(&a, "KIL").await;
+    let mut unexplained = Vec::new();
+    for n in first..checkpoint {
+        if gaps.get(&n).map(Vec::len) != Some(1) {
+            unexplained.push((n, gaps.get(&n).cloned()));
+        }
+    }
+    assert!(
+        unexplained.is_empty(),
+        "unexplained numbers: {unexplained:?}"
+    );
+    let reason = |n: &i64| gaps.get(n).map(|r| r[0].as_str());
+    for n in from_a.iter().filter(|n| **n < checkpoint) {
+        assert_eq!(reason(n), Some("issued_unattached"), "{n} from a");
+    }
+    for n in from_b.iter().filter(|n| **n < checkpoint) {
+        assert_eq!(
+            reason(n),
+            Some("issued_unattached"),
+            "{n} from b, reported before the kill"
+        );
+    }
+    let lost = gaps.values().filter(|r| r[0] == "lease_lost").count();
+    assert!(
+        lost as f64 >= held_at_kill,
+        "{held_at_kill} numbers held at the kill, {lost} lease_lost"
+    );
+    assert!(held_at_kill > 0.0, "b held no lease when killed");
+    // Nothing a caller received is called lost.
+    for n in from_a.iter().chain(&from_b) {
+        assert_ne!(reason(n), Some("lease_lost"), "{n} was handed out");
+    }
+}
