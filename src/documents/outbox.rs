@@ -251,9 +251,18 @@ pub async fn claim_due(
 ) -> Result<Vec<Delivery>, sqlx::Error> {
     // Deliveries (a webhook's answers) keep this transaction open while
     // no statement runs; their own timeouts bound that, not Postgres'.
-    sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
-        .execute(&mut *conn)
-        .await?;
+    // The claim walks the index of pending rows in due order and stops
+    // after `limit`. Until autovacuum has analyzed a fast-growing outbox
+    // (a fresh install taking a migration), the planner believes a few
+    // hundred rows are pending and reads all of them, then sorts: measured
+    // 65 ms a claim at 150,000 pending, and delivery three times slower.
+    // Every statement of this transaction finds its rows by an index.
+    sqlx::raw_sql(
+        "SET LOCAL idle_in_transaction_session_timeout = 0; \
+         SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off",
+    )
+    .execute(&mut *conn)
+    .await?;
     let payload = if with_payload {
         "payload::text"
     } else {
