@@ -608,6 +608,49 @@ struct FetchedEvidence {
     rows_read: i64,
 }
 
+/// The tables that hold runs of a period's numbers and nothing the
+/// judgement needs besides them.
+#[derive(Clone, Copy)]
+enum RunsTable {
+    LeaseHandouts,
+    PoolDiscards,
+}
+
+impl RunsTable {
+    fn name(self) -> &'static str {
+        match self {
+            Self::LeaseHandouts => "lease_handouts",
+            Self::PoolDiscards => "pool_discards",
+        }
+    }
+}
+
+/// The runs of `table` that overlap the windows `[los[i], his[i])`.
+async fn overlapping_runs(
+    conn: &mut PgConnection,
+    table: RunsTable,
+    sequence_id: i64,
+    period: &str,
+    los: &[i64],
+    his: &[i64],
+) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+    // The table name is one of ours, never caller input.
+    let query = format!(
+        "SELECT DISTINCT lower(t.seqs), upper(t.seqs) \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN {} t ON t.sequence_id = $1 AND t.period = $2 AND t.seqs && int8range(w.lo, w.hi) \
+         ORDER BY 1",
+        table.name()
+    );
+    sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .bind(sequence_id)
+        .bind(period)
+        .bind(los)
+        .bind(his)
+        .fetch_all(&mut *conn)
+        .await
+}
+
 async fn fetch_evidence(
     conn: &mut PgConnection,
     sequence_id: i64,
@@ -641,17 +684,14 @@ async fn fetch_evidence(
     .bind(Via::Lease.as_str())
     .fetch_all(&mut *conn)
     .await?;
-    let handouts: Vec<(i64, i64)> = sqlx::query_as(
-        "SELECT DISTINCT lower(h.seqs), upper(h.seqs) \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN lease_handouts h ON h.sequence_id = $1 AND h.period = $2 AND h.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
+    let handouts = overlapping_runs(
+        conn,
+        RunsTable::LeaseHandouts,
+        sequence_id,
+        period,
+        &los,
+        &his,
     )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
     .await?;
     let documents: Vec<(i64, DocumentStatus, String)> = sqlx::query_as(
         "SELECT DISTINCT o.seq, o.status::text, o.document_id \
@@ -665,17 +705,14 @@ async fn fetch_evidence(
     .bind(&his)
     .fetch_all(&mut *conn)
     .await?;
-    let discards: Vec<(i64, i64)> = sqlx::query_as(
-        "SELECT DISTINCT lower(d.seqs), upper(d.seqs) \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN pool_discards d ON d.sequence_id = $1 AND d.period = $2 AND d.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
+    let discards = overlapping_runs(
+        conn,
+        RunsTable::PoolDiscards,
+        sequence_id,
+        period,
+        &los,
+        &his,
     )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
     .await?;
     let rows_read =
         (blocks.len() + ledger.len() + handouts.len() + documents.len() + discards.len()) as i64;
