@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::issuance::{IssueError, Issued, Issuer};
 use crate::ledger::{self, LeaseReport, Via};
-use crate::numbers::runs;
+use crate::numbers::{SeqRange, runs};
 use crate::pool::{DiscardCause, Placement, PoolRef, PoolService};
 use crate::sequence::{ProjectCode, Sequence, TypeCode};
 use crate::stats::Stats;
@@ -42,9 +42,14 @@ pub struct LeaseSettings {
     pub enabled: bool,
     /// How much of a sequence's traffic one lease carries.
     pub traffic: Duration,
-    /// A lease not used up this long after it was taken is given back, so
-    /// a live instance never holds numbers reconciliation would judge.
+    /// A lease no request has taken a number from for this long is given
+    /// back.
     pub max_idle: Duration,
+    /// A lease not used up this long after it was taken is given back even
+    /// while requests still use it, so a live instance never holds numbers
+    /// long enough for reconciliation to judge them (its settle time is
+    /// never below the request timeout, at least a second).
+    pub max_age: Duration,
     /// How often handouts are reported.
     pub report_every: Duration,
 }
@@ -55,6 +60,7 @@ impl Default for LeaseSettings {
             enabled: true,
             traffic: Duration::from_millis(50),
             max_idle: Duration::from_millis(500),
+            max_age: Duration::from_secs(1),
             report_every: Duration::from_millis(20),
         }
     }
@@ -90,13 +96,20 @@ impl Rate {
     }
 }
 
+/// The smallest lease worth taking: a lease costs a commit, as a request
+/// recorded on its own does, and a smaller one saves few. It also keeps a
+/// short burst on a quiet sequence (a handful of requests within
+/// milliseconds reads as tens a second) on the strictly ordered path.
+pub const MIN_LEASE: usize = 8;
+
 /// The lease to take for a request still missing `missing` numbers, at
 /// `rate`: about `traffic` of it, at most `pool_size`. None when that is
-/// no more than the request (the request is recorded on its own).
+/// no more than the request or less than [`MIN_LEASE`] (the request is
+/// recorded on its own).
 pub fn lease_size(rate: f64, traffic: Duration, missing: usize, pool_size: usize) -> Option<usize> {
     let size = (rate * traffic.as_secs_f64()).ceil() as usize;
     let size = size.min(pool_size);
-    (size > missing).then_some(size)
+    (size > missing && size >= MIN_LEASE).then_some(size)
 }
 
 /// The leased numbers of one pool (sequence version and period) on this
@@ -120,6 +133,11 @@ struct State {
     failures: u64,
     last_size: usize,
     leased_at: Option<Instant>,
+    /// When a sweep last found fewer numbers left than the sweep before
+    /// (a request took some), and how many it found: measured by the
+    /// sweep, so requests read no clock.
+    used_at: Option<Instant>,
+    left_at_sweep: usize,
     rate: Rate,
     /// The instance is stopping: nothing more is leased or handed out.
     closed: bool,
@@ -132,6 +150,19 @@ impl Holder {
 }
 
 type HolderKey = (i64, i32, String);
+
+/// A document's place on a lease: its number, or a lease on its way.
+pub struct LeaseClaim {
+    holder: Arc<Holder>,
+    placement: Arc<Placement>,
+    seq: Option<i64>,
+}
+
+/// A number taken from a lease for a document.
+pub struct Leased {
+    holder: Arc<Holder>,
+    pub seq: i64,
+}
 
 /// Where a request stands after taking what a lease had.
 enum Progress {
@@ -158,7 +189,8 @@ pub struct Leases {
     reports: mpsc::UnboundedSender<Report>,
     /// Held by the reporter while it runs (a restarted one takes it over).
     received: tokio::sync::Mutex<mpsc::UnboundedReceiver<Report>>,
-    /// Handouts reported and not yet written.
+    /// Handouts reported and not yet written, and returns not yet given
+    /// back.
     unwritten: AtomicUsize,
     stats: Arc<Stats>,
 }
@@ -185,10 +217,6 @@ impl Leases {
             unwritten: AtomicUsize::new(0),
             stats,
         })
-    }
-
-    pub fn enabled(&self) -> bool {
-        self.settings.enabled
     }
 
     /// Issues `count` numbers to `POST /ids`: from this instance's lease
@@ -312,6 +340,24 @@ impl Leases {
         count: usize,
         mut got: Vec<i64>,
     ) -> Result<Vec<i64>, IssueError> {
+        if !self.fill(&holder, &placement, count, &mut got).await {
+            return self.on_its_own(&holder, placement, count, got).await;
+        }
+        self.handed(&holder, &got);
+        got.sort_unstable();
+        Ok(got)
+    }
+
+    /// Waits for leases until `count` numbers are in `got`. False when no
+    /// lease is coming (the rate asks for none, or taking one failed: the
+    /// caller finds out why on its own).
+    async fn fill(
+        self: &Arc<Self>,
+        holder: &Arc<Holder>,
+        placement: &Arc<Placement>,
+        count: usize,
+        got: &mut Vec<i64>,
+    ) -> bool {
         loop {
             let changed = holder.changed.notified();
             tokio::pin!(changed);
@@ -319,20 +365,84 @@ impl Leases {
             // between still wakes this request.
             changed.as_mut().enable();
             let failures = holder.state().failures;
-            match self.take_or_fetch(&holder, &placement, count, &mut got, false) {
-                Progress::Complete => break,
-                Progress::Alone => return self.on_its_own(&holder, placement, count, got).await,
+            match self.take_or_fetch(holder, placement, count, got, false) {
+                Progress::Complete => return true,
+                Progress::Alone => return false,
                 Progress::Waiting => {}
             }
             changed.await;
             if holder.state().failures != failures {
-                // The lease failed; this request finds out why on its own.
-                return self.on_its_own(&holder, placement, count, got).await;
+                return false;
             }
         }
-        self.handed(&holder, &got);
-        got.sort_unstable();
-        Ok(got)
+    }
+
+    /// A document's claim on this instance's lease, made without waiting:
+    /// None when the sequence's rate asks for no lease (the document takes
+    /// the per-request path). A claim may already hold its number, so the
+    /// caller hands it at once to a task a client cannot cancel, which
+    /// turns it into a number ([`Leases::document_number`]), writes the
+    /// document's outbox row (the lease's ledger record already covers the
+    /// number) and then says how that went ([`Leases::unwritten`]).
+    pub fn claim_for_document(self: &Arc<Self>, placement: &Arc<Placement>) -> Option<LeaseClaim> {
+        if !self.settings.enabled {
+            return None;
+        }
+        let holder = self.holder(placement);
+        let mut got = Vec::with_capacity(1);
+        let seq = match self.take_or_fetch(&holder, placement, 1, &mut got, true) {
+            Progress::Complete => got.pop(),
+            Progress::Waiting => None,
+            Progress::Alone => return None,
+        };
+        Some(LeaseClaim {
+            holder,
+            placement: placement.clone(),
+            seq,
+        })
+    }
+
+    /// The number of a claim, waiting for the lease on its way if the
+    /// claim holds none yet; None when no lease came after all.
+    pub async fn document_number(self: &Arc<Self>, claim: LeaseClaim) -> Option<Leased> {
+        let LeaseClaim {
+            holder,
+            placement,
+            seq,
+        } = claim;
+        let seq = match seq {
+            Some(seq) => seq,
+            None => {
+                let mut got = Vec::with_capacity(1);
+                if !self.fill(&holder, &placement, 1, &mut got).await {
+                    return None;
+                }
+                got.pop()?
+            }
+        };
+        self.stats.lease_numbers_served.inc();
+        Some(Leased { holder, seq })
+    }
+
+    /// A leased number whose document was not written. When the database
+    /// surely rolled the write back and the number itself is not at fault,
+    /// it goes back to the lease; otherwise (the outcome is unknown, or the
+    /// ID it prints is taken) it is recorded as discarded, never handed out
+    /// again.
+    pub async fn unwritten(&self, leased: Leased, reusable: bool) {
+        let Leased { holder, seq } = leased;
+        if reusable {
+            self.put_back(&holder, vec![seq]);
+            return;
+        }
+        self.pools
+            .record_discard(
+                &holder.sequence,
+                &holder.period,
+                &[SeqRange::single(seq)],
+                DiscardCause::DocumentNotWritten,
+            )
+            .await;
     }
 
     /// The numbers `got` lacks, recorded for this request alone; `got`
@@ -425,6 +535,7 @@ impl Leases {
             return;
         }
         self.stats.lease_numbers_returned.inc_by(seqs.len() as u64);
+        self.unwritten.fetch_add(1, Ordering::AcqRel);
         let report = LeaseReport {
             sequence_id: holder.sequence.id,
             period: holder.period.clone(),
@@ -435,10 +546,11 @@ impl Leases {
             .send(Report::Returned(holder.pool.clone(), report));
     }
 
-    /// Gives back what leases idle longer than `max_idle` still hold (all
-    /// of it when `everything`, at a clean stop), and forgets holders no
-    /// request uses any more.
+    /// Gives back what leases idle longer than `max_idle`, or taken longer
+    /// than `max_age` ago, still hold (all of it when `everything`, at a
+    /// clean stop), and forgets holders no request uses any more.
     fn sweep(&self, everything: bool) {
+        let now = self.clock.now();
         let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
         let mut unused = Vec::new();
         for (key, holder) in holders.iter() {
@@ -446,16 +558,32 @@ impl Leases {
             if everything {
                 state.closed = true;
             }
+            let left = state.numbers.len();
+            if left < state.left_at_sweep {
+                state.used_at = Some(Instant::now());
+            }
+            state.left_at_sweep = left;
             let idle = state
-                .leased_at
+                .used_at
+                .max(state.leased_at)
                 .is_none_or(|at| at.elapsed() >= self.settings.max_idle);
-            if (everything || (idle && !state.fetching)) && !state.numbers.is_empty() {
+            let old = state
+                .leased_at
+                .is_none_or(|at| at.elapsed() >= self.settings.max_age);
+            if (everything || ((idle || old) && !state.fetching)) && !state.numbers.is_empty() {
                 let seqs: Vec<i64> = state.numbers.drain(..).collect();
+                state.left_at_sweep = 0;
                 drop(state);
                 self.returned(holder, seqs);
                 continue;
             }
-            if idle && !state.fetching && state.numbers.is_empty() && Arc::strong_count(holder) == 1
+            // A holder keeps the sequence's rate: forgotten only once no
+            // request uses it and the rate has faded.
+            if idle
+                && !state.fetching
+                && state.numbers.is_empty()
+                && state.rate.per_second(now) < 1.0
+                && Arc::strong_count(holder) == 1
             {
                 unused.push(key.clone());
             }
@@ -482,7 +610,8 @@ impl Leases {
     }
 
     /// Waits until every handout reported before this call is written (an
-    /// ID a caller attaches right after receiving it is then found).
+    /// ID a caller attaches right after receiving it is then found) and
+    /// every lease given back before it is back in its pool.
     pub async fn flush(&self) {
         if self.unwritten.load(Ordering::Acquire) == 0 {
             return;
@@ -512,13 +641,19 @@ impl Leases {
                 self.wait_for_fetches().await;
                 self.sweep(true);
             }
+            let mut returned = Vec::new();
             while let Ok(report) = reports.try_recv() {
                 match report {
                     Report::Handed(report) => handed.push(report),
-                    Report::Returned(pool, report) => self.give_back(&db, &pool, &report).await,
+                    Report::Returned(pool, report) => returned.push((pool, report)),
                     Report::Flush(done) => flushes.push(done),
                 }
             }
+            let returns = returned.len();
+            for (pool, unused) in merge_per_pool(returned) {
+                self.give_back(&db, &pool, &unused).await;
+            }
+            self.unwritten.fetch_sub(returns, Ordering::AcqRel);
             if !handed.is_empty() {
                 match write_handouts(&db, &handed).await {
                     Ok(()) => {
@@ -575,6 +710,27 @@ impl Leases {
     }
 }
 
+/// The numbers returned to each pool, in one ascending report per pool.
+/// Each give-back pushes to the head of the pool, so two given back apart
+/// would put the later one's (a lease that arrived at a clean stop, say)
+/// in front of lower numbers.
+fn merge_per_pool(returned: Vec<(PoolRef, LeaseReport)>) -> Vec<(PoolRef, LeaseReport)> {
+    let mut merged: Vec<(PoolRef, LeaseReport)> = Vec::new();
+    for (pool, report) in returned {
+        match merged
+            .iter_mut()
+            .find(|(p, r)| p.keys.pool == pool.keys.pool && r.sequence_id == report.sequence_id)
+        {
+            Some((_, into)) => into.seqs.extend(report.seqs),
+            None => merged.push((pool, report)),
+        }
+    }
+    for (_, report) in &mut merged {
+        report.seqs.sort_unstable();
+    }
+    merged
+}
+
 async fn write_handouts(db: &PgPool, handed: &[LeaseReport]) -> Result<(), sqlx::Error> {
     let mut conn = db.acquire().await?;
     ledger::record_handouts(&mut conn, handed).await
@@ -624,6 +780,12 @@ mod tests {
             lease_size(rate.per_second(at(1000)), traffic, 1, 100),
             Some(100)
         );
+        // A burst of six requests within milliseconds: no lease.
+        let mut rate = Rate::default();
+        for ms in 0..6 {
+            rate.add(1, at(ms));
+        }
+        assert_eq!(lease_size(rate.per_second(at(6)), traffic, 1, 1000), None);
     }
 
     #[test]

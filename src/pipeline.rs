@@ -42,13 +42,18 @@ pub enum Demand {
     Document {
         attachment: Arc<Attachment>,
     },
+    /// A document's outbox row on a number of this instance's lease: the
+    /// lease's ledger record covers the number, so only the row is written.
+    LeasedDocument {
+        attachment: Arc<Attachment>,
+    },
 }
 
 impl Demand {
     fn numbers(&self) -> usize {
         match self {
             Demand::Ids { count } | Demand::Lease { count } => *count,
-            Demand::Document { .. } => 1,
+            Demand::Document { .. } | Demand::LeasedDocument { .. } => 1,
         }
     }
 }
@@ -217,18 +222,21 @@ impl Writer {
             .iter()
             .map(|Popped { job, seqs }| {
                 let placement = &job.placement;
-                let (via, documents) = match &job.demand {
-                    Demand::Ids { .. } => (Via::Ids, Vec::new()),
-                    Demand::Lease { .. } => (Via::Lease, Vec::new()),
-                    Demand::Document { attachment } => (
-                        Via::Document,
-                        vec![attachment.row(&placement.shape, seqs[0])],
-                    ),
+                let row = |attachment: &Attachment| vec![attachment.row(&placement.shape, seqs[0])];
+                let (via, ledger_seqs, documents) = match &job.demand {
+                    Demand::Ids { .. } => (Via::Ids, seqs.clone(), Vec::new()),
+                    Demand::Lease { .. } => (Via::Lease, seqs.clone(), Vec::new()),
+                    Demand::Document { attachment } => {
+                        (Via::Document, seqs.clone(), row(attachment))
+                    }
+                    Demand::LeasedDocument { attachment } => {
+                        (Via::Document, Vec::new(), row(attachment))
+                    }
                 };
                 LedgerWrite {
                     sequence_id: placement.sequence.id,
                     period: placement.period.key().to_owned(),
-                    seqs: seqs.clone(),
+                    seqs: ledger_seqs,
                     via,
                     documents,
                 }

@@ -15,6 +15,7 @@ use sqlx::PgConnection;
 use utoipa::ToSchema;
 
 use crate::issuance::{Db, IssueError, Issuer};
+use crate::lease::{LeaseClaim, Leases};
 use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
 use crate::ledger::{self, LedgerError, Via};
 use crate::numbers::without;
@@ -119,7 +120,7 @@ impl BatchError {
 pub struct Documents {
     pub issuer: Arc<Issuer>,
     /// Attached IDs may have come from this instance's lease moments ago.
-    pub leases: Arc<crate::lease::Leases>,
+    pub leases: Arc<Leases>,
 }
 
 /// The placement of each (project, type) of a batch.
@@ -147,6 +148,21 @@ impl Documents {
         let issuer = &self.issuer;
         let placement = issuer.place(&input.project, &input.doc_type).await?;
         let attachment = Arc::new(input.attachment());
+        if let Some(claim) = self.leases.claim_for_document(&placement) {
+            // In a task of its own, entered without an await since the
+            // claim: a caller that goes away cannot leave a leased number
+            // neither written nor given back.
+            let (leases, issuer) = (self.leases.clone(), issuer.clone());
+            let (placement, attachment) = (placement.clone(), attachment.clone());
+            let leased = tokio::spawn(async move {
+                accept_leased(&leases, &issuer, claim, placement, attachment).await
+            })
+            .await
+            .map_err(IssueError::from)?;
+            if let Some(accepted) = leased {
+                return accepted;
+            }
+        }
         let served = issuer
             .pipeline
             .submit(
@@ -315,6 +331,31 @@ async fn write_rows(
         .zip(created)
         .map(|((_, _, row), created_at)| accepted(row, created_at))
         .collect())
+}
+
+/// A document on a number of this instance's lease, its outbox row written
+/// in the shared commit; None when the sequence's rate asks for no lease.
+async fn accept_leased(
+    leases: &Arc<Leases>,
+    issuer: &Issuer,
+    claim: LeaseClaim,
+    placement: Arc<Placement>,
+    attachment: Arc<Attachment>,
+) -> Option<Result<AcceptedDocument, DocumentError>> {
+    let leased = leases.document_number(claim).await?;
+    let demand = Demand::LeasedDocument { attachment };
+    let written = issuer
+        .pipeline
+        .record(placement, demand, vec![leased.seq])
+        .await
+        .and_then(|served| served.document.ok_or(LedgerError::Closed));
+    Some(match written {
+        Ok((row, created_at)) => Ok(accepted(&row, created_at)),
+        Err(e) => {
+            leases.unwritten(leased, e.numbers_reusable()).await;
+            Err(e.into())
+        }
+    })
 }
 
 /// A document whose number the shared batch could not give at once: from

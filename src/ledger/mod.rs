@@ -100,6 +100,17 @@ impl From<sqlx::Error> for LedgerError {
 }
 
 impl LedgerError {
+    /// The write surely rolled back and its numbers did nothing wrong: a
+    /// number it carried may be used again. (Not after a connection
+    /// failure, whose outcome is unknown, nor when the ID a number prints
+    /// is another document's.)
+    pub fn numbers_reusable(&self) -> bool {
+        matches!(
+            self,
+            LedgerError::Statement(_) | LedgerError::Waited(_) | LedgerError::Unstorable(_)
+        )
+    }
+
     /// The statement failed and was rolled back: writing the requests of a
     /// shared write one at a time finds the one at fault.
     fn statement_failed(&self) -> bool {
@@ -127,6 +138,7 @@ pub struct Recorded {
 pub struct LedgerWrite {
     pub sequence_id: i64,
     pub period: String,
+    /// Empty for a document on a leased number (recorded with its lease).
     pub seqs: Vec<i64>,
     pub via: Via,
     pub documents: Vec<OutboxRow>,
@@ -261,7 +273,9 @@ async fn write_part(
     stats: &Stats,
     writes: &[LedgerWrite],
 ) -> Result<Vec<Recorded>, LedgerError> {
-    if writes.iter().all(|w| w.documents.is_empty()) {
+    let documents = writes.iter().any(|w| !w.documents.is_empty());
+    let ledger_rows = writes.iter().any(|w| !w.seqs.is_empty());
+    if !(documents && ledger_rows) {
         // A single INSERT commits by itself: one round trip.
         write_together(&mut *conn, stats, writes).await
     } else {
