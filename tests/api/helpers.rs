@@ -422,13 +422,7 @@ impl TestApp {
             .iter()
             .map(|v| v.as_str().expect("id").to_owned())
             .collect();
-        let seqs = body["seqs"]
-            .as_array()
-            .expect("seqs")
-            .iter()
-            .map(|v| v.as_i64().expect("seq"))
-            .collect();
-        (ids, seqs)
+        (ids, seqs_of(&body))
     }
 
     pub async fn post_document(&self, body: &Value, key: Option<&str>) -> reqwest::Response {
@@ -586,20 +580,7 @@ impl TestApp {
     }
 
     pub async fn metrics(&self) -> HashMap<String, f64> {
-        let text = self
-            .client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text");
-        text.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .filter_map(|l| l.rsplit_once(' '))
-            .filter_map(|(name, value)| Some((name.to_owned(), value.parse().ok()?)))
-            .collect()
+        metrics_at(&self.client, &self.address).await
     }
 
     /// Waits until the metric `series` exceeds `above`; returns its value.
@@ -626,6 +607,16 @@ impl TestApp {
     pub fn redis_pool_key(&self, project: &str, doc_type: &str, period: &str) -> String {
         format!("{}:{{{project}:{doc_type}:{period}}}:pool", self.env.prefix)
     }
+}
+
+/// The numbers of a `POST /ids` answer.
+pub fn seqs_of(body: &Value) -> Vec<i64> {
+    body["seqs"]
+        .as_array()
+        .expect("seqs")
+        .iter()
+        .map(|v| v.as_i64().expect("seq"))
+        .collect()
 }
 
 /// A problem+json answer: asserts the status, media type and code.
@@ -793,4 +784,22 @@ impl Drop for ServeProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The `/metrics` series of the instance at `base` (any instance, a
+/// separate process too), by name with labels.
+pub async fn metrics_at(client: &reqwest::Client, base: &str) -> HashMap<String, f64> {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(name, value)| Some((name.to_owned(), value.parse().ok()?)))
+        .collect()
 }
