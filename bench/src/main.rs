@@ -362,15 +362,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let postgres = Postgres::start(&args.pg_dir)?;
     let mut redis = Redis::start()?;
     let database = postgres.url("idpool_bench");
+    // The bench measures capacity, not the per-key limit: one load
+    // connection sends far more than a customer's default allowance. The
+    // limiter still runs on every request.
     let mut env = vec![
         ("DATABASE_URL".to_owned(), database.clone()),
         ("REDIS_URL".to_owned(), redis.url()),
+        ("IDPOOL_RATE_LIMIT".to_owned(), "1000000".to_owned()),
     ];
     env.extend(extra_env);
     let idpool = Idpool::start(&args.binary, &env)?;
     let addr: SocketAddr = format!("127.0.0.1:{}", idpool.port).parse()?;
-    // Like customers: project keys from the CLI, one per load connection,
-    // each well within the default rate limit.
+    // Like customers: project keys from the CLI, one per load connection.
     let keys = services::create_keys(&args.binary, &database, &PROJECTS, KEYS)?;
     let admin = services::create_keys(&args.binary, &database, &[], 1)?;
     load::use_keys(&keys, &admin[0])?;
@@ -439,8 +442,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             &format!("peak RSS of idpool, any scenario (worst: {worst})"),
             peak,
             "MiB",
-            "<= 100",
-            Some(peak <= 100.0),
+            "<= 64",
+            Some(peak <= 64.0),
         );
     }
     if wanted("drain") {
@@ -548,7 +551,7 @@ async fn ratio_to_healthz(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> 
         "POST /ids count 1, 64 connections",
         "GET /healthz, 64 connections",
         "POST /ids count 1 ÷ GET /healthz",
-        0.35,
+        0.5,
     );
     bench
         .peak_rss
@@ -592,18 +595,19 @@ async fn light_load_latency(
         "ms",
     );
     let p99 = light.quantile_ms(0.99);
-    bench.row(
-        "POST /ids count 1, 8 connections: p99 latency",
-        p99,
-        "ms",
-        "<= 2",
-        Some(p99 <= 2.0),
-    );
+    bench.context("POST /ids count 1, 8 connections: p99 latency", p99, "ms");
     let floor = postgres.pgbench_insert(8, sizes.latency_run.as_secs().max(2))?;
     bench.context(
         "pgbench single-row INSERT, 8 clients, same Postgres: p99 latency",
         floor.p99_ms,
         "ms",
+    );
+    // The floor any response that waits for a durable commit sits on.
+    bench.at_most(
+        "POST /ids p99 ÷ pgbench INSERT p99, 8 connections",
+        p99 / floor.p99_ms,
+        "ratio",
+        1.0,
     );
     bench
         .peak_rss
@@ -633,15 +637,16 @@ async fn redis_up_versus_stopped(
         let direct = measure().await?;
         bench.check("POST /ids, Redis stopped", &direct)?;
         redis.restart()?;
-        rounds.push(pooled.per_second(), direct.per_second());
+        rounds.push(direct.per_second(), pooled.per_second());
     }
     bench.wait_for_mode("pool").await?;
+    // Degraded mode must still serve a useful share of normal throughput.
     rounds.report(
         bench,
-        "POST /ids count 1, Redis up, 64 connections",
         "POST /ids count 1, Redis stopped, 64 connections",
-        "POST /ids count 1: Redis up ÷ Redis stopped",
-        10.0,
+        "POST /ids count 1, Redis up, 64 connections",
+        "POST /ids count 1: Redis stopped ÷ Redis up",
+        0.2,
     );
     bench
         .peak_rss
@@ -739,7 +744,7 @@ async fn id_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow
     )
     .await?;
     bench.check("POST /ids count 1000", &batches)?;
-    let goal = 1.0 * sizes.scale;
+    let goal = 0.25 * sizes.scale;
     let took = batches.elapsed.as_secs_f64();
     bench.at_most(
         &format!("{} IDs with POST /ids count 1000 (wall)", sizes.ids_total),
@@ -823,7 +828,7 @@ async fn document_batches(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> 
         total as f64 / accepted,
         "docs/s",
     );
-    let goal = 20.0 * sizes.scale;
+    let goal = 10.0 * sizes.scale;
     bench.context("document batches: all accepted (wall)", accepted, "s");
     bench.at_most(
         &format!("{total} documents, batches of 1000, until all committed (wall)"),
@@ -865,7 +870,7 @@ async fn single_documents(
     .await?;
     let (docs, accepted, took) = (run.load, run.accepted_s, run.committed_s);
     bench.context("single documents: all accepted (wall)", accepted, "s");
-    let goal = 60.0 * sizes.scale;
+    let goal = 30.0 * sizes.scale;
     bench.at_most(
         &format!("{total} documents, single POST /documents, until all committed (wall)"),
         took,
@@ -891,8 +896,8 @@ async fn single_documents(
         "POST /documents req/s ÷ pgbench INSERT tps",
         ratio,
         "ratio",
-        ">= 0.4",
-        Some(ratio >= 0.4),
+        ">= 0.6",
+        Some(ratio >= 0.6),
     );
     Ok(())
 }
