@@ -38,8 +38,11 @@ clean-test-dbs:
 sdk-tools:
 	@scripts/sdk-tools.sh
 
+# A failing test ends with its panic message, not a backtrace of tokio's
+# frames above it (TEST_BACKTRACE=1 brings them back).
 test: services clean-test-dbs sdk-tools
-	@if cargo nextest --version >/dev/null 2>&1; then \
+	@export RUST_BACKTRACE=$${TEST_BACKTRACE:-0}; \
+	if cargo nextest --version >/dev/null 2>&1; then \
 	  cargo nextest run --workspace --all-targets; \
 	else \
 	  cargo test --workspace --all-targets -- --test-threads 2; \

@@ -362,6 +362,21 @@ async fn last_use_is_recorded_and_listed_without_secrets() {
     assert!(!line.contains(secret), "{line}");
 }
 
+/// The lines of a JSON log above DEBUG, for a failure's message.
+fn warnings_and_errors(log: &std::path::Path) -> String {
+    std::fs::read(log)
+        .map(|bytes| {
+            String::from_utf8_lossy(&bytes)
+                .lines()
+                .filter(|l| {
+                    !l.contains("\"level\":\"DEBUG\"") && !l.contains("\"level\":\"TRACE\"")
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_else(|e| format!("(log unreadable: {e})"))
+}
+
 /// `idpool keys ...` against the test's database; stdout.
 fn cli(env: &TestEnv, args: &[&str]) -> String {
     let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
@@ -400,23 +415,27 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
     let good = client_with_key(Some(&key));
     let wrong = client_with_key(Some(&format!("{}x", &key[..key.len() - 1])));
     let basic = reqwest::Client::new();
+    // A failure here names what the server logged (it logs to a file).
+    let expect = |sent: reqwest::Result<reqwest::Response>, status: StatusCode| {
+        let said = || warnings_and_errors(log.path());
+        let response = sent.unwrap_or_else(|e| panic!("{e}; the server said: {}", said()));
+        assert_eq!(response.status(), status, "the server said: {}", said());
+    };
     for _ in 0..3 {
         let ok = good
             .post(url("/ids"))
             .json(&json!({"project": "LOG", "type": "1"}))
             .send()
-            .await
-            .unwrap();
-        assert_eq!(ok.status(), StatusCode::OK);
-        let refused = wrong.get(url("/api/v1/sequences")).send().await.unwrap();
-        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+            .await;
+        expect(ok, StatusCode::OK);
+        let refused = wrong.get(url("/api/v1/sequences")).send().await;
+        expect(refused, StatusCode::UNAUTHORIZED);
         let refused = basic
             .get(url("/api/v1/sequences"))
             .header("authorization", format!("Basic {key}"))
             .send()
-            .await
-            .unwrap();
-        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+            .await;
+        expect(refused, StatusCode::UNAUTHORIZED);
     }
     let revoked: Value = serde_json::from_str(&cli(&env, &["keys", "revoke", &id])).unwrap();
     assert!(revoked["revoked_at"].is_string());
@@ -427,7 +446,7 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
             .get(url("/api/v1/sequences"))
             .send()
             .await
-            .unwrap()
+            .unwrap_or_else(|e| panic!("{e}; the server said: {}", warnings_and_errors(log.path())))
             .status();
         if status == StatusCode::UNAUTHORIZED {
             break;
@@ -444,7 +463,13 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
         "{listed}"
     );
     server.stop();
-    let logs = std::fs::read_to_string(log.path()).unwrap();
+    let logs = std::fs::read(log.path()).expect("the log file");
+    let logs = String::from_utf8(logs).unwrap_or_else(|e| {
+        panic!(
+            "the log is not UTF-8 at byte {}",
+            e.utf8_error().valid_up_to()
+        )
+    });
     assert!(
         logs.lines().count() > 10,
         "the process logged little: {logs}"
