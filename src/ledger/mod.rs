@@ -114,14 +114,11 @@ impl LedgerError {
     /// The statement failed and was rolled back: writing the requests of a
     /// shared write one at a time finds the one at fault.
     fn statement_failed(&self) -> bool {
-        matches!(
-            self,
-            LedgerError::Statement(_)
-                | LedgerError::Waited(_)
-                | LedgerError::Unstorable(_)
-                | LedgerError::DocumentIdTaken
-                | LedgerError::AlreadyAttached
-        )
+        self.numbers_reusable()
+            || matches!(
+                self,
+                LedgerError::DocumentIdTaken | LedgerError::AlreadyAttached
+            )
     }
 }
 
