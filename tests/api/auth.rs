@@ -416,10 +416,17 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
     let wrong = client_with_key(Some(&format!("{}x", &key[..key.len() - 1])));
     let basic = reqwest::Client::new();
     // A failure here names what the server logged (it logs to a file).
+    let said = || warnings_and_errors(log.path());
+    let answered = |sent: reqwest::Result<reqwest::Response>| {
+        sent.unwrap_or_else(|e| panic!("{e}; the server said: {}", said()))
+    };
     let expect = |sent: reqwest::Result<reqwest::Response>, status: StatusCode| {
-        let said = || warnings_and_errors(log.path());
-        let response = sent.unwrap_or_else(|e| panic!("{e}; the server said: {}", said()));
-        assert_eq!(response.status(), status, "the server said: {}", said());
+        assert_eq!(
+            answered(sent).status(),
+            status,
+            "the server said: {}",
+            said()
+        );
     };
     for _ in 0..3 {
         let ok = good
@@ -442,12 +449,7 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
     // Every instance hears of it at once.
     let started = Instant::now();
     loop {
-        let status = good
-            .get(url("/api/v1/sequences"))
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("{e}; the server said: {}", warnings_and_errors(log.path())))
-            .status();
+        let status = answered(good.get(url("/api/v1/sequences")).send().await).status();
         if status == StatusCode::UNAUTHORIZED {
             break;
         }
