@@ -4,7 +4,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -53,7 +53,9 @@ impl Limits {
 
     fn apply(&self, options: PgConnectOptions) -> PgConnectOptions {
         let ms = |d: Duration| d.as_millis().max(1).to_string();
-        options.options([
+        // Every statement at trace only: debug logs stay readable (slow
+        // statements are still logged as warnings).
+        options.log_statements(log::LevelFilter::Trace).options([
             ("statement_timeout", ms(self.statement)),
             ("lock_timeout", ms(self.lock)),
             (
@@ -139,6 +141,32 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `work` in a transaction on `conn` and always ends it: a commit when
+/// it succeeds, a ROLLBACK sent at once when it fails. (A dropped sqlx
+/// transaction only queues its ROLLBACK until the connection is next used;
+/// a connection kept between uses would sit idle in an aborted transaction
+/// until Postgres ends it, failing whoever uses it next.) When the ROLLBACK
+/// itself fails, the connection is broken and that error wins.
+pub async fn in_transaction<T, E>(
+    conn: &mut PgConnection,
+    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<sqlx::Error>,
+{
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    match work(&mut tx).await {
+        Ok(done) => {
+            tx.commit().await?;
+            Ok(done)
+        }
+        Err(e) => {
+            tx.rollback().await?;
+            Err(e)
+        }
+    }
+}
+
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     MIGRATOR.run(pool).await?;
     Ok(())
@@ -185,6 +213,8 @@ pub mod sqlstate {
     /// `statement_timeout` ran out (or the statement was cancelled).
     pub const QUERY_CANCELED: &str = "57014";
     pub const DUPLICATE_DATABASE: &str = "42P04";
+    /// No space left on the database's disk.
+    pub const DISK_FULL: &str = "53100";
 
     /// The SQLSTATE of a database error, if `e` is one.
     pub fn of(e: &sqlx::Error) -> Option<String> {

@@ -79,6 +79,8 @@ pub struct Processor {
     settings: ProcessorSettings,
     wake: Arc<Notify>,
     stats: Arc<Stats>,
+    /// Failed deliveries, logged without flooding the log.
+    failures: crate::log_limit::Repeated,
 }
 
 impl Processor {
@@ -95,6 +97,7 @@ impl Processor {
             settings,
             wake,
             stats,
+            failures: crate::log_limit::Repeated::new("outbox deliveries failed"),
         }
     }
 
@@ -109,28 +112,35 @@ impl Processor {
         let outcomes = self.sink.deliver(&mut tx, &claimed).await;
         let mut delivered = Vec::new();
         let mut failed = Vec::new();
+        let mut first_failure = None;
         for (delivery, outcome) in claimed.iter().zip(outcomes) {
             match outcome {
                 Ok(()) => delivered.push(delivery.row_id),
-                Err(error) => failed.push((delivery.row_id, error.to_string())),
+                Err(error) => {
+                    // The tenant reads the classification; the whole error
+                    // (the target's answer, a path) is for the log.
+                    failed.push((delivery.row_id, error.classification()));
+                    first_failure.get_or_insert((delivery.document_id.clone(), error));
+                }
             }
-        }
-        for lag in outbox::mark_delivered(&mut tx, &delivered).await? {
-            self.stats.outbox_lag.observe(lag);
         }
         let retry = outbox::Retry {
             max_retries: self.settings.max_retries,
             backoff_base: self.settings.backoff_base,
         };
-        let dead_lettered = outbox::mark_failed(&mut tx, &failed, &retry).await?;
+        let recorded = outbox::record_outcomes(&mut tx, &delivered, &failed, &retry).await?;
         tx.commit().await?;
-        if let Some((_, first_error)) = failed.first() {
-            tracing::warn!(
-                failed = failed.len(),
-                dead_lettered,
-                first_error,
-                "outbox deliveries failed"
-            );
+        for lag in recorded.lags {
+            self.stats.outbox_lag.observe(lag);
+        }
+        let dead_lettered = recorded.dead_lettered;
+        match first_failure {
+            Some((document_id, error)) => self.failures.warn(&format_args!(
+                "{error} (document {document_id}; {} of {} in the batch failed, {dead_lettered} dead-lettered)",
+                failed.len(),
+                claimed.len()
+            )),
+            None => self.failures.ended(),
         }
         Ok(Step {
             claimed: claimed.len(),

@@ -111,6 +111,44 @@ pub enum DeliveryError {
     },
 }
 
+impl DeliveryError {
+    /// What a tenant reads in `last_error`: a short classification (an HTTP
+    /// status, a timeout, a refused connection, a full disk). Never the
+    /// target's answer, a path or an internal message: operators find
+    /// those in the log line of the failure.
+    pub fn classification(&self) -> String {
+        match self {
+            DeliveryError::PayloadNotLoaded
+            | DeliveryError::StoredMetadata(_)
+            | DeliveryError::Writer(_) => "internal error".into(),
+            DeliveryError::Postgres(e) => match crate::db::sqlstate::of(e) {
+                Some(code) if code == crate::db::sqlstate::DISK_FULL => "storage full".into(),
+                Some(_) => "target store refused the document".into(),
+                None => "target store unreachable".into(),
+            },
+            DeliveryError::File { source, .. } | DeliveryError::SyncDir { source, .. } => {
+                match source.kind() {
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
+                        "storage full".into()
+                    }
+                    std::io::ErrorKind::PermissionDenied
+                    | std::io::ErrorKind::ReadOnlyFilesystem => "permission denied".into(),
+                    _ => "write failed".into(),
+                }
+            }
+            DeliveryError::WebhookTimedOut { .. } => "timeout".into(),
+            DeliveryError::WebhookUnreachable { source, .. } if source.is_connect() => {
+                "connection refused".into()
+            }
+            DeliveryError::WebhookUnreachable { .. } => "connection failed".into(),
+            DeliveryError::WebhookRedirected { status, .. } => {
+                format!("HTTP {} (redirects are not followed)", status.as_u16())
+            }
+            DeliveryError::WebhookRefused { status, .. } => format!("HTTP {}", status.as_u16()),
+        }
+    }
+}
+
 /// The JSON a document is delivered as. The same document always gives the
 /// same bytes, so a repeated delivery writes the same content.
 #[derive(Serialize)]
@@ -449,7 +487,14 @@ async fn post(
         }
     }
     answer.truncate(MAX_WEBHOOK_ANSWER);
-    let excerpt: String = String::from_utf8_lossy(&answer).chars().take(200).collect();
+    // For the operator's log line only, with control characters escaped
+    // (a target may answer NUL, binary or gzip).
+    let excerpt: String = String::from_utf8_lossy(&answer)
+        .chars()
+        .take(200)
+        .collect::<String>()
+        .escape_debug()
+        .to_string();
     if status.is_redirection() {
         return Err(DeliveryError::WebhookRedirected {
             url: shown.clone(),

@@ -468,6 +468,7 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
             doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
             metadata: format!(r#"{{"lib": {i}}}"#).into(),
             id: None,
+            source_id: None,
         }))
     });
     let bad = issuer.accept(Arc::new(idpool::documents::DocumentInput {
@@ -475,6 +476,7 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
         doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
         metadata: r#"{"a": "\u0000"}"#.into(),
         id: None,
+        source_id: None,
     }));
     let (good, bad) = tokio::join!(futures::future::join_all(good), bad);
     assert!(bad.is_err(), "the NUL document was refused");
@@ -874,7 +876,7 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
 
     for (door, says) in [
         ("moved", "redirects are not followed"),
-        ("huge", "answered 500"),
+        ("huge", "HTTP 500"),
     ] {
         let (_, document) = deliver_through(&address, door).await;
         assert_eq!(document["status"], "dead_letter", "{document}");
@@ -925,6 +927,7 @@ async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
                 doc_type: "1".into(),
                 seq_number: 5000,
                 payload: "{}".into(),
+                source_id: None,
             }],
         },
     ];
