@@ -1,12 +1,15 @@
 //! `idpool import`: a customer's legacy documents, streamed from a JSON-lines
 //! or CSV file into `POST /api/v1/documents/batch`.
 //!
-//! Every document's Idempotency-Key is derived from the project, the type
-//! and its `source_id`, so a run killed at any moment and started again gets
-//! every document it already sent answered from the server's records (same
-//! ID, `replayed`) and creates no document twice. The file is read as it is
-//! sent: memory holds the batches in flight and 8 bytes per source id seen
-//! (to find duplicates), whatever the file's size.
+//! Every document is sent with its `source_id`, which the server records
+//! with it (one document per source id of a project and type, for ever):
+//! a run killed at any moment and started again, days later or with
+//! another key, gets every document it already sent answered from the
+//! server's records (same ID, `replayed`) and creates no document twice.
+//! A document the server refuses is a reject line, never the end of the
+//! run. The file is read as it is sent: memory holds the batches in flight
+//! and 8 bytes per source id seen (to find duplicates), whatever the file's
+//! size.
 
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
@@ -19,7 +22,6 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
-use sha2::{Digest, Sha256};
 
 use crate::documents::{MAX_BATCH, MAX_METADATA_BYTES};
 use crate::sequence::{ProjectCode, TypeCode};
@@ -78,13 +80,6 @@ enum Entry {
 enum Fate {
     Mapped(Mapped),
     Reject(Reject),
-}
-
-/// The Idempotency-Key of a document: the same for the same source id on
-/// every run, and for nothing else.
-pub fn idempotency_key(project: &str, doc_type: &str, source_id: &str) -> String {
-    let digest = Sha256::digest(format!("{project}\n{doc_type}\n{source_id}").as_bytes());
-    format!("import-{}", hex::encode(digest))
 }
 
 /// Where rejects go: `MAP.rejects.jsonl` beside `--out MAP.jsonl`, else
@@ -356,13 +351,9 @@ fn csv_document(
 
 /// One item of the batch body, ready to join.
 fn document_body(settings: &Settings, source_id: &str, metadata: &str) -> String {
-    let key = idempotency_key(
-        settings.project.as_str(),
-        settings.doc_type.as_str(),
-        source_id,
-    );
+    let source_id = Value::String(source_id.to_owned());
     format!(
-        r#"{{"project":"{}","type":"{}","idempotency_key":"{key}","metadata":{metadata}}}"#,
+        r#"{{"project":"{}","type":"{}","source_id":{source_id},"metadata":{metadata}}}"#,
         settings.project, settings.doc_type
     )
 }
@@ -430,16 +421,8 @@ async fn send_chunk(
                     }));
                 }
             }
-            Some(s) if s.is_client_error() && !matches!(s.as_u16(), 408 | 409 | 429) => {
+            Some(s) if let Some(index) = item_at_fault(s, &text, pending.len()) => {
                 let problem: Option<Problem> = serde_json::from_str(&text).ok();
-                let index = problem
-                    .as_ref()
-                    .and_then(|p| p.index)
-                    .filter(|i| *i < pending.len());
-                let Some(index) = index else {
-                    let detail = problem.and_then(|p| p.detail.or(p.code)).unwrap_or(text);
-                    bail!("the server refused a batch: {s} {detail}");
-                };
                 // One document is at fault: it is rejected, the rest go again.
                 let (slot, line, source_id, _) = pending.remove(index);
                 let reason = problem.map_or_else(|| s.to_string(), rejection_reason);
@@ -450,8 +433,14 @@ async fn send_chunk(
                 }));
                 attempt = 0;
             }
-            // 408, 409 (a key still in use by a run that was killed), 429,
-            // 5xx, no answer: the same batch again, after a while.
+            Some(s) if s.is_client_error() && !matches!(s.as_u16(), 408 | 409 | 429) => {
+                let problem: Option<Problem> = serde_json::from_str(&text).ok();
+                let detail = problem.and_then(|p| p.detail.or(p.code)).unwrap_or(text);
+                bail!("the server refused a batch: {s} {detail}");
+            }
+            // 408, 409 for the whole batch (a concurrent run writing the
+            // same source ids), 429, 5xx, no answer: the same batch again,
+            // after a while.
             _ => {
                 attempt += 1;
                 if attempt >= MAX_ATTEMPTS {
@@ -463,6 +452,16 @@ async fn send_chunk(
         }
     }
     Ok(fates.into_iter().flatten().collect())
+}
+
+/// The item a refusal names (`index`), if the server blamed one: that
+/// document is rejected and the rest of the batch goes again.
+fn item_at_fault(status: reqwest::StatusCode, text: &str, items: usize) -> Option<usize> {
+    if !status.is_client_error() || matches!(status.as_u16(), 408 | 429) {
+        return None;
+    }
+    let problem: Problem = serde_json::from_str(text).ok()?;
+    problem.index.filter(|i| *i < items)
 }
 
 /// `{"documents":[…]}` of documents already serialised.
@@ -605,21 +604,41 @@ mod tests {
     use super::*;
 
     #[test]
-    fn keys_name_the_project_type_and_source_id_alone() {
-        let key = idempotency_key("PROJ", "9012", "legacy-1");
-        assert_eq!(key, idempotency_key("PROJ", "9012", "legacy-1"));
-        assert_ne!(key, idempotency_key("PROJ", "9012", "legacy-2"));
-        assert_ne!(key, idempotency_key("PROJ", "9013", "legacy-1"));
-        // Codes never hold the separator, so no two splits read alike.
-        assert_ne!(
-            idempotency_key("PA", "B", "x"),
-            idempotency_key("P", "AB", "x")
+    fn an_item_carries_its_source_id_as_json() {
+        let settings = Settings {
+            file: "-".into(),
+            project: ProjectCode::parse("PROJ").unwrap(),
+            doc_type: TypeCode::parse("9012").unwrap(),
+            url: String::new(),
+            key: None,
+            batch: 1,
+            concurrency: 1,
+            out: None,
+        };
+        let body = document_body(&settings, "a\"b\\c", r#"{"x":1}"#);
+        let item: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(item["source_id"], "a\"b\\c");
+        assert_eq!(item["project"], "PROJ");
+        assert_eq!(item["metadata"]["x"], 1);
+    }
+
+    #[test]
+    fn a_refusal_naming_an_item_rejects_that_item_alone() {
+        let conflict = reqwest::StatusCode::CONFLICT;
+        let named = r#"{"code": "document_id_taken", "index": 3}"#;
+        assert_eq!(item_at_fault(conflict, named, 10), Some(3));
+        assert_eq!(item_at_fault(conflict, named, 3), None);
+        let whole = r#"{"code": "source_id_in_use"}"#;
+        assert_eq!(item_at_fault(conflict, whole, 10), None);
+        assert_eq!(
+            item_at_fault(reqwest::StatusCode::TOO_MANY_REQUESTS, named, 10),
+            None
         );
-        assert_ne!(
-            idempotency_key("P", "T", "x\nT\ny"),
-            idempotency_key("P", "T", "x")
+        let unavailable = r#"{"code": "unavailable", "index": 3}"#;
+        assert_eq!(
+            item_at_fault(reqwest::StatusCode::SERVICE_UNAVAILABLE, unavailable, 10),
+            None
         );
-        assert!(key.len() <= 255 && key.bytes().all(|b| (0x20..0x7f).contains(&b)));
     }
 
     #[test]

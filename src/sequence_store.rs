@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
-use crate::sequence::pattern::Pattern;
+use crate::sequence::pattern::{Part, Pattern};
 use crate::sequence::{
     CounterFloor, DEFAULT_FORMAT, Definition, DefinitionError, Layout, ProjectCode, Reset,
     Sequence, Template, TypeCode,
@@ -299,11 +299,22 @@ impl SequenceStore {
         projects: Option<&[String]>,
     ) -> Result<Vec<Sequence>, StoreError> {
         let (after_project, after_type) = after.unwrap_or(("", ""));
-        let sql = format!(
-            "SELECT {SELECT_COLUMNS} FROM sequences WHERE (project, doc_type) > ($1, $2) \
-             AND ($4::text[] IS NULL OR project = ANY($4)) \
-             ORDER BY project, doc_type LIMIT $3"
-        );
+        // A key of some projects walks each of them from the cursor (the
+        // unique index on (project, doc_type)): its page costs its own
+        // sequences, however many other projects hold.
+        let sql = match projects {
+            Some(_) => format!(
+                "SELECT s.* FROM unnest($4::text[]) AS p(code) CROSS JOIN LATERAL ( \
+                     SELECT {SELECT_COLUMNS} FROM sequences \
+                     WHERE project = p.code AND (project, doc_type) > ($1, $2) \
+                     ORDER BY project, doc_type LIMIT $3) s \
+                 ORDER BY s.project, s.doc_type LIMIT $3"
+            ),
+            None => format!(
+                "SELECT {SELECT_COLUMNS} FROM sequences WHERE (project, doc_type) > ($1, $2) \
+                 AND $4::text[] IS NULL ORDER BY project, doc_type LIMIT $3"
+            ),
+        };
         let rows: Vec<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(after_project)
             .bind(after_type)
@@ -346,11 +357,13 @@ impl SequenceStore {
             None => {
                 self.check_room(&mut tx, project).await?;
                 check_against_project(&mut tx, project, doc_type, None, definition).await?;
+                check_against_other_projects(&mut tx, project, doc_type, definition).await?;
                 insert_definition(&mut tx, project, doc_type, definition).await?;
             }
             Some(current) => {
                 check_against_project(&mut tx, project, doc_type, Some(current.id), definition)
                     .await?;
+                check_against_other_projects(&mut tx, project, doc_type, definition).await?;
                 let changes_identity = current.definition.changes_identity(definition);
                 if changes_identity {
                     let issued: bool = sqlx::query_scalar(
@@ -529,6 +542,185 @@ async fn check_against_project(
         }
     }
     Ok(())
+}
+
+/// What any project's default sequences print: `{project}-{type}-{seq}`
+/// with any codes. A code holds no `-`, so the text before the first `-`
+/// names the project.
+fn default_of_any_project() -> Pattern {
+    use crate::sequence::pattern::{CharSet, Field, Part};
+    let code = |label: &str| {
+        Part::Field(Field {
+            min: 1,
+            max: crate::sequence::name::MAX_CODE_LEN,
+            chars: CharSet::LETTERS
+                .union(CharSet::DIGITS)
+                .union(CharSet::of(b"_")),
+            seq: None,
+            label: label.to_owned(),
+        })
+    };
+    Pattern::loose(vec![
+        code("{project}"),
+        Part::Text("-".into()),
+        code("{type}"),
+        Part::Text("-".into()),
+        Part::Field(Field {
+            min: 1,
+            max: 19,
+            chars: CharSet::DIGITS,
+            seq: Some(0),
+            label: "{seq}".into(),
+        }),
+    ])
+}
+
+/// Serialises every definition that could clash across projects, so two
+/// of them saved at once cannot each pass the check against the other's
+/// old state.
+async fn lock_formats(conn: &mut PgConnection) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idpool:formats', 0))")
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Refuses `definition` when its IDs could read like IDs of another
+/// project: like those its default sequences print (now or once they are
+/// first used), or like those its other sequences print or printed. Then
+/// a document ID never blocks or reveals another tenant's. Definitions
+/// with the default format pass: what they print starts with their own
+/// project code and a `-`, and every other definition was checked against
+/// that when it was saved.
+async fn check_against_other_projects(
+    conn: &mut PgConnection,
+    project: &ProjectCode,
+    doc_type: &TypeCode,
+    definition: &Definition,
+) -> Result<(), StoreError> {
+    if definition.layout == Layout::Text && definition.format.as_str() == DEFAULT_FORMAT {
+        return Ok(());
+    }
+    lock_formats(conn).await?;
+    let sequence = format!("{project}/{doc_type}");
+    let pattern = definition
+        .pattern(project.as_str(), doc_type.as_str())
+        .map_err(DefinitionError::from)?;
+    let own_prefix = format!("{project}-");
+    let starts_with_own_code = matches!(pattern.parts().first(),
+        Some(Part::Text(text)) if text.starts_with(&own_prefix));
+    if !starts_with_own_code
+        && let Some(example) = pattern.common_example(&default_of_any_project())
+    {
+        return Err(StoreError::Conflict {
+            sequence,
+            other: format!(
+                "another project's sequences print with the default format {DEFAULT_FORMAT} \
+                 (start the format with {{project}}- to keep this project's IDs its own)"
+            ),
+            example,
+        });
+    }
+    let offsets = definition.int64_day_offsets();
+    for other in other_projects_definitions(conn, project).await? {
+        let clash = match (&offsets, other.int64_offsets()) {
+            // Two int64 layouts clash only if their days can start at the
+            // same time of day after their epochs.
+            (Some(mine), Some(theirs)) => {
+                if mine.is_disjoint(&theirs) {
+                    None
+                } else {
+                    Some(int64_example(definition, &theirs))
+                }
+            }
+            _ => other
+                .pattern
+                .as_ref()
+                .and_then(|p| pattern.common_example(p)),
+        };
+        if let Some(example) = clash {
+            return Err(StoreError::Conflict {
+                sequence,
+                other: format!("of {} (another project)", other.name),
+                example,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A sequence of another project, as the cross-project check sees it.
+struct OtherDefinition {
+    name: String,
+    pattern: Option<Pattern>,
+    /// Its definition when it has the int64 layout (current, not retired).
+    int64: Option<Definition>,
+}
+
+impl OtherDefinition {
+    fn int64_offsets(&self) -> Option<std::collections::BTreeSet<i64>> {
+        self.int64.as_ref().and_then(Definition::int64_day_offsets)
+    }
+}
+
+/// Every definition of other projects that does not print the default
+/// format, with the formats they printed before a forced change.
+async fn other_projects_definitions(
+    conn: &mut PgConnection,
+    project: &ProjectCode,
+) -> Result<Vec<OtherDefinition>, StoreError> {
+    let sql = format!(
+        "SELECT {SELECT_COLUMNS} FROM sequences \
+         WHERE project <> $1 AND NOT (layout = 'text' AND format = $2)"
+    );
+    let current: Vec<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(project.as_str())
+        .bind(DEFAULT_FORMAT)
+        .fetch_all(&mut *conn)
+        .await?;
+    let retired: Vec<(String, String, String, String)> = sqlx::query_as(
+        "SELECT s.project, s.doc_type, f.layout, f.format FROM sequence_formats f \
+         JOIN sequences s ON s.id = f.sequence_id \
+         WHERE s.project <> $1 AND NOT (f.layout = 'text' AND f.format = $2)",
+    )
+    .bind(project.as_str())
+    .bind(DEFAULT_FORMAT)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut others = Vec::with_capacity(current.len() + retired.len());
+    for row in current {
+        let sequence = row.into_sequence()?;
+        let name = format!("{}/{}", sequence.project, sequence.doc_type);
+        let pattern = sequence
+            .definition
+            .pattern(sequence.project.as_str(), sequence.doc_type.as_str())
+            .ok();
+        let int64 = matches!(sequence.definition.layout, Layout::Int64 { .. })
+            .then(|| sequence.definition.clone());
+        others.push(OtherDefinition {
+            name,
+            pattern,
+            int64,
+        });
+    }
+    for (other_project, other_type, layout, format) in retired {
+        others.push(OtherDefinition {
+            name: format!(
+                "{other_project}/{other_type} printed with its earlier format {format:?}"
+            ),
+            pattern: stored_pattern(&layout, &format, &other_project, &other_type, 19),
+            int64: None,
+        });
+    }
+    Ok(others)
+}
+
+/// A number both int64 definitions could print: the first number of a day
+/// whose start lies at a time of day `theirs` holds too.
+fn int64_example(definition: &Definition, theirs: &std::collections::BTreeSet<i64>) -> String {
+    let mine = definition.int64_day_offsets().unwrap_or_default();
+    let shared = mine.intersection(theirs).next().copied().unwrap_or(0);
+    ((shared << 32) | definition.start.max(1)).to_string()
 }
 
 /// A forced change of a sequence that printed IDs: the new format must not

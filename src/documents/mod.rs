@@ -37,6 +37,9 @@ pub struct DocumentInput {
     pub metadata: Arc<str>,
     /// An ID from `POST /ids` to attach instead of taking a new number.
     pub id: Option<String>,
+    /// The document's legacy id: a document with this one already in the
+    /// project and type is answered instead of writing another.
+    pub source_id: Option<Arc<str>>,
 }
 
 impl DocumentInput {
@@ -46,6 +49,7 @@ impl DocumentInput {
             project: self.project.to_string(),
             doc_type: self.doc_type.to_string(),
             payload: self.metadata.clone(),
+            source_id: self.source_id.clone(),
         }
     }
 }
@@ -78,6 +82,12 @@ pub enum DocumentError {
          the same IDs; give this one a format of its own)"
     )]
     IdTaken(String),
+    /// Two items of one request carry the same source id.
+    #[error("its source_id is the same as item {0}'s")]
+    SourceIdRepeated(usize),
+    /// A concurrent request wrote a document with the same source id.
+    #[error("another request is writing a document with the same source_id; send this again")]
+    SourceIdInUse,
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),
 }
@@ -189,11 +199,6 @@ impl Documents {
     /// transaction begins (placing may read or create the sequence, which
     /// takes a connection of its own).
     pub async fn place_all(&self, inputs: &[DocumentInput]) -> Result<Placements, BatchError> {
-        if inputs.iter().any(|input| input.id.is_some()) {
-            // An ID handed out from a lease is found once its handout is
-            // written; a caller attaching it right away must not miss it.
-            self.leases.flush().await;
-        }
         let mut placements = Placements::new();
         for (index, input) in inputs.iter().enumerate() {
             let key = (input.project.to_string(), input.doc_type.to_string());
@@ -210,14 +215,47 @@ impl Documents {
     }
 
     /// Accepts documents inside the caller's transaction: all or none.
-    /// Numbers are taken with one pool call per sequence period; attached
-    /// IDs are checked before any number is taken.
+    /// Items whose `source_id` has a document already are answered with
+    /// it (marked true); the others are written. Numbers are taken with one
+    /// pool call per sequence period; attached IDs are checked before any
+    /// number is taken.
     pub async fn accept_in(
         &self,
         conn: &mut PgConnection,
         inputs: &[DocumentInput],
         placements: &Placements,
+    ) -> Result<Vec<(AcceptedDocument, bool)>, BatchError> {
+        let mut answers: Vec<Option<(AcceptedDocument, bool)>> = vec![None; inputs.len()];
+        for (index, known) in known_sources(conn, inputs).await? {
+            answers[index] = Some((known, true));
+        }
+        let fresh: Vec<usize> = (0..inputs.len())
+            .filter(|i| answers[*i].is_none())
+            .collect();
+        let fresh_inputs: Vec<DocumentInput> = fresh.iter().map(|i| inputs[*i].clone()).collect();
+        let written = self
+            .write_new(conn, &fresh_inputs, placements)
+            .await
+            .map_err(|mut e| {
+                e.index = e.index.map(|i| fresh[i]);
+                e
+            })?;
+        for (index, accepted) in fresh.into_iter().zip(written) {
+            answers[index] = Some((accepted, false));
+        }
+        Ok(answers.into_iter().flatten().collect())
+    }
+
+    /// Writes documents none of which is known by its source id.
+    async fn write_new(
+        &self,
+        conn: &mut PgConnection,
+        inputs: &[DocumentInput],
+        placements: &Placements,
     ) -> Result<Vec<AcceptedDocument>, BatchError> {
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
         let placement_of = |input: &DocumentInput| {
             &placements[&(input.project.to_string(), input.doc_type.to_string())]
         };
@@ -302,6 +340,46 @@ impl Documents {
 /// An outbox row with the sequence and period its number belongs to.
 type PlacedRow = (i64, String, OutboxRow);
 
+/// The items whose source id has a document already, with that document
+/// (its project and type are the item's, so inside the caller's scope).
+/// Two items of one request with the same source id are refused.
+async fn known_sources(
+    conn: &mut PgConnection,
+    inputs: &[DocumentInput],
+) -> Result<Vec<(usize, AcceptedDocument)>, BatchError> {
+    let mut first_of: HashMap<(&str, &str, &str), usize> = HashMap::new();
+    for (index, input) in inputs.iter().enumerate() {
+        let Some(source_id) = input.source_id.as_deref() else {
+            continue;
+        };
+        let key = (input.project.as_str(), input.doc_type.as_str(), source_id);
+        if let Some(first) = first_of.insert(key, index) {
+            return Err(BatchError::at(index)(DocumentError::SourceIdRepeated(
+                first,
+            )));
+        }
+    }
+    if first_of.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keys: Vec<(&str, &str, &str)> = first_of.keys().copied().collect();
+    let found = outbox::by_source_ids(conn, &keys)
+        .await
+        .map_err(BatchError::whole)?;
+    Ok(found
+        .into_iter()
+        .filter_map(|known| {
+            let key = (
+                known.project.as_str(),
+                known.doc_type.as_str(),
+                known.source_id.as_str(),
+            );
+            let index = *first_of.get(&key)?;
+            Some((index, known.accepted()))
+        })
+        .collect())
+}
+
 /// Inserts the outbox rows, after checking no other document has one of
 /// their IDs (naming the first item that collides).
 async fn write_rows(
@@ -324,7 +402,10 @@ async fn write_rows(
         rows.iter().map(|(s, p, r)| (*s, p.as_str(), r)).collect();
     let created = ledger::outbox::insert(conn, &refs).await.map_err(|e| {
         let e: LedgerError = e.into();
-        BatchError::whole(e)
+        match e {
+            LedgerError::SourceIdTaken => BatchError::whole(DocumentError::SourceIdInUse),
+            e => BatchError::whole(e),
+        }
     })?;
     Ok(rows
         .iter()
@@ -443,6 +524,7 @@ async fn attachable(
                 doc_type: input.doc_type.to_string(),
                 seq_number: shape.number(seq),
                 payload: input.metadata.clone(),
+                source_id: input.source_id.clone(),
             };
             return Ok((sequence.id, period_key, row));
         }

@@ -24,6 +24,53 @@ pub async fn first_taken(
     Ok(ids.iter().position(|id| taken.iter().any(|t| t == id)))
 }
 
+/// A document found by its source id.
+#[derive(Debug, sqlx::FromRow)]
+pub struct KnownSource {
+    pub project: String,
+    pub doc_type: String,
+    pub source_id: String,
+    pub id: String,
+    pub seq: i64,
+    pub status: DocumentStatus,
+    pub created_at: DateTime<Utc>,
+}
+
+impl KnownSource {
+    pub fn accepted(self) -> crate::documents::AcceptedDocument {
+        crate::documents::AcceptedDocument {
+            id: self.id,
+            project: self.project,
+            doc_type: self.doc_type,
+            seq: self.seq,
+            status: self.status,
+            created_at: self.created_at,
+        }
+    }
+}
+
+/// The documents that carry these `(project, type, source id)`s.
+#[tracing::instrument(skip_all, level = "debug")]
+pub async fn by_source_ids(
+    conn: &mut PgConnection,
+    keys: &[(&str, &str, &str)],
+) -> Result<Vec<KnownSource>, sqlx::Error> {
+    let projects: Vec<&str> = keys.iter().map(|k| k.0).collect();
+    let types: Vec<&str> = keys.iter().map(|k| k.1).collect();
+    let sources: Vec<&str> = keys.iter().map(|k| k.2).collect();
+    sqlx::query_as(
+        "SELECT o.tenant_code AS project, o.entity_type_id AS doc_type, o.source_id, \
+                o.document_id AS id, o.seq_number AS seq, o.status::text AS status, o.created_at \
+         FROM unnest($1::text[], $2::text[], $3::text[]) AS k(p, t, s) \
+         JOIN id_outbox o ON o.tenant_code = k.p AND o.entity_type_id = k.t AND o.source_id = k.s",
+    )
+    .bind(&projects)
+    .bind(&types)
+    .bind(&sources)
+    .fetch_all(&mut *conn)
+    .await
+}
+
 /// Whether number `seq` of the sequence period carries a document.
 pub async fn carries_document(
     conn: &mut PgConnection,
@@ -97,12 +144,106 @@ pub struct ListFilter<'a> {
     pub projects: Option<&'a [String]>,
     pub project: Option<&'a str>,
     pub doc_type: Option<&'a str>,
-    pub after_row: i64,
+    /// The document the previous page ended with.
+    pub after: Option<&'a str>,
     pub limit: i64,
 }
 
+/// Why a page cannot be listed.
+#[derive(Debug, thiserror::Error)]
+pub enum ListError {
+    /// The cursor names no document the caller may see.
+    #[error("the cursor is not one this API returned to this key")]
+    Cursor,
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// One page of documents, in the order they were accepted.
+///
+/// A caller limited to some projects (or asking for one) is served by the
+/// indexes that start with the tenant: each of its projects and statuses
+/// is walked in row order from the cursor for one page, and the walks are
+/// merged, so the page costs its own size, whatever other tenants hold.
+/// An admin listing every project walks the whole outbox in row order.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentView>, sqlx::Error> {
+pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentView>, ListError> {
+    let projects: Option<Vec<String>> = match (filter.projects, filter.project) {
+        (Some(scope), Some(one)) => Some(
+            scope
+                .iter()
+                .filter(|p| p.as_str() == one)
+                .cloned()
+                .collect(),
+        ),
+        (Some(scope), None) => Some(scope.to_vec()),
+        (None, Some(one)) => Some(vec![one.to_owned()]),
+        (None, None) => None,
+    };
+    if projects.as_ref().is_some_and(Vec::is_empty) {
+        return Ok(Vec::new());
+    }
+    let after_row = match filter.after {
+        None => 0,
+        Some(document_id) => cursor_row(db, document_id, projects.as_deref())
+            .await?
+            .ok_or(ListError::Cursor)?,
+    };
+    let Some(projects) = projects else {
+        return Ok(list_everything(db, filter, after_row).await?);
+    };
+    let statuses: Vec<&str> = match filter.status {
+        Some(status) => vec![status.as_str()],
+        None => DocumentStatus::ALL.map(DocumentStatus::as_str).to_vec(),
+    };
+    // The type is a column of the index or absent from the statement:
+    // one text each, so neither plan has to allow for the other.
+    let by_type = match filter.doc_type {
+        Some(_) => "AND o.entity_type_id = $5",
+        None => "AND $5::text IS NULL",
+    };
+    let sql = format!(
+        "SELECT v.* FROM unnest($1::text[]) AS p(code) \
+         CROSS JOIN unnest($2::text[]) AS st(status) \
+         CROSS JOIN LATERAL ( \
+             SELECT {VIEW_COLUMNS} FROM id_outbox o \
+             WHERE o.tenant_code = p.code AND o.status = st.status AND o.id > $3 {by_type} \
+             ORDER BY o.id LIMIT $4) v \
+         ORDER BY v.row_id LIMIT $4"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(&projects)
+        .bind(&statuses)
+        .bind(after_row)
+        .bind(filter.limit)
+        .bind(filter.doc_type)
+        .fetch_all(db)
+        .await?)
+}
+
+/// The row a cursor's document holds, if the caller may see it (else the
+/// cursor is refused exactly as one that names no document).
+async fn cursor_row(
+    db: &PgPool,
+    document_id: &str,
+    projects: Option<&[String]>,
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT id FROM id_outbox WHERE document_id = $1 \
+         AND ($2::text[] IS NULL OR tenant_code = ANY($2))",
+    )
+    .bind(document_id)
+    .bind(projects)
+    .fetch_optional(db)
+    .await
+}
+
+/// An admin's page of every project, in row order.
+async fn list_everything(
+    db: &PgPool,
+    filter: &ListFilter<'_>,
+    after_row: i64,
+) -> Result<Vec<DocumentView>, sqlx::Error> {
     // The status is spelt out in the SQL (it is one of four fixed words),
     // so the planner can use the index of unfinished documents for it.
     let status = match filter.status {
@@ -111,17 +252,13 @@ pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentVi
     };
     let sql = format!(
         "SELECT {VIEW_COLUMNS} FROM id_outbox \
-         WHERE id > $1 {status} \
-           AND ($2::text IS NULL OR tenant_code = $2) AND ($3::text IS NULL OR entity_type_id = $3) \
-           AND ($5::text[] IS NULL OR tenant_code = ANY($5)) \
-         ORDER BY id LIMIT $4"
+         WHERE id > $1 {status} AND ($2::text IS NULL OR entity_type_id = $2) \
+         ORDER BY id LIMIT $3"
     );
     sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(filter.after_row)
-        .bind(filter.project)
+        .bind(after_row)
         .bind(filter.doc_type)
         .bind(filter.limit)
-        .bind(filter.projects)
         .fetch_all(db)
         .await
 }
@@ -283,8 +420,119 @@ pub async fn claim_due(
         .await
 }
 
-/// Marks rows delivered; returns each one's seconds from acceptance to
-/// delivery.
+/// What recording a batch's outcomes did.
+#[derive(Debug, Default)]
+pub struct Outcomes {
+    /// Seconds from acceptance to delivery, per delivered row.
+    pub lags: Vec<f64>,
+    pub dead_lettered: usize,
+}
+
+/// Records a delivery batch's outcomes in the claim transaction: rows
+/// delivered, and rows failed `(row id, classification)`. Each statement
+/// runs in a savepoint, and one the database refuses is run again row by
+/// row: whatever one row brings, the others' outcomes are kept (else the
+/// claim would roll back and every row of the batch be delivered again on
+/// every loop). A row refused even alone is left for the next claim and
+/// logged.
+pub async fn record_outcomes(
+    conn: &mut PgConnection,
+    delivered: &[i64],
+    failed: &[(i64, String)],
+    retry: &Retry,
+) -> Result<Outcomes, sqlx::Error> {
+    let mut outcomes = Outcomes::default();
+    for marking in [
+        Marking::Delivered(delivered),
+        Marking::Failed(failed, retry),
+    ] {
+        if marking.is_empty() {
+            continue;
+        }
+        match marking.in_savepoint(conn).await {
+            Ok(done) => outcomes.add(done),
+            Err(sqlx::Error::Database(e)) => {
+                tracing::error!(error = %e, "recording delivery outcomes failed; recording them row by row");
+                for one in marking.each() {
+                    match one.in_savepoint(conn).await {
+                        Ok(done) => outcomes.add(done),
+                        Err(sqlx::Error::Database(e)) => {
+                            tracing::error!(error = %e, "a delivery outcome could not be recorded")
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(outcomes)
+}
+
+impl Outcomes {
+    fn add(&mut self, (lags, dead): (Vec<f64>, usize)) {
+        self.lags.extend(lags);
+        self.dead_lettered += dead;
+    }
+}
+
+/// One statement of [`record_outcomes`].
+#[derive(Clone, Copy)]
+enum Marking<'a> {
+    Delivered(&'a [i64]),
+    Failed(&'a [(i64, String)], &'a Retry),
+}
+
+impl<'a> Marking<'a> {
+    fn is_empty(&self) -> bool {
+        match self {
+            Marking::Delivered(rows) => rows.is_empty(),
+            Marking::Failed(rows, _) => rows.is_empty(),
+        }
+    }
+
+    /// The same marking, one row at a time.
+    fn each(self) -> Vec<Marking<'a>> {
+        match self {
+            Marking::Delivered(rows) => rows
+                .iter()
+                .map(|r| Marking::Delivered(std::slice::from_ref(r)))
+                .collect(),
+            Marking::Failed(rows, retry) => rows
+                .iter()
+                .map(|r| Marking::Failed(std::slice::from_ref(r), retry))
+                .collect(),
+        }
+    }
+
+    async fn in_savepoint(
+        &self,
+        conn: &mut PgConnection,
+    ) -> Result<(Vec<f64>, usize), sqlx::Error> {
+        let mut savepoint = sqlx::Connection::begin(&mut *conn).await?;
+        let done = match self {
+            Marking::Delivered(rows) => mark_delivered(&mut savepoint, rows)
+                .await
+                .map(|lags| (lags, 0)),
+            Marking::Failed(rows, retry) => mark_failed(&mut savepoint, rows, retry)
+                .await
+                .map(|dead| (Vec::new(), dead)),
+        };
+        match done {
+            Ok(done) => {
+                savepoint.commit().await?;
+                Ok(done)
+            }
+            Err(e) => {
+                savepoint.rollback().await?;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Marks rows delivered (and forgets the error of an earlier attempt);
+/// returns each one's seconds from acceptance to delivery.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn mark_delivered(
     conn: &mut PgConnection,
@@ -294,7 +542,8 @@ pub async fn mark_delivered(
         return Ok(Vec::new());
     }
     sqlx::query_scalar(
-        "UPDATE id_outbox SET status = $2, processed_at = clock_timestamp() WHERE id = ANY($1) \
+        "UPDATE id_outbox SET status = $2, processed_at = clock_timestamp(), last_error = NULL \
+         WHERE id = ANY($1) \
          RETURNING extract(epoch FROM processed_at - created_at)::float8",
     )
     .bind(row_ids)

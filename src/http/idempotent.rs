@@ -54,7 +54,8 @@ enum Fate {
 
 /// Runs `work` in one transaction for the items that are not answered
 /// already, and returns every item's answer, in order. `work` gets the
-/// indexes of the items to do and returns their answers in that order;
+/// indexes of the items to do and returns their answers in that order
+/// (`replayed` when it found one made earlier, by a source id);
 /// they are stored under the items' keys (with `status`) in the same
 /// commit. `itemized` names the item at fault in errors (a batch).
 pub async fn run<W>(
@@ -66,7 +67,7 @@ pub async fn run<W>(
     work: W,
 ) -> Result<Vec<Answer>, ApiError>
 where
-    W: AsyncFnOnce(&mut PgConnection, &[usize]) -> Result<Vec<Value>, ApiError>,
+    W: AsyncFnOnce(&mut PgConnection, &[usize]) -> Result<Vec<Answer>, ApiError>,
 {
     let at = |e: ApiError, index: usize| if itemized { e.at_index(index) } else { e };
     let (mut fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
@@ -95,11 +96,8 @@ where
         work(&mut tx, &fresh).await?
     };
     let mut answers: Vec<Option<Answer>> = (0..keys.len()).map(|_| None).collect();
-    for (index, body) in fresh.iter().zip(done) {
-        answers[*index] = Some(Answer {
-            body,
-            replayed: false,
-        });
+    for (index, answer) in fresh.iter().zip(done) {
+        answers[*index] = Some(answer);
     }
     let stored: Vec<(&str, u16, Value)> = fresh
         .iter()

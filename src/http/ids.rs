@@ -158,12 +158,18 @@ pub async fn issue_ids(
             .await?;
         return Ok(axum::Json(answer(&input, &issued)).into_response());
     };
+    // A keyed request holds a connection for its transaction.
+    let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
     // In a task of its own: a client hanging up must not cancel the
     // transaction between taking numbers and recording them.
-    tokio::spawn(issue_once(state, caller, key, input))
-        .await
-        .map_err(ApiError::internal)?
+    tokio::spawn(async move {
+        let answer = issue_once(state, caller, key, input).await;
+        drop(db_turn);
+        answer
+    })
+    .await
+    .map_err(ApiError::internal)?
 }
 
 fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {
@@ -203,9 +209,10 @@ async fn issue_once(
         false,
         async |tx, _| {
             let issued = issuer.issue_in(tx, placement, input.count).await?;
-            Ok(vec![
-                serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?,
-            ])
+            Ok(vec![Answer {
+                body: serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?,
+                replayed: false,
+            }])
         },
     )
     .await?;

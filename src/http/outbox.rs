@@ -12,7 +12,41 @@ use super::ids::{parse_project, parse_type};
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
-use crate::documents::outbox::{self, DocumentStatus, DocumentView, ListFilter, TransitionError};
+use crate::documents::outbox::{
+    self, DocumentStatus, DocumentView, ListError, ListFilter, TransitionError,
+};
+
+/// The outbox's cursor: the document a page ended with, encoded. It names
+/// only the caller's own document (no row number or count that would
+/// tell another tenant's volume), and is refused unless the caller may see
+/// that document.
+mod cursor {
+    use base64::Engine as _;
+
+    const ENGINE: base64::engine::GeneralPurpose = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+
+    pub fn after(document_id: &str) -> String {
+        ENGINE.encode(document_id)
+    }
+
+    /// A cursor of the documented form (it may still name no document).
+    pub fn well_formed(cursor: &str) -> Option<String> {
+        let ok = (1..=344).contains(&cursor.len())
+            && cursor
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        ok.then(|| cursor.to_owned())
+    }
+
+    /// The document a well-formed cursor names, if it names one at all.
+    pub fn document_of(cursor: &str) -> Option<String> {
+        let bytes = ENGINE.decode(cursor).ok()?;
+        let id = String::from_utf8(bytes).ok()?;
+        let fits = (1..=crate::sequence::MAX_ID_LEN).contains(&id.chars().count())
+            && !id.chars().any(char::is_control);
+        fits.then_some(id)
+    }
+}
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -35,8 +69,8 @@ pub struct OutboxQuery {
     /// Page size, 1 to 1000 (default 100).
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
-    /// `next_cursor` of the previous page.
-    #[param(pattern = r"^[0-9]{1,18}$")]
+    /// `next_cursor` of the previous page (opaque).
+    #[param(pattern = r"^[A-Za-z0-9_-]{1,344}$", min_length = 1, max_length = 344)]
     pub cursor: Option<String>,
 }
 
@@ -63,6 +97,7 @@ pub fn router() -> OpenApiRouter<AppState> {
     responses(
         (status = 200, description = "One page of outbox entries", body = OutboxPage),
         (status = 400, description = "Invalid filter, limit or cursor", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "unknown_cursor: the cursor names no document this key can list", body = Problem, content_type = "application/problem+json"),
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]
@@ -79,7 +114,14 @@ pub async fn list_outbox(
     if let Some(doc_type) = &query.doc_type {
         parse_type(doc_type)?;
     }
-    let page = Page::with_limit(limit, query.cursor.as_deref(), |c| c.parse::<i64>().ok())?;
+    let page = Page::with_limit(limit, query.cursor.as_deref(), cursor::well_formed)?;
+    // A cursor of the right form that names no document this key can see
+    // (made up, or another tenant's) is refused alike.
+    let after = match &page.after {
+        None => None,
+        Some(cursor) => Some(cursor::document_of(cursor).ok_or_else(unknown_cursor)?),
+    };
+    let _turn = state.db_turn(&caller).await;
     let documents = outbox::list(
         &state.db,
         &ListFilter {
@@ -87,17 +129,28 @@ pub async fn list_outbox(
             projects: caller.projects(),
             project: query.project.as_deref(),
             doc_type: query.doc_type.as_deref(),
-            after_row: page.after.unwrap_or(0),
+            after: after.as_deref(),
             limit: page.limit,
         },
     )
     .await
-    .map_err(db_error)?;
-    let next_cursor = page.next_cursor(&documents, |d| d.row_id.to_string());
+    .map_err(|e| match e {
+        ListError::Cursor => unknown_cursor(),
+        ListError::Db(e) => db_error(e),
+    })?;
+    let next_cursor = page.next_cursor(&documents, |d| cursor::after(&d.id));
     Ok(axum::Json(OutboxPage {
         documents,
         next_cursor,
     }))
+}
+
+fn unknown_cursor() -> ApiError {
+    ApiError::new(
+        axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+        "unknown_cursor",
+        "the cursor names no document this key can list; start without a cursor",
+    )
 }
 
 fn transition_error(e: TransitionError) -> ApiError {
@@ -116,7 +169,7 @@ fn transition_error(e: TransitionError) -> ApiError {
     post,
     path = "/api/v1/outbox/{id}/retry",
     tag = "outbox",
-    params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64)),
+    params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
     responses(
         (status = 200, description = "Back to pending, retry count reset", body = DocumentView),
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
@@ -129,6 +182,7 @@ pub async fn retry_document(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
+    let _turn = state.db_turn(&caller).await;
     outbox::retry(&state.db, &id, caller.projects())
         .await
         .map(axum::Json)
@@ -140,7 +194,7 @@ pub async fn retry_document(
     post,
     path = "/api/v1/outbox/{id}/abandon",
     tag = "outbox",
-    params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64)),
+    params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
     responses(
         (status = 200, description = "Abandoned: its number is a gap", body = DocumentView),
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
@@ -153,6 +207,7 @@ pub async fn abandon_document(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
+    let _turn = state.db_turn(&caller).await;
     outbox::abandon(&state.db, &id, caller.projects())
         .await
         .map(axum::Json)

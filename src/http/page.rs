@@ -32,9 +32,7 @@ impl<K> Page<K> {
     ) -> Result<Self, ApiError> {
         let after = match cursor {
             None => None,
-            Some(cursor) => Some(key_of(cursor).ok_or_else(|| {
-                ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
-            })?),
+            Some(cursor) => Some(key_of(cursor).ok_or_else(invalid_cursor)?),
         };
         Ok(Self { limit, after })
     }
@@ -64,4 +62,9 @@ impl<K> Page<K> {
         }
         items.last().map(cursor_of)
     }
+}
+
+/// A cursor not of the form this API returns.
+fn invalid_cursor() -> ApiError {
+    ApiError::bad_request("invalid_cursor", "cursor is not one this API returned")
 }

@@ -67,6 +67,9 @@ pub enum LedgerError {
     DocumentIdTaken,
     #[error("the number carries a document already")]
     AlreadyAttached,
+    /// Another document of the project and type has this source id.
+    #[error("another document has this source_id")]
+    SourceIdTaken,
 }
 
 /// What the database said, without sqlx's prefix.
@@ -85,6 +88,7 @@ impl From<sqlx::Error> for LedgerError {
         match db.constraint() {
             Some(outbox::DOCUMENT_ID_TAKEN) => return LedgerError::DocumentIdTaken,
             Some(outbox::NUMBER_ATTACHED) => return LedgerError::AlreadyAttached,
+            Some(outbox::SOURCE_ID_TAKEN) => return LedgerError::SourceIdTaken,
             _ => {}
         }
         match db.code().as_deref() {
@@ -117,7 +121,9 @@ impl LedgerError {
         self.numbers_reusable()
             || matches!(
                 self,
-                LedgerError::DocumentIdTaken | LedgerError::AlreadyAttached
+                LedgerError::DocumentIdTaken
+                    | LedgerError::AlreadyAttached
+                    | LedgerError::SourceIdTaken
             )
     }
 }
@@ -276,10 +282,9 @@ async fn write_part(
         // A single INSERT commits by itself: one round trip.
         write_together(&mut *conn, stats, writes).await
     } else {
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let recorded = write_together(&mut tx, stats, writes).await?;
-        tx.commit().await?;
-        Ok(recorded)
+        // The writer keeps its connection between batches: a failed write
+        // must leave no transaction open on it.
+        crate::db::in_transaction(conn, async |tx| write_together(tx, stats, writes).await).await
     }
 }
 

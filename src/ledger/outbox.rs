@@ -15,6 +15,9 @@ use crate::sequence::IdShape;
 pub const DOCUMENT_ID_TAKEN: &str = "id_outbox_document_id_key";
 /// The unique constraint of one document per number (migration 0002).
 pub const NUMBER_ATTACHED: &str = "id_outbox_sequence_id_period_seq_key";
+/// The unique index of one document per source id of a project and type
+/// (migration 0010).
+pub const SOURCE_ID_TAKEN: &str = "id_outbox_source";
 
 /// What a document brings to the row its number will carry.
 #[derive(Debug, Clone)]
@@ -24,6 +27,8 @@ pub struct Attachment {
     /// The metadata, as the client sent it (a JSON object); shared, not
     /// copied, by the rows made of it.
     pub payload: Arc<str>,
+    /// The document's legacy id, unique per project and type.
+    pub source_id: Option<Arc<str>>,
 }
 
 impl Attachment {
@@ -36,6 +41,7 @@ impl Attachment {
             doc_type: self.doc_type.clone(),
             seq_number: shape.number(seq),
             payload: self.payload.clone(),
+            source_id: self.source_id.clone(),
         }
     }
 }
@@ -50,6 +56,8 @@ pub struct OutboxRow {
     pub seq_number: i64,
     /// The metadata, as the client sent it (a JSON object).
     pub payload: Arc<str>,
+    /// The document's legacy id (`idpool import`), if it has one.
+    pub source_id: Option<Arc<str>>,
 }
 
 #[derive(
@@ -75,6 +83,13 @@ pub enum DocumentStatus {
 }
 
 impl DocumentStatus {
+    pub const ALL: [DocumentStatus; 4] = [
+        DocumentStatus::Pending,
+        DocumentStatus::Committed,
+        DocumentStatus::DeadLetter,
+        DocumentStatus::Abandoned,
+    ];
+
     pub fn as_str(self) -> &'static str {
         self.into()
     }
@@ -98,11 +113,15 @@ pub async fn insert(
     let periods: Vec<&str> = rows.iter().map(|(_, p, _)| *p).collect();
     let seqs: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq).collect();
     let numbers: Vec<i64> = rows.iter().map(|(_, _, r)| r.seq_number).collect();
+    let sources: Vec<Option<&str>> = rows
+        .iter()
+        .map(|(_, _, r)| r.source_id.as_deref())
+        .collect();
     let created: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
-        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number) \
-         SELECT d, p, t, j::jsonb, s, pe, n, sn \
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[]) \
-              AS u(d, p, t, j, s, pe, n, sn) \
+        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number, source_id) \
+         SELECT d, p, t, j::jsonb, s, pe, n, sn, so \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[], $9::text[]) \
+              AS u(d, p, t, j, s, pe, n, sn, so) \
          RETURNING document_id, created_at",
     )
     .bind(&document_ids)
@@ -113,6 +132,7 @@ pub async fn insert(
     .bind(&periods)
     .bind(&seqs)
     .bind(&numbers)
+    .bind(&sources)
     .fetch_all(&mut *conn)
     .await?;
     let by_id: std::collections::HashMap<String, DateTime<Utc>> = created.into_iter().collect();

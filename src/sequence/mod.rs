@@ -1,7 +1,7 @@
 //! Sequences: a (project, type) pair and the definition of how its IDs look
 //! and count.
 
-mod name;
+pub mod name;
 pub mod pattern;
 mod period;
 mod template;
@@ -58,7 +58,12 @@ pub fn default_int64_epoch() -> DateTime<Utc> {
 #[serde(deny_unknown_fields)]
 pub struct DefinitionInput {
     /// Template with `{project}`, `{type}`, `{seq}`, `{seq:N}`, `{date:FMT}`.
-    #[schema(example = "{project}-{type}-{seq}", min_length = 1, max_length = 256)]
+    #[schema(
+        example = "{project}-{type}-{seq}",
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\u0000]*$"
+    )]
     pub format: Option<String>,
     pub layout: Option<LayoutKind>,
     /// Epoch of the `int64` layout (RFC 3339); default 2022-01-01T00:00:00Z.
@@ -73,7 +78,7 @@ pub struct DefinitionInput {
     pub max: Option<i64>,
     pub reset: Option<Reset>,
     /// IANA time zone of the periods and `{date}` tokens (default `UTC`).
-    #[schema(example = "UTC")]
+    #[schema(example = "UTC", pattern = r"^[^\u0000]*$")]
     pub timezone: Option<String>,
     /// Numbers kept ready in the Redis pool (default 1000).
     #[serde(default, deserialize_with = "crate::numbers::whole::option_u32")]
@@ -283,6 +288,32 @@ impl Definition {
                 .pattern(project, doc_type, digits(self.max_seq())),
             Layout::Int64 { .. } => Ok(Pattern::number(19, "the int64 layout")),
         }
+    }
+
+    /// For the int64 layout: the times of day (seconds after the epoch's
+    /// time of day, 0 to 86,399) at which its periods begin, over every
+    /// day the layout can express. A number's upper half counts seconds
+    /// from the epoch to its day's start, so two int64 definitions whose
+    /// sets share nothing never print the same number.
+    pub fn int64_day_offsets(&self) -> Option<std::collections::BTreeSet<i64>> {
+        let Layout::Int64 { epoch } = self.layout else {
+            return None;
+        };
+        let mut offsets = std::collections::BTreeSet::new();
+        let first = epoch.with_timezone(&self.timezone).date_naive();
+        let last = (epoch + chrono::Duration::seconds(1 << 31))
+            .with_timezone(&self.timezone)
+            .date_naive();
+        let mut day = first;
+        while day <= last {
+            let start = start_of_day(self.timezone, day);
+            offsets.insert((start - epoch).num_seconds().rem_euclid(86_400));
+            match day.succ_opt() {
+                Some(next) => day = next,
+                None => break,
+            }
+        }
+        Some(offsets)
     }
 
     /// Longest ID a number of this definition can have; every ID issued is
