@@ -28,8 +28,7 @@ pub struct Config {
         env = "DATABASE_URL",
         value_name = "DATABASE_URL",
         hide_env_values = true,
-        default_value = "postgres://postgres@127.0.0.1:5432/idpool",
-        global = true
+        default_value = "postgres://postgres@127.0.0.1:5432/idpool"
     )]
     pub database_url: String,
 
@@ -39,8 +38,7 @@ pub struct Config {
         env = "REDIS_URL",
         value_name = "REDIS_URL",
         hide_env_values = true,
-        default_value = "redis://127.0.0.1:6379",
-        global = true
+        default_value = "redis://127.0.0.1:6379"
     )]
     pub redis_url: String,
 
@@ -50,8 +48,7 @@ pub struct Config {
         visible_alias = "listen",
         env = "IDPOOL_LISTEN",
         value_name = "IDPOOL_LISTEN",
-        default_value = "127.0.0.1:8080",
-        global = true
+        default_value = "127.0.0.1:8080"
     )]
     pub listen: String,
 
@@ -61,8 +58,7 @@ pub struct Config {
         env = "IDPOOL_MIGRATE",
         value_name = "IDPOOL_MIGRATE",
         value_enum,
-        default_value = "on",
-        global = true
+        default_value = "on"
     )]
     pub migrate: Switch,
 
@@ -71,8 +67,7 @@ pub struct Config {
         long = "idpool-redis-prefix",
         env = "IDPOOL_REDIS_PREFIX",
         value_name = "IDPOOL_REDIS_PREFIX",
-        default_value = "idpool",
-        global = true
+        default_value = "idpool"
     )]
     pub redis_prefix: String,
 
@@ -83,7 +78,6 @@ pub struct Config {
         value_name = "IDPOOL_REDIS_CLIENTS",
         default_value_t = 2,
         value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize),
-        global = true
     )]
     pub redis_clients: usize,
 
@@ -94,7 +88,6 @@ pub struct Config {
         value_name = "IDPOOL_REDIS_TIMEOUT_MS",
         default_value_t = 1000,
         value_parser = clap::value_parser!(u64).range(1..=600_000),
-        global = true
     )]
     pub redis_timeout_ms: u64,
 
@@ -106,7 +99,6 @@ pub struct Config {
         value_name = "IDPOOL_REDIS_START_WAIT_MS",
         default_value_t = 5000,
         value_parser = clap::value_parser!(u64).range(0..=600_000),
-        global = true
     )]
     pub redis_start_wait_ms: u64,
 
@@ -117,7 +109,6 @@ pub struct Config {
         value_name = "IDPOOL_DB_POOL_SIZE",
         default_value_t = 16,
         value_parser = clap::value_parser!(u32).range(1..=10_000),
-        global = true
     )]
     pub db_pool_size: u32,
 
@@ -128,7 +119,6 @@ pub struct Config {
         value_name = "IDPOOL_REFILL_CONCURRENCY",
         default_value_t = 8,
         value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
-        global = true
     )]
     pub refill_concurrency: usize,
 
@@ -139,7 +129,6 @@ pub struct Config {
         value_name = "IDPOOL_REQUEST_TIMEOUT_S",
         default_value_t = 30,
         value_parser = clap::value_parser!(u64).range(1..=3600),
-        global = true
     )]
     pub request_timeout_s: u64,
 
@@ -149,8 +138,7 @@ pub struct Config {
         long = "idpool-sink",
         env = "IDPOOL_SINK",
         value_name = "IDPOOL_SINK",
-        default_value = "postgres",
-        global = true
+        default_value = "postgres"
     )]
     pub sink: SinkConfig,
 
@@ -162,7 +150,6 @@ pub struct Config {
         value_name = "IDPOOL_BATCH_CONCURRENCY",
         default_value_t = 4,
         value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
-        global = true
     )]
     pub batch_concurrency: usize,
 
@@ -172,8 +159,7 @@ pub struct Config {
         env = "IDPOOL_OUTBOX_PROCESSOR",
         value_name = "IDPOOL_OUTBOX_PROCESSOR",
         value_enum,
-        default_value = "on",
-        global = true
+        default_value = "on"
     )]
     pub outbox_processor: Switch,
 
@@ -184,7 +170,6 @@ pub struct Config {
         value_name = "IDPOOL_OUTBOX_POLL_MS",
         default_value_t = 2000,
         value_parser = clap::value_parser!(u64).range(1..=3_600_000),
-        global = true
     )]
     pub outbox_poll_ms: u64,
 
@@ -195,7 +180,6 @@ pub struct Config {
         value_name = "IDPOOL_OUTBOX_MAX_RETRIES",
         default_value_t = 5,
         value_parser = clap::value_parser!(i32).range(1..=1000),
-        global = true
     )]
     pub outbox_max_retries: i32,
 
@@ -206,7 +190,6 @@ pub struct Config {
         value_name = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
         default_value_t = 1000,
         value_parser = clap::value_parser!(u64).range(0..=3_600_000),
-        global = true
     )]
     pub outbox_backoff_base_ms: u64,
 
@@ -217,7 +200,6 @@ pub struct Config {
         value_name = "IDPOOL_OUTBOX_WORKERS",
         default_value_t = 2,
         value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize),
-        global = true
     )]
     pub outbox_workers: usize,
 
@@ -228,28 +210,26 @@ pub struct Config {
         value_name = "IDPOOL_OUTBOX_BATCH",
         default_value_t = 500,
         value_parser = clap::value_parser!(i64).range(1..=10_000),
-        global = true
     )]
     pub outbox_batch: i64,
 
-    /// Webhook sink: time allowed per delivery, and deliveries in flight.
+    /// Webhook sink: milliseconds allowed per delivery.
     #[arg(
         long = "idpool-webhook-timeout-ms",
         env = "IDPOOL_WEBHOOK_TIMEOUT_MS",
         value_name = "IDPOOL_WEBHOOK_TIMEOUT_MS",
         default_value_t = 10_000,
         value_parser = clap::value_parser!(u64).range(1..=600_000),
-        global = true
     )]
     pub webhook_timeout_ms: u64,
 
+    /// Webhook sink: deliveries in flight at once, per processor loop.
     #[arg(
         long = "idpool-webhook-concurrency",
         env = "IDPOOL_WEBHOOK_CONCURRENCY",
         value_name = "IDPOOL_WEBHOOK_CONCURRENCY",
         default_value_t = 16,
         value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
-        global = true
     )]
     pub webhook_concurrency: usize,
 
@@ -259,8 +239,7 @@ pub struct Config {
         env = "IDPOOL_RECONCILE",
         value_name = "IDPOOL_RECONCILE",
         value_enum,
-        default_value = "on",
-        global = true
+        default_value = "on"
     )]
     pub reconcile: Switch,
 
@@ -271,7 +250,6 @@ pub struct Config {
         value_name = "IDPOOL_RECONCILE_INTERVAL_S",
         default_value_t = 60,
         value_parser = clap::value_parser!(u64).range(1..=86_400),
-        global = true
     )]
     pub reconcile_interval_s: u64,
 
@@ -283,7 +261,6 @@ pub struct Config {
         value_name = "IDPOOL_RECONCILE_SETTLE_S",
         default_value_t = 60,
         value_parser = clap::value_parser!(u64).range(0..=604_800),
-        global = true
     )]
     pub reconcile_settle_s: u64,
 
@@ -291,22 +268,42 @@ pub struct Config {
     #[arg(
         long = "idpool-instance-id",
         env = "IDPOOL_INSTANCE_ID",
-        value_name = "IDPOOL_INSTANCE_ID",
-        global = true
+        value_name = "IDPOOL_INSTANCE_ID"
     )]
     pub instance_id: Option<String>,
 
-    /// Seconds a client connection has to send its request headers (and
-    /// longest pause between parts of a body) before it is closed.
+    /// Seconds a client connection has to send a request's headers, from
+    /// the connection's start or the request's first byte, before it is
+    /// closed.
     #[arg(
         long = "idpool-header-timeout-s",
         env = "IDPOOL_HEADER_TIMEOUT_S",
         value_name = "IDPOOL_HEADER_TIMEOUT_S",
         default_value_t = 10,
         value_parser = clap::value_parser!(u64).range(1..=3600),
-        global = true
     )]
     pub header_timeout_s: u64,
+
+    /// Seconds an answer may make no progress (a client that stops reading)
+    /// before its connection is closed.
+    #[arg(
+        long = "idpool-write-timeout-s",
+        env = "IDPOOL_WRITE_TIMEOUT_S",
+        value_name = "IDPOOL_WRITE_TIMEOUT_S",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=3600),
+    )]
+    pub write_timeout_s: u64,
+
+    /// Seconds a keep-alive connection may wait idle for its next request.
+    #[arg(
+        long = "idpool-idle-timeout-s",
+        env = "IDPOOL_IDLE_TIMEOUT_S",
+        value_name = "IDPOOL_IDLE_TIMEOUT_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(1..=86_400),
+    )]
+    pub idle_timeout_s: u64,
 
     /// Open client connections per instance; more wait to be accepted.
     #[arg(
@@ -315,7 +312,6 @@ pub struct Config {
         value_name = "IDPOOL_MAX_CONNECTIONS",
         default_value_t = 10_000,
         value_parser = clap::value_parser!(u64).range(1..=1_000_000),
-        global = true
     )]
     pub max_connections: u64,
 
@@ -326,7 +322,6 @@ pub struct Config {
         value_name = "IDPOOL_DB_STATEMENT_TIMEOUT_MS",
         default_value_t = 10_000,
         value_parser = clap::value_parser!(u64).range(1..=3_600_000),
-        global = true
     )]
     pub db_statement_timeout_ms: u64,
 
@@ -338,7 +333,6 @@ pub struct Config {
         value_name = "IDPOOL_DB_ACQUIRE_TIMEOUT_MS",
         default_value_t = 2_000,
         value_parser = clap::value_parser!(u64).range(1..=600_000),
-        global = true
     )]
     pub db_acquire_timeout_ms: u64,
 
@@ -349,7 +343,6 @@ pub struct Config {
         value_name = "IDPOOL_MAX_SEQUENCES_PER_PROJECT",
         default_value_t = 1000,
         value_parser = clap::value_parser!(u64).range(1..=1_000_000),
-        global = true
     )]
     pub max_sequences_per_project: u64,
 
@@ -360,8 +353,7 @@ pub struct Config {
         env = "IDPOOL_AUTH",
         value_name = "IDPOOL_AUTH",
         value_enum,
-        default_value = "on",
-        global = true
+        default_value = "on"
     )]
     pub auth: Switch,
 
@@ -372,10 +364,20 @@ pub struct Config {
         env = "IDPOOL_LEASES",
         value_name = "IDPOOL_LEASES",
         value_enum,
-        default_value = "on",
-        global = true
+        default_value = "on"
     )]
     pub leases: Switch,
+
+    /// Requests one API key may have in flight at once (answers still being
+    /// sent included); more wait for its own earlier ones to finish.
+    #[arg(
+        long = "idpool-max-in-flight-per-key",
+        env = "IDPOOL_MAX_IN_FLIGHT_PER_KEY",
+        value_name = "IDPOOL_MAX_IN_FLIGHT_PER_KEY",
+        default_value_t = 256,
+        value_parser = clap::value_parser!(u64).range(1..=1_000_000),
+    )]
+    pub max_in_flight_per_key: u64,
 
     /// Requests per second per API key (bursts of twice that).
     #[arg(
@@ -384,7 +386,6 @@ pub struct Config {
         value_name = "IDPOOL_RATE_LIMIT",
         default_value_t = 1000,
         value_parser = clap::value_parser!(u32).range(1..),
-        global = true
     )]
     pub rate_limit: u32,
 
@@ -394,8 +395,7 @@ pub struct Config {
         long = "idpool-webhook-secret",
         env = "IDPOOL_WEBHOOK_SECRET",
         value_name = "IDPOOL_WEBHOOK_SECRET",
-        hide_env_values = true,
-        global = true
+        hide_env_values = true
     )]
     pub webhook_secret: Option<String>,
 }
@@ -432,7 +432,7 @@ pub fn without_credentials(url: &str) -> String {
 
 /// A Postgres URL sqlx can connect with. The error names the variable and
 /// never the value (it may hold a password).
-fn check_database_url(url: &str) -> anyhow::Result<()> {
+pub fn check_database_url(url: &str) -> anyhow::Result<()> {
     let form = "DATABASE_URL must be postgres://[user[:password]@]host[:port]/database[?options]";
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         anyhow::bail!("{form}");

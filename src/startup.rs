@@ -18,6 +18,7 @@ use crate::counter::Counter;
 use crate::documents::Documents;
 use crate::documents::processor::{OutboxWake, Processor};
 use crate::documents::sink::{Sink, SinkSettings};
+use crate::fair::FairSlots;
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
@@ -59,6 +60,7 @@ pub struct Application {
     state: AppState,
     supervisor: Supervisor,
     stop: CancellationToken,
+    drained: CancellationToken,
     server: ServerLimits,
 }
 
@@ -78,10 +80,13 @@ impl Application {
             db::migrate(&db).await?;
         }
         let stop = CancellationToken::new();
+        // Work requests still use while the server drains (the lease
+        // reporter) stops on this one, cancelled once the server is done.
+        let drained = CancellationToken::new();
         let stats = Arc::new(Stats::default());
         let supervisor = Supervisor::new(stop.clone(), stats.clone());
         let parts = Parts::build(config, &overrides, db, stats).await?;
-        parts.start_background(config, &overrides, &supervisor, &stop)?;
+        parts.start_background(config, &overrides, &supervisor, &stop, &drained)?;
         crate::db::warn_without_synchronous_standby(&parts.db).await;
         parts.wait_for_pools(config).await;
         let state = parts.into_state(config, overrides.clock);
@@ -91,8 +96,13 @@ impl Application {
             state,
             supervisor,
             stop,
+            drained,
             server: ServerLimits {
-                header_timeout: config.header_timeout(),
+                deadlines: crate::http::conn_guard::Deadlines {
+                    header: config.header_timeout(),
+                    idle: Duration::from_secs(config.idle_timeout_s),
+                    write: Duration::from_secs(config.write_timeout_s),
+                },
                 max_connections: config.max_connections as usize,
                 drain: config.request_timeout() + Duration::from_secs(1),
             },
@@ -120,12 +130,14 @@ impl Application {
             state,
             supervisor,
             stop,
+            drained,
             server,
         } = self;
         tracing::info!(address = %listener.local_addr()?, "idpool serving");
         let pools = state.pools.clone();
         http::server::serve(listener, http::app(state), server, stop.clone()).await;
         stop.cancel();
+        drained.cancel();
         supervisor.finish(Duration::from_secs(10)).await;
         pools.finish_refills(Duration::from_secs(5)).await;
         pools.redis().shutdown().await;
@@ -156,6 +168,7 @@ impl Parts {
         stats: Arc<Stats>,
     ) -> anyhow::Result<Self> {
         let keys = Arc::new(KeyStore::new(db.clone()));
+        keys.load_all().await?;
         let auth = Arc::new(if config.auth.is_on() {
             Authenticator::new(keys.clone(), config.rate_limit)
         } else {
@@ -279,6 +292,7 @@ impl Parts {
         overrides: &Overrides,
         supervisor: &Supervisor,
         stop: &CancellationToken,
+        drained: &CancellationToken,
     ) -> anyhow::Result<()> {
         let outbox_wake = Arc::new(Notify::new());
         let (pools, auth, db) = (self.pools.clone(), self.auth.clone(), self.db.clone());
@@ -296,14 +310,14 @@ impl Parts {
             listen::run(listen_db.clone(), subscribers.clone(), listen_stop.clone())
         });
         let key_stop = stop.clone();
-        supervisor.spawn("key use", move || {
-            crate::auth::record_use_periodically(auth.clone(), key_stop.clone())
+        supervisor.spawn("keys", move || {
+            crate::auth::maintain_keys(auth.clone(), key_stop.clone())
         });
         let (prune_db, prune_stop) = (db.clone(), stop.clone());
         supervisor.spawn("idempotency pruning", move || {
             idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
         });
-        let (leases, lease_db, lease_stop) = (self.leases.clone(), db.clone(), stop.clone());
+        let (leases, lease_db, lease_stop) = (self.leases.clone(), db.clone(), drained.clone());
         supervisor.spawn("lease reports", move || {
             leases.clone().report(lease_db.clone(), lease_stop.clone())
         });
@@ -383,9 +397,37 @@ impl Parts {
             clock,
             db: self.db,
             request_timeout: config.request_timeout(),
-            batch_slots: Arc::new(tokio::sync::Semaphore::new(config.batch_concurrency.max(1))),
+            batch_turns: FairSlots::new(
+                "batch turns",
+                config.batch_concurrency,
+                config.batch_concurrency,
+            ),
+            batch_bodies: FairSlots::new("batch bodies", usize::MAX / 2, BATCH_BODIES_PER_KEY),
+            probes: Default::default(),
+            in_flight: FairSlots::new(
+                "requests in flight",
+                usize::MAX / 2,
+                config.max_in_flight_per_key as usize,
+            ),
+            db_turns: FairSlots::new(
+                "database turns",
+                request_db_turns(config.db_pool_size),
+                usize::MAX / 2,
+            ),
         }))
     }
+}
+
+/// Batch bodies one key may send at once: its further batches wait before
+/// their bodies are read, so a key's memory is bounded and its slow bodies
+/// hold up only itself.
+pub const BATCH_BODIES_PER_KEY: usize = 4;
+
+/// Request-path turns on the Postgres pool: its connections less those the
+/// instance's own work keeps (the shared ledger writer, the handout writer,
+/// two outbox loops), at least two.
+pub fn request_db_turns(pool_size: u32) -> usize {
+    (pool_size as usize).saturating_sub(4).max(2)
 }
 
 /// Cancels `stop` on SIGTERM or SIGINT.

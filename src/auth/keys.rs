@@ -1,5 +1,14 @@
 //! API keys in Postgres: created and revoked by the CLI, checked on every
-//! protected request through a cache, so a request costs no query.
+//! protected request against every key of the installation held in memory,
+//! so a request costs no query.
+//!
+//! The keys are loaded when an instance starts and kept: a key in use is
+//! never looked up again on a timer. Creations and revocations reach every
+//! instance as notifications; an id this instance has not seen (a key
+//! created a moment ago, or a made-up one) waits for one shared look for
+//! keys created since the last, paced, so however many made-up keys arrive
+//! they cost the database a few small queries a second, and a valid key
+//! never waits behind them. Revoked keys stay known, as revoked.
 //!
 //! A key reads `idp_<id>_<secret>`: the id (12 characters, shown in lists and
 //! logs) finds the row, the secret (256 random bits, shown once) is compared
@@ -20,22 +29,21 @@ use subtle::ConstantTimeEq;
 
 use crate::sequence::ProjectCode;
 
-/// Postgres channel that tells every instance a key was revoked.
+/// Postgres channel that tells every instance a key was created
+/// (`+<id>`) or revoked (`<id>`).
 pub const REVOKED_CHANNEL: &str = "idpool_keys";
 const PREFIX: &str = "idp_";
 const ID_LEN: usize = 12;
 const ID_ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
 /// Base64url of 32 bytes, unpadded.
 const SECRET_LEN: usize = 43;
-/// How long a key read from Postgres is trusted without a revocation notice.
-const KEY_TTL: Duration = Duration::from_secs(60);
-/// How long an id that names no key is remembered as such.
-const UNKNOWN_TTL: Duration = Duration::from_secs(10);
-/// Most ids one instance remembers.
-const MAX_CACHED: usize = 100_000;
-/// Lookups of ids not in the cache, per second (burst twice that): a
-/// flood of made-up keys cannot take the database from everyone else.
-const LOOKUPS_PER_SECOND: u32 = 200;
+/// Shortest time between two looks for new keys: unknown ids arriving
+/// meanwhile share the next one.
+const LOOK_GAP: Duration = Duration::from_millis(25);
+/// How far back a look for new keys reaches before the last one began (by
+/// the database's clock): a key whose insert began earlier but committed
+/// later is still found.
+const LOOK_OVERLAP_SECONDS: f64 = 60.0;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ApiKey {
@@ -124,8 +132,7 @@ pub enum KeyError {
 pub enum Rejected {
     #[error("the API key is not valid or was revoked")]
     Invalid,
-    #[error("too many unknown API keys at once; retry shortly")]
-    Busy,
+    /// The key is not known here and the database could not be asked.
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -147,30 +154,114 @@ fn parse(token: &str) -> Option<(&str, &str)> {
     (id_ok && secret_ok).then_some((id, secret))
 }
 
-type Cached = (Option<Arc<ApiKey>>, Instant);
-type Limiter = governor::DefaultDirectRateLimiter;
+/// Where the looks for new keys stand.
+#[derive(Default)]
+struct Looks {
+    /// When the last look began (this instance's clock).
+    began: Option<Instant>,
+    /// Keys created at or after this (the database's clock) are looked for.
+    since: Option<DateTime<Utc>>,
+}
 
 pub struct KeyStore {
     db: PgPool,
-    cache: RwLock<HashMap<String, Cached>>,
+    /// Every key of the installation, revoked ones included, by id.
+    keys: RwLock<HashMap<String, Arc<ApiKey>>>,
+    /// One look for new keys at a time; waiters queue here.
+    looks: tokio::sync::Mutex<Looks>,
     /// Keys that answered a request since the last flush.
     used: Mutex<HashSet<String>>,
-    lookups: Limiter,
+    /// Set when notifications may have been missed: every key is read again.
+    reload: tokio::sync::Notify,
+    failures: crate::log_limit::Repeated,
 }
 
 impl KeyStore {
     pub fn new(db: PgPool) -> Self {
-        let per_second =
-            std::num::NonZeroU32::new(LOOKUPS_PER_SECOND).unwrap_or(std::num::NonZeroU32::MIN);
-        let burst = std::num::NonZeroU32::new(LOOKUPS_PER_SECOND * 2).unwrap_or(per_second);
         Self {
             db,
-            cache: RwLock::new(HashMap::new()),
+            keys: RwLock::new(HashMap::new()),
+            looks: tokio::sync::Mutex::new(Looks::default()),
             used: Mutex::new(HashSet::new()),
-            lookups: governor::RateLimiter::direct(
-                governor::Quota::per_second(per_second).allow_burst(burst),
+            reload: tokio::sync::Notify::new(),
+            failures: crate::log_limit::Repeated::new(
+                "API keys could not be read; unknown keys are answered 503",
             ),
         }
+    }
+
+    /// Reads every key (at start, and after notifications may have been
+    /// missed). Merges: a key revoked here stays revoked.
+    pub async fn load_all(&self) -> Result<(), sqlx::Error> {
+        let mut looks = self.looks.lock().await;
+        let began = Instant::now();
+        let (rows, since) = self.read_keys(None).await?;
+        self.merge(rows);
+        looks.began = Some(began);
+        looks.since = Some(since);
+        Ok(())
+    }
+
+    /// Keys created at or after `since` (all keys when None), and the
+    /// database's time of the read less the overlap: where the next look
+    /// starts.
+    async fn read_keys(
+        &self,
+        since: Option<DateTime<Utc>>,
+    ) -> Result<(Vec<KeyRow>, DateTime<Utc>), sqlx::Error> {
+        let mut conn = self.db.acquire().await?;
+        let next: DateTime<Utc> =
+            sqlx::query_scalar("SELECT statement_timestamp() - make_interval(secs => $1)")
+                .bind(LOOK_OVERLAP_SECONDS)
+                .fetch_one(&mut *conn)
+                .await?;
+        let sql = format!(
+            "SELECT {COLUMNS} FROM api_keys WHERE $1::timestamptz IS NULL OR created_at >= $1"
+        );
+        let rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(since)
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok((rows, next))
+    }
+
+    fn merge(&self, rows: Vec<KeyRow>) {
+        let mut keys = self.keys.write().unwrap_or_else(|e| e.into_inner());
+        for row in rows {
+            let key = ApiKey::from(row);
+            let known_revoked = keys.get(&key.id).is_some_and(|k| k.revoked_at.is_some());
+            if !known_revoked {
+                keys.insert(key.id.clone(), Arc::new(key));
+            }
+        }
+    }
+
+    /// Waits for a look for new keys that began after `arrived`: the one
+    /// running (if it began after), or the next, which begins at least
+    /// [`LOOK_GAP`] after the last.
+    async fn look_for_new_keys(&self, arrived: Instant) -> Result<(), sqlx::Error> {
+        let mut looks = self.looks.lock().await;
+        if looks.began.is_some_and(|began| began >= arrived) {
+            return Ok(());
+        }
+        if let Some(began) = looks.began {
+            tokio::time::sleep_until((began + LOOK_GAP).into()).await;
+        }
+        let began = Instant::now();
+        let since = looks.since;
+        let (rows, next) = self.read_keys(since).await?;
+        self.merge(rows);
+        looks.began = Some(began);
+        looks.since = Some(next);
+        Ok(())
+    }
+
+    fn known(&self, id: &str) -> Option<Arc<ApiKey>> {
+        self.keys
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
     }
 
     #[tracing::instrument(skip_all, level = "debug")]
@@ -208,6 +299,22 @@ impl KeyStore {
             .await?;
             // An id drawn twice (one chance in 4·10^18) draws again.
             if let Some(created_at) = created {
+                // Every instance learns of the key before its first use.
+                sqlx::query("SELECT pg_notify($1, $2)")
+                    .bind(REVOKED_CHANNEL)
+                    .bind(format!("+{id}"))
+                    .execute(&self.db)
+                    .await?;
+                self.merge(vec![KeyRow {
+                    id: id.clone(),
+                    name: new.name.clone(),
+                    admin: new.admin,
+                    projects: projects.clone(),
+                    created_at,
+                    revoked_at: None,
+                    last_used_at: None,
+                    secret_hash: hash(&secret),
+                }]);
                 return Ok(Created {
                     key: format!("{PREFIX}{id}_{secret}"),
                     id,
@@ -258,30 +365,27 @@ impl KeyStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        self.forget(id);
+        self.revoked(id);
         Ok(revoked.into())
     }
 
     /// The key a request presents, if it is one and not revoked.
     pub async fn authenticate(&self, token: &str) -> Result<Arc<ApiKey>, Rejected> {
+        let arrived = Instant::now();
         let (id, secret) = parse(token).ok_or(Rejected::Invalid)?;
-        let key = match self.cached(id) {
-            Some(known) => known,
+        let key = match self.known(id) {
+            Some(key) => key,
             None => {
-                if self.lookups.check().is_err() {
-                    return Err(Rejected::Busy);
+                match self.look_for_new_keys(arrived).await {
+                    Ok(()) => self.failures.ended(),
+                    Err(e) => {
+                        self.failures.warn(&e);
+                        return Err(Rejected::Db(e));
+                    }
                 }
-                let sql = format!("SELECT {COLUMNS} FROM api_keys WHERE id = $1");
-                let row: Option<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                    .bind(id)
-                    .fetch_optional(&self.db)
-                    .await?;
-                let key = row.map(|r| Arc::new(ApiKey::from(r)));
-                self.remember(id, key.clone());
-                key
+                self.known(id).ok_or(Rejected::Invalid)?
             }
         };
-        let key = key.ok_or(Rejected::Invalid)?;
         let matches: bool = hash(secret).ct_eq(&key.secret_hash).into();
         if !matches || key.revoked_at.is_some() {
             return Err(Rejected::Invalid);
@@ -293,37 +397,45 @@ impl KeyStore {
         Ok(key)
     }
 
-    fn cached(&self, id: &str) -> Option<Option<Arc<ApiKey>>> {
-        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
-        let (key, loaded) = cache.get(id)?;
-        let ttl = if key.is_some() { KEY_TTL } else { UNKNOWN_TTL };
-        (loaded.elapsed() < ttl).then(|| key.clone())
+    /// A key was revoked (here or elsewhere): refused from now on.
+    pub fn revoked(&self, id: &str) {
+        let mut keys = self.keys.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(key) = keys.get_mut(id) {
+            let mut revoked = ApiKey::clone(key);
+            revoked.revoked_at.get_or_insert_with(Utc::now);
+            *key = Arc::new(revoked);
+        }
     }
 
-    fn remember(&self, id: &str, key: Option<Arc<ApiKey>>) {
-        let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
-        if cache.len() >= MAX_CACHED {
-            cache.retain(|_, (key, loaded)| key.is_some() && loaded.elapsed() < KEY_TTL);
-            if cache.len() >= MAX_CACHED {
-                cache.clear();
+    /// Keys created or revoked while notifications were not heard: every
+    /// key is read again by [`KeyStore::maintain`].
+    pub fn reload_soon(&self) {
+        self.reload.notify_one();
+    }
+
+    /// Until `stop`: every 30 s writes which keys were used, and reads
+    /// every key again when asked to ([`KeyStore::reload_soon`]).
+    pub async fn maintain(&self, stop: &tokio_util::sync::CancellationToken) -> bool {
+        tokio::select! {
+            _ = stop.cancelled() => false,
+            _ = tokio::time::sleep(Duration::from_secs(30)) => {
+                if let Err(e) = self.record_use().await {
+                    tracing::warn!(error = %e, "could not record when keys were last used");
+                }
+                true
+            }
+            _ = self.reload.notified() => {
+                if let Err(e) = self.load_all().await {
+                    tracing::warn!(error = %e, "could not read the API keys again; retrying");
+                    self.reload_soon();
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+                true
             }
         }
-        cache.insert(id.to_owned(), (key, Instant::now()));
-    }
-
-    /// Drops a key from the cache (it was revoked, here or elsewhere).
-    pub fn forget(&self, id: &str) {
-        self.cache
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
-    }
-
-    pub fn forget_all(&self) {
-        self.cache
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
     }
 
     /// Writes when the keys used since the last call were last used.
@@ -350,11 +462,15 @@ impl crate::listen::Subscriber for KeyStore {
     }
 
     fn notified(&self, payload: &str) {
-        self.forget(payload);
+        match payload.strip_prefix('+') {
+            // Created elsewhere: read now, before its first request.
+            Some(_) => self.reload_soon(),
+            None => self.revoked(payload),
+        }
     }
 
     fn missed(&self) {
-        self.forget_all();
+        self.reload_soon();
     }
 }
 

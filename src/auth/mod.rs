@@ -128,24 +128,15 @@ impl Authenticator {
     }
 }
 
-/// Every 30 s until `stop`: writes which keys were used, and forgets the
-/// rate state of idle keys.
-pub async fn record_use_periodically(
-    auth: Arc<Authenticator>,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
-        }
-        if let Err(e) = auth.keys.record_use().await {
-            tracing::warn!(error = %e, "could not record when keys were last used");
-        }
+/// Until `stop`: writes which keys were used, reads the keys again when
+/// notifications may have been missed, and forgets the rate state of idle
+/// keys.
+pub async fn maintain_keys(auth: Arc<Authenticator>, stop: tokio_util::sync::CancellationToken) {
+    while auth.keys.maintain(&stop).await {
         auth.tidy();
-        if stop.is_cancelled() {
-            return;
-        }
+    }
+    if let Err(e) = auth.keys.record_use().await {
+        tracing::warn!(error = %e, "could not record when keys were last used");
     }
 }
 

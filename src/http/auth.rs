@@ -3,14 +3,17 @@
 
 use std::sync::Arc;
 
+use axum::body::Body;
 use axum::extract::{FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use super::conn_guard::Holding;
 use super::problem::ApiError;
 use crate::auth::{Authenticator, Caller, Rejected, Verdict};
+use crate::fair::FairSlots;
 
 /// Every route but `/healthz`, `/readyz`, `/metrics`, `/openapi.json` and
 /// `/docs` (SPEC "Security").
@@ -18,7 +21,12 @@ pub fn is_protected(path: &str) -> bool {
     path == "/ids" || path == "/documents" || path == "/api/v1" || path.starts_with("/api/v1/")
 }
 
-pub async fn authenticate(auth: Arc<Authenticator>, mut req: Request, next: Next) -> Response {
+pub async fn authenticate(
+    auth: Arc<Authenticator>,
+    in_flight: Arc<FairSlots>,
+    mut req: Request,
+    next: Next,
+) -> Response {
     if !is_protected(req.uri().path()) {
         return next.run(req).await;
     }
@@ -29,8 +37,15 @@ pub async fn authenticate(auth: Arc<Authenticator>, mut req: Request, next: Next
     match auth.check(authorization).await {
         Verdict::Allowed(caller) => {
             tracing::Span::current().record("key_id", caller.id());
+            // A key's requests in flight, answers still being sent
+            // included, are capped: what it holds of the instance (memory,
+            // tasks, answers' buffers) is bounded whatever it sends. Its
+            // further requests wait for its own turns (within the request
+            // timeout), never for another key's.
+            let turn = in_flight.acquire(caller.id()).await;
             req.extensions_mut().insert(caller);
-            next.run(req).await
+            let response = next.run(req).await;
+            response.map(|body| Body::new(Holding::new(body, turn)))
         }
         Verdict::Missing => unauthorized(
             "send the API key as Authorization: Bearer <key>",
@@ -40,13 +55,6 @@ pub async fn authenticate(auth: Arc<Authenticator>, mut req: Request, next: Next
             "the API key is not valid or was revoked",
             "Bearer realm=\"idpool\", error=\"invalid_token\"",
         ),
-        Verdict::Rejected(Rejected::Busy) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "too many unknown API keys at once; retry shortly",
-        )
-        .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
-        .into_response(),
         Verdict::Rejected(Rejected::Db(e)) => super::problem::db_error(e).into_response(),
         Verdict::Limited(wait) => {
             let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);

@@ -52,7 +52,12 @@ pub struct CreateDocument {
     #[schema(value_type = super::schema::Metadata)]
     pub metadata: Box<RawValue>,
     /// An ID this project got from `POST /ids` and has not attached yet.
-    #[schema(min_length = 1, max_length = 64, example = "PROJ-9012-1001")]
+    #[schema(
+        min_length = 1,
+        max_length = 64,
+        pattern = r"^[^\u0000]*$",
+        example = "PROJ-9012-1001"
+    )]
     pub id: Option<String>,
 }
 
@@ -79,7 +84,7 @@ pub struct BatchItem {
     #[schema(value_type = super::schema::Metadata)]
     pub metadata: Box<RawValue>,
     /// An ID this project got from `POST /ids` and has not attached yet.
-    #[schema(min_length = 1, max_length = 64)]
+    #[schema(min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")]
     pub id: Option<String>,
     /// Makes this item idempotent: sent again, it returns its first result.
     #[schema(
@@ -89,6 +94,17 @@ pub struct BatchItem {
         example = "legacy-42"
     )]
     pub idempotency_key: Option<String>,
+    /// The document's id in the system it comes from: one document per
+    /// source id of a project and type, for ever. An item whose source id
+    /// has a document already is answered with that document, marked
+    /// `replayed`, whoever sent it and whenever.
+    #[schema(
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f]{1,255}$",
+        min_length = 1,
+        max_length = 255,
+        example = "legacy-42"
+    )]
+    pub source_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -164,6 +180,7 @@ fn document_input(
         doc_type,
         metadata: Arc::from(raw),
         id: id.map(str::to_owned),
+        source_id: None,
     })
 }
 
@@ -269,11 +286,15 @@ pub async fn create_document(
         }),
         None => None,
     };
+    // Keyed and attaching requests hold a connection for their transaction.
+    let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
     // In a task of its own: a client hanging up must not cancel a
     // transaction between taking a number and recording it.
     let answer = tokio::spawn(async move {
-        accept_keyed(&state, &caller, vec![input], vec![keyed], false).await
+        let answer = accept_keyed(&state, &caller, vec![input], vec![keyed], false).await;
+        drop(db_turn);
+        answer
     })
     .await
     .map_err(ApiError::internal)??
@@ -312,7 +333,15 @@ async fn accept_keyed(
                 e.index = item(e.index.map(|i| fresh[i]));
                 ApiError::from(e)
             })?;
-        accepted.iter().map(to_value).collect()
+        accepted
+            .iter()
+            .map(|(document, replayed)| {
+                Ok(Answer {
+                    body: to_value(document)?,
+                    replayed: *replayed,
+                })
+            })
+            .collect()
     })
     .await
 }
@@ -351,6 +380,18 @@ pub async fn create_document_short(
     create_document(state, caller, key, body).await
 }
 
+/// A source id: 1 to 255 characters, none of them a control character.
+fn check_source_id(source_id: &str) -> Result<Arc<str>, ApiError> {
+    let length = source_id.chars().count();
+    if !(1..=255).contains(&length) || source_id.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(
+            "invalid_source_id",
+            "source_id must be 1 to 255 characters, none of them a control character",
+        ));
+    }
+    Ok(Arc::from(source_id))
+}
+
 fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
     serde_json::to_value(document).map_err(ApiError::internal)
 }
@@ -382,7 +423,7 @@ pub async fn create_batch(
     State(state): State<AppState>,
     caller: Caller,
     headers: HeaderMap,
-    _turn: BatchTurn,
+    _sending: BatchBody,
     Json(body): Json<BatchRequest>,
 ) -> Result<(StatusCode, axum::Json<BatchAccepted>), ApiError> {
     if headers.contains_key("idempotency-key") {
@@ -409,6 +450,15 @@ pub async fn create_batch(
         )
         .map_err(|e| e.at_index(index))?;
         within_scope(&caller, input.project.as_str()).map_err(|e| e.at_index(index))?;
+        let input = DocumentInput {
+            source_id: item
+                .source_id
+                .as_deref()
+                .map(check_source_id)
+                .transpose()
+                .map_err(|e| e.at_index(index))?,
+            ..input
+        };
         let key = match &item.idempotency_key {
             None => None,
             Some(key) => {
@@ -423,11 +473,18 @@ pub async fn create_batch(
         keys.push(key);
     }
     drop(body);
+    // The batch is complete and checked: now it waits its turn, shared
+    // fairly with other keys' batches, then for a connection of its own.
+    let turn = state.batch_turns.acquire(caller.id()).await;
+    let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
-    let answers =
-        tokio::spawn(async move { accept_keyed(&state, &caller, inputs, keys, true).await })
-            .await
-            .map_err(ApiError::internal)??;
+    let answers = tokio::spawn(async move {
+        let answers = accept_keyed(&state, &caller, inputs, keys, true).await;
+        drop((turn, db_turn));
+        answers
+    })
+    .await
+    .map_err(ApiError::internal)??;
     let documents = answers
         .into_iter()
         .map(|Answer { body, replayed }| {
@@ -442,25 +499,20 @@ pub async fn create_batch(
     ))
 }
 
-/// A turn to work on a document batch. Taken before the body is read (an
-/// extractor ahead of the body), so batches waiting for a turn cost no
-/// memory beyond their sockets' buffers.
-pub struct BatchTurn(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+/// One of the batch bodies a key may be sending at once: taken before the
+/// body is read (an extractor ahead of the body), so a key's slow or huge
+/// bodies hold up only its own further batches, and its memory is bounded.
+pub struct BatchBody(#[allow(dead_code)] crate::fair::Turn);
 
-impl axum::extract::FromRequestParts<AppState> for BatchTurn {
+impl axum::extract::FromRequestParts<AppState> for BatchBody {
     type Rejection = ApiError;
 
     async fn from_request_parts(
-        _parts: &mut axum::http::request::Parts,
+        parts: &mut axum::http::request::Parts,
         state: &AppState,
     ) -> Result<Self, ApiError> {
-        state
-            .batch_slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map(BatchTurn)
-            .map_err(ApiError::internal)
+        let caller = Caller::from_request_parts(parts, state).await?;
+        Ok(BatchBody(state.batch_bodies.acquire(caller.id()).await))
     }
 }
 
@@ -469,7 +521,7 @@ impl axum::extract::FromRequestParts<AppState> for BatchTurn {
     get,
     path = "/api/v1/documents/{id}",
     tag = "documents",
-    params(("id" = String, Path, description = "The document ID, e.g. PROJ-9012-1001 (percent-encoded)", min_length = 1, max_length = 64)),
+    params(("id" = String, Path, description = "The document ID, e.g. PROJ-9012-1001 (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
     responses(
         (status = 200, description = "The document and its delivery status", body = DocumentView),
         (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
@@ -481,6 +533,7 @@ pub async fn get_document(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
+    let _turn = state.db_turn(&caller).await;
     outbox::find(&state.db, &id, caller.projects())
         .await
         .map_err(db_error)?

@@ -127,6 +127,7 @@ pub async fn list_gaps(
     let gaps = if !in_scope {
         Vec::new()
     } else {
+        let _turn = state.db_turn(&caller).await;
         gaps::list(
             &state.db,
             &GapQuery {

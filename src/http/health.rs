@@ -11,6 +11,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use crate::coalesce::Coalesced;
+use bytes::Bytes;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
@@ -18,14 +20,14 @@ pub struct Health {
     pub status: &'static str,
 }
 
-#[derive(Debug, Serialize, ToSchema, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, ToSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Dependency {
     Up,
     Down,
 }
 
-#[derive(Debug, Serialize, ToSchema, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, ToSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Numbers come from Redis pools.
@@ -34,7 +36,7 @@ pub enum Mode {
     Fallback,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Readiness {
     pub postgres: Dependency,
     pub redis: Dependency,
@@ -65,6 +67,14 @@ pub async fn healthz() -> axum::Json<Health> {
 )]
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Readiness>) {
+    // Anyone may ask, as often as they like: one probe serves everyone
+    // who asked meanwhile, so asking costs the pools nothing more.
+    let (status, readiness) = state.probes.readiness.get(|| probe(&state)).await;
+    (status, axum::Json(readiness))
+}
+
+/// Probes Postgres and Redis once.
+async fn probe(state: &AppState) -> (StatusCode, Readiness) {
     let postgres = tokio::time::timeout(
         Duration::from_secs(1),
         sqlx::query("SELECT 1").execute(&state.db),
@@ -94,11 +104,11 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
     };
     (
         status,
-        axum::Json(Readiness {
+        Readiness {
             postgres,
             redis,
             mode,
-        }),
+        },
     )
 }
 
@@ -123,8 +133,25 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> impl 
     } else {
         "text/plain; version=0.0.4"
     };
-    (
-        [(header::CONTENT_TYPE, content_type)],
-        state.stats.render(state.pools.redis().is_up()),
-    )
+    let text = state
+        .probes
+        .metrics
+        .get(|| async { Bytes::from(state.stats.render(state.pools.redis().is_up())) })
+        .await;
+    ([(header::CONTENT_TYPE, content_type)], text)
+}
+
+/// What anyone may ask for, shared by everyone who asks at once.
+pub struct Probes {
+    pub readiness: Coalesced<(StatusCode, Readiness)>,
+    pub metrics: Coalesced<Bytes>,
+}
+
+impl Default for Probes {
+    fn default() -> Self {
+        Self {
+            readiness: Coalesced::new(Duration::from_millis(100)),
+            metrics: Coalesced::new(Duration::from_millis(100)),
+        }
+    }
 }

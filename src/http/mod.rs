@@ -2,10 +2,11 @@
 //! request passes (request id, tracing, timeout, panic guard).
 
 pub mod auth;
+pub mod conn_guard;
 mod documents;
 pub mod extract;
 mod gaps;
-mod health;
+pub mod health;
 mod idempotent;
 pub mod ids;
 mod outbox;
@@ -37,6 +38,7 @@ use utoipa_swagger_ui::SwaggerUi;
 use crate::auth::Authenticator;
 use crate::clock::Clock;
 use crate::documents::Documents;
+use crate::fair::FairSlots;
 use crate::gaps::reconcile::Reconciler;
 use crate::issuance::Issuer;
 use crate::pool::PoolService;
@@ -59,8 +61,27 @@ pub struct AppInner {
     pub clock: Arc<dyn Clock>,
     pub db: PgPool,
     pub request_timeout: Duration,
-    /// Turns for document batches (`IDPOOL_BATCH_CONCURRENCY`).
-    pub batch_slots: Arc<tokio::sync::Semaphore>,
+    /// Turns, shared fairly by keys, to work on a document batch
+    /// (`IDPOOL_BATCH_CONCURRENCY`); taken once its body is read.
+    pub batch_turns: Arc<FairSlots>,
+    /// Batch bodies one key may be sending at once (each up to 32 MiB).
+    pub batch_bodies: Arc<FairSlots>,
+    /// Turns, shared fairly by keys, to work on the request pool of
+    /// Postgres: every request that holds a connection of its own (lists,
+    /// reads, keyed and batched writes) takes one first.
+    pub db_turns: Arc<FairSlots>,
+    /// Requests one key may have in flight, answers being sent included
+    /// (`IDPOOL_MAX_IN_FLIGHT_PER_KEY`).
+    pub in_flight: Arc<FairSlots>,
+    /// Readiness and metrics, probed once for everyone asking at once.
+    pub probes: health::Probes,
+}
+
+impl AppInner {
+    /// A turn on the request pool for `caller` (see `db_turns`).
+    pub async fn db_turn(&self, caller: &crate::auth::Caller) -> crate::fair::Turn {
+        self.db_turns.acquire(caller.id()).await
+    }
 }
 
 #[derive(Clone)]
@@ -198,6 +219,7 @@ pub fn app(
     let request_id = HeaderName::from_static("x-request-id");
     let timeout = state.request_timeout;
     let authenticator = state.auth.clone();
+    let in_flight = state.in_flight.clone();
     let stats = state.stats.clone();
     tower::ServiceBuilder::new()
         .map_response(IntoResponse::into_response)
@@ -209,20 +231,27 @@ pub fn app(
             RequestIds::new(),
         ))
         .layer(PropagateRequestIdLayer::new(request_id))
-        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
-            let id = req
-                .headers()
-                .get("x-request-id")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("");
-            tracing::info_span!(
-                "request",
-                request_id = id,
-                method = %req.method(),
-                path = %req.uri().path(),
-                key_id = tracing::field::Empty,
-            )
-        }))
+        .layer(
+            TraceLayer::new_for_http()
+                .on_response(log_request)
+                // Failures are logged by whoever knows their cause (the
+                // problem answers, throttled), not once more per request.
+                .on_failure(())
+                .make_span_with(|req: &Request| {
+                    let id = req
+                        .headers()
+                        .get("x-request-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    tracing::info_span!(
+                        "request",
+                        request_id = id,
+                        method = %req.method(),
+                        path = %req.uri().path(),
+                        key_id = tracing::field::Empty,
+                    )
+                }),
+        )
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::internal("handler panicked").into_response()
         }))
@@ -230,7 +259,7 @@ pub fn app(
             guard(timeout, req, next)
         }))
         .layer(middleware::from_fn(move |req, next| {
-            auth::authenticate(authenticator.clone(), req, next)
+            auth::authenticate(authenticator.clone(), in_flight.clone(), req, next)
         }))
         .service(router(state))
 }
@@ -245,6 +274,18 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+/// One line per request at `info` (target `idpool::request`): its status
+/// and time, inside the request's span (method, path, request id and the
+/// key's id). `RUST_LOG=info,idpool::request=warn` turns the lines off.
+fn log_request<B>(response: &axum::http::Response<B>, latency: Duration, _span: &tracing::Span) {
+    tracing::info!(
+        target: "idpool::request",
+        status = response.status().as_u16(),
+        latency_us = latency.as_micros() as u64,
+        "request"
+    );
 }
 
 /// Times every request, whole (authentication and queueing included), by

@@ -127,6 +127,7 @@ pub async fn list_sequences(
     Query(query): Query<ListQuery>,
 ) -> Result<axum::Json<SequenceList>, ApiError> {
     let page = Page::parse(query.limit, query.cursor.as_deref(), |c| c.split_once('/'))?;
+    let _turn = state.db_turn(&caller).await;
     let sequences = state
         .sequences
         .list(page.after, page.limit, caller.projects())
@@ -160,6 +161,7 @@ pub async fn get_sequence(
     Path((project, doc_type)): Path<(String, String)>,
 ) -> Result<axum::Json<SequenceView>, ApiError> {
     let (project, doc_type) = parse_codes(&project, &doc_type)?;
+    let _turn = state.db_turn(&caller).await;
     let found = if caller.may_use(project.as_str()) {
         state
             .sequences
@@ -256,6 +258,7 @@ pub async fn put_sequence(
     let (project, doc_type) = parse_codes(&project, &doc_type)?;
     let definition = Definition::from_input(&input, &project, &doc_type)
         .map_err(|e| ApiError::bad_request("invalid_definition", e.to_string()))?;
+    let _turn = state.db_turn(&caller).await;
     let outcome = state
         .sequences
         .put(&project, &doc_type, &definition, input.force)

@@ -1,6 +1,7 @@
-//! The accept loop: HTTP/1.1 over hyper with a timer, so a connection that
-//! does not finish its headers in time is closed, and a cap on open
-//! connections, so no client can hold more than its share of the process.
+//! The accept loop: HTTP/1.1 over hyper, every connection under deadlines
+//! (headers, idle keep-alive, writes that make no progress: `conn_guard`)
+//! and bounded buffers, and a cap on open connections, so no client can
+//! hold more than its share of the process.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,16 +19,24 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
+use super::conn_guard::{Activity, AnswerDone, Deadlines, Guarded, Holding};
+
 #[derive(Debug, Clone, Copy)]
 pub struct ServerLimits {
-    /// Time a connection has to send a request's headers, idle
-    /// keep-alive time included.
-    pub header_timeout: Duration,
+    /// Deadlines of every connection: headers, idle keep-alive, writes.
+    pub deadlines: Deadlines,
     /// Connections open at once; further clients wait to be accepted.
     pub max_connections: usize,
     /// How long requests in flight may take to finish at shutdown.
     pub drain: Duration,
 }
+
+/// Most bytes one connection buffers: a request head (start line and
+/// headers) must fit, and body bytes are read on in pieces of this size, so
+/// `IDPOOL_MAX_CONNECTIONS` connections hold at most this many times that.
+pub const CONNECTION_BUFFER: usize = 16 * 1024;
+/// Most header fields a request may carry.
+pub const MAX_HEADERS: usize = 64;
 
 /// Serves `app` on `listener` until `stop`, then lets requests in flight
 /// finish (up to `limits.drain`).
@@ -37,8 +46,13 @@ where
     S::Future: Send + 'static,
 {
     let mut http = hyper::server::conn::http1::Builder::new();
+    // The deadlines are the socket wrapper's (conn_guard): hyper's header
+    // timer would count idle keep-alive time as header time.
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout)
+        .header_read_timeout(None)
+        .max_buf_size(CONNECTION_BUFFER)
+        .max_header_size(CONNECTION_BUFFER)
+        .max_headers(MAX_HEADERS)
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -82,11 +96,22 @@ where
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "could not set TCP_NODELAY");
         }
+        let activity = Arc::new(Activity::new(limits.deadlines));
+        let (started, done) = (activity.clone(), activity.clone());
         let service = app
             .clone()
-            .map_request(|request: hyper::Request<Incoming>| request.map(Body::new));
-        let connection =
-            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+            .map_request(move |request: hyper::Request<Incoming>| {
+                started.request_started();
+                request.map(Body::new)
+            })
+            .map_response(move |response: Response| {
+                let done = done.clone();
+                response.map(|body| Body::new(Holding::new(body, AnswerDone(done))))
+            });
+        let connection = http.serve_connection(
+            TokioIo::new(Guarded::new(stream, activity)),
+            TowerToHyperService::new(service),
+        );
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(e) = connection.await {

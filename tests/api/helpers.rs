@@ -89,6 +89,8 @@ pub struct TestEnv {
     /// Reconciliation timing; tests run it on demand.
     pub settle: Duration,
     pub header_timeout_s: u64,
+    pub write_timeout_s: u64,
+    pub idle_timeout_s: u64,
     pub request_timeout_s: u64,
     pub max_connections: u64,
     pub max_sequences_per_project: u64,
@@ -128,6 +130,8 @@ impl TestEnv {
             outbox_batch: 500,
             settle: Duration::from_secs(2),
             header_timeout_s: 10,
+            write_timeout_s: 30,
+            idle_timeout_s: 60,
             request_timeout_s: 30,
             max_connections: 10_000,
             max_sequences_per_project: 1000,
@@ -172,6 +176,8 @@ impl TestEnv {
             ("IDPOOL_DB_POOL_SIZE", self.db_pool_size.to_string()),
             ("IDPOOL_WEBHOOK_SECRET", self.webhook_secret.clone()),
             ("IDPOOL_HEADER_TIMEOUT_S", self.header_timeout_s.to_string()),
+            ("IDPOOL_WRITE_TIMEOUT_S", self.write_timeout_s.to_string()),
+            ("IDPOOL_IDLE_TIMEOUT_S", self.idle_timeout_s.to_string()),
             (
                 "IDPOOL_AUTH",
                 if self.auth { "on" } else { "off" }.to_owned(),
@@ -238,6 +244,8 @@ impl TestEnv {
             reconcile_interval_s: 60,
             reconcile_settle_s: 60,
             header_timeout_s: self.header_timeout_s,
+            write_timeout_s: self.write_timeout_s,
+            idle_timeout_s: self.idle_timeout_s,
             max_connections: self.max_connections,
             db_statement_timeout_ms: 10_000,
             db_acquire_timeout_ms: 2_000,
@@ -245,6 +253,7 @@ impl TestEnv {
             webhook_secret: Some(self.webhook_secret.clone()),
             auth: if self.auth { Switch::On } else { Switch::Off },
             rate_limit: self.rate_limit,
+            max_in_flight_per_key: 256,
             redis_start_wait_ms: self.redis_start_wait_ms,
             leases: if self.leases { Switch::On } else { Switch::Off },
         }
