@@ -15,19 +15,25 @@ use crate::{db, http, telemetry};
 #[command(
     name = "idpool",
     version,
-    about = "Tenant-formatted sequential IDs from Redis pools over Postgres"
+    about = "Tenant-formatted sequential IDs from Redis pools over Postgres",
+    long_about = "Tenant-formatted sequential IDs from Redis pools over Postgres.\n\n\
+                  Without a command, `idpool` serves (as `idpool serve`) with the options below.",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// The settings of `serve`, for `idpool` without a command.
     #[command(flatten)]
     config: Config,
 }
 
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)]
 enum Command {
-    /// Serve the HTTP API (the default).
-    Serve,
+    /// Serve the HTTP API, the outbox processor and reconciliation (the
+    /// default).
+    Serve(Config),
     /// Database tasks.
     Db {
         #[command(subcommand)]
@@ -39,9 +45,26 @@ enum Command {
     Import(ImportArgs),
     /// API keys: create (the secret is shown once), list, revoke.
     Keys {
+        #[command(flatten)]
+        database: DatabaseArgs,
         #[command(subcommand)]
         action: KeysAction,
     },
+}
+
+/// The database a maintenance command works on.
+#[derive(Debug, clap::Args)]
+struct DatabaseArgs {
+    /// Postgres, as `serve` uses it.
+    #[arg(
+        long = "database-url",
+        env = "DATABASE_URL",
+        value_name = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/idpool",
+        global = true
+    )]
+    database_url: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -49,15 +72,22 @@ struct ImportArgs {
     /// JSON lines (`{"source_id": ..., "metadata": {...}}`), CSV with a
     /// `source_id` column (by extension), or `-` for standard input.
     file: String,
+    /// The project the documents belong to.
     #[arg(long)]
     project: String,
+    /// Their document type.
     #[arg(long = "type")]
     doc_type: String,
     /// The idpool to import into.
     #[arg(long, env = "IDPOOL_URL", default_value = "http://127.0.0.1:8080")]
     url: String,
-    /// The API key (a project key of the project will do).
-    #[arg(long, env = "IDPOOL_KEY", hide_env_values = true)]
+    /// A file holding the API key (a project key of the project will do).
+    /// Without it, the key comes from IDPOOL_KEY.
+    #[arg(long = "key-file", value_name = "PATH")]
+    key_file: Option<std::path::PathBuf>,
+    /// The API key itself: it shows in the process list, so prefer
+    /// --key-file or IDPOOL_KEY.
+    #[arg(long)]
     key: Option<String>,
     /// Documents per batch (1 to 1000).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1000))]
@@ -96,54 +126,44 @@ enum KeysAction {
 
 #[derive(Debug, Subcommand)]
 enum DbAction {
-    /// Apply the migrations.
-    Migrate,
+    /// Create the database if it does not exist and apply the migrations.
+    Migrate {
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
 }
 
 pub fn run() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command.unwrap_or(Command::Serve) {
-        Command::Openapi => match http::openapi().to_pretty_json() {
+    match cli.command {
+        Some(Command::Openapi) => match http::openapi().to_pretty_json() {
             Ok(json) => {
                 println!("{json}");
                 ExitCode::SUCCESS
             }
             Err(e) => fail(e),
         },
-        Command::Serve => with_runtime(async move {
-            telemetry::init();
-            cli.config.check_urls()?;
-            cli.config.check_auth_off_is_local()?;
-            if !cli.config.auth.is_on() {
-                tracing::warn!(
-                    listen = %cli.config.listen,
-                    "authentication is OFF (IDPOOL_AUTH=off): every caller may use every project, \
-                     without limits; for local development only"
-                );
-            }
-            let app = Application::build(&cli.config).await?;
-            stop_on_signals(app.stop_token());
-            app.run_until_stopped().await
-        }),
-        Command::Import(args) => import(args),
-        Command::Keys { action } => with_runtime(async move {
-            let pool = db::connect(
-                &cli.config.database_url,
-                2,
-                db::Limits::default().for_background(),
-            )
-            .await?;
-            if cli.config.migrate.is_on() {
-                db::migrate(&pool).await?;
-            }
+        None => serve(cli.config),
+        Some(Command::Serve(config)) => serve(config),
+        Some(Command::Import(args)) => import(args),
+        Some(Command::Keys { database, action }) => with_runtime(async move {
+            check_database_url(&database.database_url)?;
+            // Keys live in a database `serve` or `db migrate` made: a
+            // mistyped URL is an error, never a new empty database.
+            let options = db::connect_options(&database.database_url)?;
+            let pool = db::pool(options, 2, db::Limits::default().for_background())
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot reach the database of DATABASE_URL: {e}"))?;
+            require_migrated(&pool).await?;
             keys(&KeyStore::new(pool), action).await
         }),
-        Command::Db {
-            action: DbAction::Migrate,
-        } => with_runtime(async move {
-            telemetry::init();
+        Some(Command::Db {
+            action: DbAction::Migrate { database },
+        }) => with_runtime(async move {
+            let _logs = telemetry::init();
+            check_database_url(&database.database_url)?;
             let pool = db::connect(
-                &cli.config.database_url,
+                &database.database_url,
                 2,
                 db::Limits::default().for_background(),
             )
@@ -155,8 +175,71 @@ pub fn run() -> ExitCode {
     }
 }
 
+fn serve(config: Config) -> ExitCode {
+    let _logs = telemetry::init();
+    with_runtime(async move {
+        config.check_urls()?;
+        config.check_auth_off_is_local()?;
+        if !config.auth.is_on() {
+            tracing::warn!(
+                listen = %config.listen,
+                "authentication is OFF (IDPOOL_AUTH=off): every caller may use every project, \
+                 without limits; for local development only"
+            );
+        }
+        let app = Application::build(&config).await?;
+        stop_on_signals(app.stop_token());
+        app.run_until_stopped().await
+    })
+}
+
+fn check_database_url(url: &str) -> anyhow::Result<()> {
+    crate::config::check_database_url(url)
+}
+
+/// Fails unless the database holds idpool's tables.
+async fn require_migrated(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    let migrated: bool = sqlx::query_scalar("SELECT to_regclass('api_keys') IS NOT NULL")
+        .fetch_one(pool)
+        .await?;
+    if !migrated {
+        anyhow::bail!(
+            "the database of DATABASE_URL holds no idpool tables; is the URL right? \
+             (`idpool db migrate` or `idpool serve` creates them)"
+        );
+    }
+    Ok(())
+}
+
 /// Exit 0: all imported; 1: some lines rejected (see the rejects file);
 /// 2: the run failed.
+/// The importer's API key: `--key-file`, else `IDPOOL_KEY`, else `--key`
+/// (with a warning: a command line shows in the process list).
+fn import_key(args: &ImportArgs) -> anyhow::Result<Option<String>> {
+    if let Some(path) = &args.key_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--key-file {}: {e}", path.display()))?;
+        let key = text.trim();
+        if key.is_empty() {
+            anyhow::bail!("--key-file {} is empty", path.display());
+        }
+        return Ok(Some(key.to_owned()));
+    }
+    if let Some(key) = std::env::var("IDPOOL_KEY")
+        .ok()
+        .filter(|k| !k.trim().is_empty())
+    {
+        return Ok(Some(key.trim().to_owned()));
+    }
+    if args.key.is_some() {
+        eprintln!(
+            "idpool import: warning: --key shows the key to everyone who can list processes; \
+             use --key-file or IDPOOL_KEY"
+        );
+    }
+    Ok(args.key.clone())
+}
+
 fn import(args: ImportArgs) -> ExitCode {
     let settings = || -> anyhow::Result<crate::import::Settings> {
         Ok(crate::import::Settings {
@@ -166,7 +249,7 @@ fn import(args: ImportArgs) -> ExitCode {
                 .map_err(|e| anyhow::anyhow!("--type: {e}"))?,
             file: args.file.clone(),
             url: args.url.clone(),
-            key: args.key.clone(),
+            key: import_key(&args)?,
             batch: args.batch as usize,
             concurrency: args.concurrency as usize,
             out: args.out.clone(),

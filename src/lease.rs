@@ -10,12 +10,15 @@
 //! so the request is recorded on its own as before (strict order, one
 //! commit per request).
 //!
-//! Which numbers went to callers is reported in the background, batched
-//! (`lease_handouts`). Numbers a lease still holds when it goes idle or the
-//! instance stops cleanly are taken off the ledger and pushed back to the
-//! head of their pool, so the next caller gets them; where that fails they
-//! are recorded as `pool_discarded`. Numbers of an instance that died
-//! before reporting are judged `lease_lost`.
+//! Which numbers went to callers is recorded before the answer leaves
+//! (`lease_handouts`, written for all requests waiting at once in one
+//! shared commit), so an ID answered is attachable at once through any
+//! instance, and still after this one was killed. Numbers a lease still
+//! holds when it goes idle or the instance stops cleanly are taken off the
+//! ledger and pushed back to the head of their pool, so the next caller
+//! gets them; where that fails they are recorded as `pool_discarded`.
+//! Numbers of an instance that died holding a lease are judged
+//! `lease_lost`: none of them was answered.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,10 +30,12 @@ use sqlx::PgPool;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
+use crate::batch::Batcher;
 use crate::clock::Clock;
 use crate::issuance::{IssueError, Issued, Issuer};
-use crate::ledger::{self, LeaseReport, Via};
+use crate::ledger::{self, LeaseReport, LedgerError, Via};
 use crate::numbers::{SeqRange, runs};
 use crate::pool::{DiscardCause, Placement, PoolRef, PoolService};
 use crate::sequence::{ProjectCode, Sequence, TypeCode};
@@ -50,7 +55,7 @@ pub struct LeaseSettings {
     /// long enough for reconciliation to judge them (its settle time is
     /// never below the request timeout, at least a second).
     pub max_age: Duration,
-    /// How often handouts are reported.
+    /// How often idle leases are looked for and returns written.
     pub report_every: Duration,
 }
 
@@ -174,9 +179,31 @@ enum Progress {
 }
 
 enum Report {
-    Handed(LeaseReport),
     Returned(PoolRef, LeaseReport),
-    Flush(oneshot::Sender<()>),
+}
+
+/// Numbers handed to a request, on their way to the shared handout write.
+struct Handout {
+    report: LeaseReport,
+    written: oneshot::Sender<Result<(), HandoutFailed>>,
+}
+
+/// Why numbers handed to a request could not be recorded as handed out.
+#[derive(Debug, Clone)]
+enum HandoutFailed {
+    /// Nothing was written: the numbers may be handed out again.
+    NotWritten(LedgerError),
+    /// Whether the write committed is unknown: the numbers are never handed
+    /// out again (reconciliation tells what became of them).
+    Unknown(LedgerError),
+}
+
+impl HandoutFailed {
+    fn error(self) -> LedgerError {
+        match self {
+            HandoutFailed::NotWritten(e) | HandoutFailed::Unknown(e) => e,
+        }
+    }
 }
 
 pub struct Leases {
@@ -186,11 +213,12 @@ pub struct Leases {
     clock: Arc<dyn Clock>,
     settings: LeaseSettings,
     holders: Mutex<HashMap<HolderKey, Arc<Holder>>>,
+    /// Handouts of concurrent requests, written in one commit.
+    handouts: Batcher<Handout>,
     reports: mpsc::UnboundedSender<Report>,
     /// Held by the reporter while it runs (a restarted one takes it over).
     received: tokio::sync::Mutex<mpsc::UnboundedReceiver<Report>>,
-    /// Handouts reported and not yet written, and returns not yet given
-    /// back.
+    /// Returns not yet given back.
     unwritten: AtomicUsize,
     stats: Arc<Stats>,
 }
@@ -206,12 +234,22 @@ impl Leases {
         stats: Arc<Stats>,
     ) -> Arc<Self> {
         let (reports, received) = mpsc::unbounded_channel();
+        // Lives as long as the leases (past the server's drain): every
+        // request that took numbers gets its answer written.
+        let db = issuer.db.clone();
+        let handouts = Batcher::spawn(
+            &TaskTracker::new(),
+            "lease handouts",
+            4096,
+            move |batch: Vec<Handout>| write_handouts(db.clone(), batch),
+        );
         Arc::new(Self {
             issuer,
             pools,
             clock,
             settings,
             holders: Mutex::new(HashMap::new()),
+            handouts,
             reports,
             received: tokio::sync::Mutex::new(received),
             unwritten: AtomicUsize::new(0),
@@ -233,15 +271,14 @@ impl Leases {
         let placement = self.issuer.place(project, doc_type).await?;
         let holder = self.holder(&placement);
         let mut got = Vec::with_capacity(count);
-        // The common case takes numbers under the lock and returns: no
-        // await, so a caller going away cannot drop numbers on the floor.
+        // The common case takes numbers under the lock and hands their
+        // handout to the shared writer before any await, so a caller going
+        // away cannot drop numbers on the floor; the answer waits for the
+        // handout's commit.
         match self.take_or_fetch(&holder, &placement, count, &mut got, true) {
             Progress::Complete => {
-                self.handed(&holder, &got);
-                return Ok(Issued {
-                    placement,
-                    seqs: got,
-                });
+                let written = self.hand_out(&holder, &got);
+                return self.answer(&holder, placement, got, written).await;
             }
             Progress::Alone if got.is_empty() => {
                 // A quiet sequence: the lease would be this request.
@@ -260,6 +297,68 @@ impl Leases {
         let seqs =
             tokio::spawn(async move { leases.wait(holder, waiting, count, got).await }).await??;
         Ok(Issued { placement, seqs })
+    }
+
+    /// Starts recording `seqs` as handed out (no await: they are the
+    /// writer's once this returns); the receiver says how it went.
+    fn hand_out(
+        &self,
+        holder: &Holder,
+        seqs: &[i64],
+    ) -> oneshot::Receiver<Result<(), HandoutFailed>> {
+        let (written, answer) = oneshot::channel();
+        if seqs.is_empty() {
+            let _ = written.send(Ok(()));
+            return answer;
+        }
+        self.stats.lease_numbers_served.inc_by(seqs.len() as u64);
+        let handout = Handout {
+            report: LeaseReport {
+                sequence_id: holder.sequence.id,
+                period: holder.period.clone(),
+                seqs: seqs.to_vec(),
+            },
+            written,
+        };
+        if let Err(closed) = self.handouts.submit_now(handout) {
+            let _ = closed
+                .0
+                .written
+                .send(Err(HandoutFailed::NotWritten(LedgerError::Closed)));
+        }
+        answer
+    }
+
+    /// The answer to a request once its handout is written; numbers whose
+    /// handout surely was not written go back to the lease.
+    async fn answer(
+        &self,
+        holder: &Holder,
+        placement: Arc<Placement>,
+        seqs: Vec<i64>,
+        written: oneshot::Receiver<Result<(), HandoutFailed>>,
+    ) -> Result<Issued, IssueError> {
+        let seqs = self.written(holder, seqs, written).await?;
+        Ok(Issued { placement, seqs })
+    }
+
+    async fn written(
+        &self,
+        holder: &Holder,
+        seqs: Vec<i64>,
+        written: oneshot::Receiver<Result<(), HandoutFailed>>,
+    ) -> Result<Vec<i64>, IssueError> {
+        let outcome = written
+            .await
+            .unwrap_or(Err(HandoutFailed::Unknown(LedgerError::Closed)));
+        match outcome {
+            Ok(()) => Ok(seqs),
+            Err(failed @ HandoutFailed::NotWritten(_)) => {
+                self.put_back(holder, seqs);
+                Err(IssueError::Ledger(failed.error()))
+            }
+            Err(failed) => Err(IssueError::Ledger(failed.error())),
+        }
     }
 
     fn holder(&self, placement: &Placement) -> Arc<Holder> {
@@ -343,7 +442,8 @@ impl Leases {
         if !self.fill(&holder, &placement, count, &mut got).await {
             return self.on_its_own(&holder, placement, count, got).await;
         }
-        self.handed(&holder, &got);
+        let written = self.hand_out(&holder, &got);
+        let mut got = self.written(&holder, got, written).await?;
         got.sort_unstable();
         Ok(got)
     }
@@ -452,12 +552,13 @@ impl Leases {
         holder: &Holder,
         placement: Arc<Placement>,
         count: usize,
-        mut got: Vec<i64>,
+        got: Vec<i64>,
     ) -> Result<Vec<i64>, IssueError> {
         let missing = count - got.len();
         match self.issuer.issue_placed(placement, missing, Via::Ids).await {
             Ok(more) => {
-                self.handed(holder, &got);
+                let written = self.hand_out(holder, &got);
+                let mut got = self.written(holder, got, written).await?;
                 got.extend(more);
                 got.sort_unstable();
                 Ok(got)
@@ -515,19 +616,6 @@ impl Leases {
             }
             holder.changed.notify_waiters();
         });
-    }
-
-    fn handed(&self, holder: &Holder, seqs: &[i64]) {
-        if seqs.is_empty() {
-            return;
-        }
-        self.stats.lease_numbers_served.inc_by(seqs.len() as u64);
-        self.unwritten.fetch_add(1, Ordering::AcqRel);
-        let _ = self.reports.send(Report::Handed(LeaseReport {
-            sequence_id: holder.sequence.id,
-            period: holder.period.clone(),
-            seqs: seqs.to_vec(),
-        }));
     }
 
     fn returned(&self, holder: &Holder, seqs: Vec<i64>) {
@@ -609,26 +697,21 @@ impl Leases {
         }
     }
 
-    /// Waits until every handout reported before this call is written (an
-    /// ID a caller attaches right after receiving it is then found) and
-    /// every lease given back before it is back in its pool.
-    pub async fn flush(&self) {
-        if self.unwritten.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let (done, written) = oneshot::channel();
-        if self.reports.send(Report::Flush(done)).is_ok() {
-            let _ = tokio::time::timeout(Duration::from_secs(5), written).await;
+    /// Waits (up to 5 s) until every lease given back so far is back in
+    /// its pool.
+    pub async fn returns_written(&self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.unwritten.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
-    /// The background reporter: writes handouts and returns in batches
-    /// every `report_every`, gives back idle leases, and at `stop` gives
-    /// back every lease and writes everything before it returns.
+    /// The background reporter: every `report_every` gives back idle
+    /// leases and writes the returns; at `stop` (once the server has
+    /// drained: no request takes numbers any more) gives back every lease
+    /// before it returns.
     pub async fn report(self: Arc<Self>, db: PgPool, stop: CancellationToken) {
         let mut reports = self.received.lock().await;
-        let mut handed: Vec<LeaseReport> = Vec::new();
-        let mut flushes: Vec<oneshot::Sender<()>> = Vec::new();
         let mut tick = tokio::time::interval(self.settings.report_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -642,40 +725,16 @@ impl Leases {
                 self.sweep(true);
             }
             let mut returned = Vec::new();
-            while let Ok(report) = reports.try_recv() {
-                match report {
-                    Report::Handed(report) => handed.push(report),
-                    Report::Returned(pool, report) => returned.push((pool, report)),
-                    Report::Flush(done) => flushes.push(done),
-                }
+            while let Ok(Report::Returned(pool, report)) = reports.try_recv() {
+                returned.push((pool, report));
             }
             let returns = returned.len();
             for (pool, unused) in merge_per_pool(returned) {
                 self.give_back(&db, &pool, &unused).await;
             }
             self.unwritten.fetch_sub(returns, Ordering::AcqRel);
-            if !handed.is_empty() {
-                match write_handouts(&db, &handed).await {
-                    Ok(()) => {
-                        self.unwritten.fetch_sub(handed.len(), Ordering::AcqRel);
-                        handed.clear();
-                    }
-                    Err(e) => {
-                        // Kept and written again next time: a handout is
-                        // never dropped while the instance lives.
-                        tracing::warn!(error = %e, reports = handed.len(), "lease handouts not written yet");
-                        if stopping {
-                            return;
-                        }
-                        continue;
-                    }
-                }
-            }
-            for done in flushes.drain(..) {
-                let _ = done.send(());
-            }
             if stopping {
-                tracing::info!("leases given back and handouts written");
+                tracing::info!("leases given back");
                 return;
             }
         }
@@ -731,9 +790,28 @@ fn merge_per_pool(returned: Vec<(PoolRef, LeaseReport)>) -> Vec<(PoolRef, LeaseR
     merged
 }
 
-async fn write_handouts(db: &PgPool, handed: &[LeaseReport]) -> Result<(), sqlx::Error> {
-    let mut conn = db.acquire().await?;
-    ledger::record_handouts(&mut conn, handed).await
+/// Records the handouts of every request waiting in one statement (its
+/// own commit), then answers each.
+async fn write_handouts(db: PgPool, batch: Vec<Handout>) {
+    let reports: Vec<LeaseReport> = batch.iter().map(|h| h.report.clone()).collect();
+    let outcome = match db.acquire().await {
+        // No connection: nothing was written.
+        Err(e) => Err(HandoutFailed::NotWritten(LedgerError::from(e))),
+        Ok(mut conn) => match ledger::record_handouts(&mut conn, &reports).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let e = LedgerError::from(e);
+                Err(if e.numbers_reusable() {
+                    HandoutFailed::NotWritten(e)
+                } else {
+                    HandoutFailed::Unknown(e)
+                })
+            }
+        },
+    };
+    for handout in batch {
+        let _ = handout.written.send(outcome.clone());
+    }
 }
 
 #[cfg(test)]

@@ -1,15 +1,33 @@
 //! JSON logs on stdout, filtered by `RUST_LOG` (default `info`).
+//!
+//! Lines are written by a thread of their own from a bounded queue: a
+//! request never waits for the terminal or a slow log collector, and a
+//! flood of lines cannot grow memory (lines past the queue are dropped, and
+//! counted in the next line that gets through).
 
 use tracing_subscriber::EnvFilter;
 
-pub fn init() {
+/// Keeps the log writer running; logs written before it is dropped are
+/// flushed when it is.
+pub struct LogGuard(#[allow(dead_code)] Option<tracing_appender::non_blocking::WorkerGuard>);
+
+/// Lines the writer queue holds before it drops new ones.
+const QUEUED_LINES: usize = 64 * 1024;
+
+pub fn init() -> LogGuard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(QUEUED_LINES)
+        .lossy(true)
+        .finish(std::io::stdout());
     // A second init (several apps in one test process) keeps the first.
-    let _ = tracing_subscriber::fmt()
+    let installed = tracing_subscriber::fmt()
         .json()
         .flatten_event(true)
         .with_current_span(true)
         .with_span_list(false)
         .with_env_filter(filter)
+        .with_writer(writer)
         .try_init();
+    LogGuard(installed.is_ok().then_some(guard))
 }

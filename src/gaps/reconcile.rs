@@ -75,6 +75,15 @@ pub struct Summary {
     pub duration_ms: u64,
 }
 
+/// `issued_unattached=3 untracked_loss=1`: counts by the API's reason codes.
+fn reason_counts(counts: &BTreeMap<Reason, i64>) -> String {
+    counts
+        .iter()
+        .map(|(reason, n)| format!("{}={n}", reason.as_str()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 pub struct Reconciler {
     pub db: PgPool,
     pub redis: Arc<RedisLink>,
@@ -158,8 +167,8 @@ impl Reconciler {
             periods = summary.periods_scanned,
             numbers = summary.numbers_checked,
             rows = summary.rows_read,
-            added = ?summary.gaps_added,
-            resolved = ?summary.gaps_resolved,
+            added = %reason_counts(&summary.gaps_added),
+            resolved = %reason_counts(&summary.gaps_resolved),
             pools_closed = summary.pools_closed,
             redis = summary.redis_available,
             duration_ms = summary.duration_ms,

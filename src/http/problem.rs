@@ -8,10 +8,13 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use std::time::Duration;
+
 use crate::documents::{BatchError, DocumentError};
 use crate::idempotency::{ClaimError, KeyError};
 use crate::issuance::IssueError;
 use crate::ledger::LedgerError;
+use crate::log_limit::{Repeated, Say};
 use crate::sequence_store::{PutError, StoreError};
 
 /// An RFC 9457 problem document.
@@ -74,9 +77,15 @@ impl ApiError {
         Self::new(StatusCode::CONFLICT, code, detail)
     }
 
-    /// A failure of ours: logged with its cause, answered without it.
+    /// A failure of ours: logged with its cause (without flooding the log
+    /// when many requests meet it), answered without it.
     pub fn internal(cause: impl std::fmt::Display) -> Self {
-        tracing::error!(error = %cause, "internal error");
+        static INTERNAL: Repeated = Repeated::every("internal error", Duration::from_secs(1));
+        match INTERNAL.occurred() {
+            Say::Started => tracing::error!(error = %cause, "internal error"),
+            Say::Again(times) => tracing::error!(error = %cause, times, "internal error"),
+            Say::Quiet => {}
+        }
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
@@ -84,9 +93,15 @@ impl ApiError {
         )
     }
 
-    /// A dependency we cannot do without (Postgres) is not answering.
+    /// A dependency we cannot do without (Postgres) is not answering:
+    /// logged once when it starts, then with a count every 30 s.
     pub fn unavailable(cause: impl std::fmt::Display) -> Self {
-        tracing::error!(error = %cause, "dependency unavailable");
+        static UNAVAILABLE: Repeated = Repeated::new("dependency unavailable");
+        match UNAVAILABLE.occurred() {
+            Say::Started => tracing::error!(error = %cause, "dependency unavailable"),
+            Say::Again(times) => tracing::error!(error = %cause, times, "dependency unavailable"),
+            Say::Quiet => {}
+        }
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
@@ -220,6 +235,7 @@ impl From<LedgerError> for ApiError {
             LedgerError::Unstorable(_) => Self::bad_request("unstorable_value", e.to_string()),
             LedgerError::DocumentIdTaken => Self::conflict("document_id_taken", e.to_string()),
             LedgerError::AlreadyAttached => Self::conflict("id_not_attachable", e.to_string()),
+            LedgerError::SourceIdTaken => Self::conflict("source_id_in_use", e.to_string()),
             LedgerError::Db(_)
             | LedgerError::Statement(_)
             | LedgerError::Waited(_)
@@ -273,6 +289,10 @@ impl From<DocumentError> for ApiError {
                 Self::conflict("id_not_attachable", e.to_string())
             }
             DocumentError::IdTaken(_) => Self::conflict("document_id_taken", e.to_string()),
+            DocumentError::SourceIdRepeated(_) => {
+                Self::bad_request("duplicate_source_id", e.to_string())
+            }
+            DocumentError::SourceIdInUse => Self::conflict("source_id_in_use", e.to_string()),
             DocumentError::Db(e) => db_error(e),
         }
     }

@@ -758,6 +758,8 @@ impl PoolService {
     /// timeline stops the pools until they are checked against it.
     pub async fn watch_redis(self: Arc<Self>, stop: CancellationToken) {
         let mut last_complaint: Option<(String, std::time::Instant)> = None;
+        // Since when the pools could not be used for want of a connection.
+        let mut unreachable_since: Option<std::time::Instant> = None;
         let mut postgres_checked = std::time::Instant::now();
         loop {
             tokio::select! {
@@ -799,9 +801,25 @@ impl PoolService {
                             "pools filled before the reconnect discarded"
                         );
                     }
-                    self.redis.mark_up(failures_before);
+                    if self.redis.mark_up(failures_before) {
+                        unreachable_since = None;
+                        last_complaint = None;
+                    }
                 }
                 Err(e) => {
+                    // A connection being made (at start, after a blip) is
+                    // no error yet; what Redis or Postgres answered is.
+                    let connecting = matches!(
+                        e,
+                        PoolsNotInUse::NotConnected | PoolsNotInUse::Unreachable(_)
+                    );
+                    let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
+                    if connecting && since.elapsed() < CONNECT_GRACE {
+                        continue;
+                    }
+                    if !connecting {
+                        unreachable_since = None;
+                    }
                     let message = e.to_string();
                     // Say it when it changes (at most every 10 s), and once
                     // a minute while it lasts.
@@ -818,6 +836,10 @@ impl PoolService {
         }
     }
 }
+
+/// How long Redis may take to connect (at start, or after a reconnect)
+/// before the watch calls it an error.
+const CONNECT_GRACE: Duration = Duration::from_secs(3);
 
 /// How often the watch asks which Postgres it talks to.
 const POSTGRES_CHECK: Duration = Duration::from_secs(2);

@@ -196,8 +196,9 @@ impl RedisLink {
                 async move {
                     if let Some(link) = link.upgrade() {
                         // Stop popping until the pools were checked against
-                        // the server we are now talking to.
-                        link.trip("reconnected");
+                        // the server we are now talking to. (fred calls this
+                        // for the first connection too: nothing failed.)
+                        link.recheck();
                     }
                     Ok(())
                 }
@@ -226,6 +227,21 @@ impl RedisLink {
         if self.up.swap(false, Ordering::AcqRel) {
             self.stats.redis_trips.inc();
             tracing::warn!(reason = why, "redis unavailable, serving from postgres");
+        }
+        self.wake.notify_one();
+    }
+
+    /// A (re)connection: the connection is fine, but the pools must be
+    /// checked against the server before anything pops.
+    pub fn recheck(&self) {
+        self.failures.fetch_add(1, Ordering::AcqRel);
+        self.last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        if self.up.swap(false, Ordering::AcqRel) {
+            self.stats.redis_trips.inc();
+            tracing::warn!("redis reconnected; checking the pools before using them again");
         }
         self.wake.notify_one();
     }
