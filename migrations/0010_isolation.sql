@@ -6,6 +6,12 @@
 CREATE INDEX id_outbox_by_tenant ON id_outbox (tenant_code, status, id);
 CREATE INDEX id_outbox_by_tenant_type ON id_outbox (tenant_code, entity_type_id, status, id);
 
+-- The outbox processor shares each batch among the tenants with pending
+-- rows: it skips through this index from tenant to tenant, and claims each
+-- tenant's due rows in due order.
+CREATE INDEX id_outbox_pending_by_tenant ON id_outbox (tenant_code, next_retry_at)
+    WHERE status = 'pending';
+
 -- A document's legacy id (`idpool import`, the batch API's `source_id`):
 -- one document per source id of a project and type, for ever, whichever
 -- key sent it and however often.

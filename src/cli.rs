@@ -213,8 +213,8 @@ async fn require_migrated(pool: &sqlx::PgPool) -> anyhow::Result<()> {
 
 /// Exit 0: all imported; 1: some lines rejected (see the rejects file);
 /// 2: the run failed.
-/// The importer's API key: `--key-file`, else `IDPOOL_KEY`, else `--key`
-/// (with a warning: a command line shows in the process list).
+/// The importer's API key: `--key-file`, else `--key` (with a warning: a
+/// command line shows in the process list), else `IDPOOL_KEY`.
 fn import_key(args: &ImportArgs) -> anyhow::Result<Option<String>> {
     if let Some(path) = &args.key_file {
         let text = std::fs::read_to_string(path)
@@ -225,19 +225,17 @@ fn import_key(args: &ImportArgs) -> anyhow::Result<Option<String>> {
         }
         return Ok(Some(key.to_owned()));
     }
-    if let Some(key) = std::env::var("IDPOOL_KEY")
-        .ok()
-        .filter(|k| !k.trim().is_empty())
-    {
-        return Ok(Some(key.trim().to_owned()));
-    }
-    if args.key.is_some() {
+    if let Some(key) = &args.key {
         eprintln!(
             "idpool import: warning: --key shows the key to everyone who can list processes; \
              use --key-file or IDPOOL_KEY"
         );
+        return Ok(Some(key.clone()));
     }
-    Ok(args.key.clone())
+    Ok(std::env::var("IDPOOL_KEY")
+        .ok()
+        .map(|k| k.trim().to_owned())
+        .filter(|k| !k.is_empty()))
 }
 
 fn import(args: ImportArgs) -> ExitCode {

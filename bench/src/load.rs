@@ -106,6 +106,11 @@ pub fn use_keys(load: &[String], admin: &str) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("keys were set already"))
 }
 
+/// The `Authorization` value load connection `connection` sends.
+pub fn key_of(connection: usize) -> Option<hyper::header::HeaderValue> {
+    key_for(Some(connection))
+}
+
 /// The key of load connection `connection`, or the admin key (`None`).
 fn key_for(connection: Option<usize>) -> Option<hyper::header::HeaderValue> {
     let keys = KEYS.get()?;

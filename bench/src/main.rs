@@ -8,6 +8,7 @@
 //! hits both sides of a round alike.
 
 mod load;
+mod neighbour;
 mod services;
 
 use std::collections::{HashMap, HashSet};
@@ -27,7 +28,7 @@ use load::{Call, Outcome, Until};
 use services::{Idpool, Postgres, Redis, RedisTopology};
 
 /// The projects the scenarios use; every bench key may use all of them.
-const PROJECTS: [&str; 5] = ["BENCH", "IDLE", "DOCB", "DOCS", "DRAIN"];
+const PROJECTS: [&str; 6] = ["BENCH", "IDLE", "DOCB", "DOCS", "DRAIN", "HOSTILE"];
 /// API keys, one per load connection (64 at most).
 const KEYS: usize = 64;
 
@@ -41,6 +42,7 @@ const SCENARIOS: &[&str] = &[
     "doc-batches",
     "doc-single",
     "drain",
+    "neighbour",
 ];
 
 #[derive(Parser)]
@@ -51,7 +53,7 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// drain.
+    /// drain, neighbour.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Extra environment for idpool, KEY=VALUE (repeatable).
@@ -93,6 +95,8 @@ struct Sizes {
     idle_documents: u64,
     /// Goals in wall time scale with the size.
     scale: f64,
+    /// Documents in the hostile neighbour's outbox.
+    neighbour_documents: u64,
 }
 
 struct Bench {
@@ -146,7 +150,8 @@ impl Bench {
 
     /// Adds the numbers of `outcome` to the duplicate check and fails the
     /// run on any answer that was not a success.
-    fn check(&mut self, what: &str, outcome: &Outcome) -> anyhow::Result<()> {
+    /// Every number answered goes into the duplicate check.
+    fn record_numbers(&mut self, outcome: &Outcome) {
         for (sequence, numbers) in &outcome.numbers {
             let seen = self.seen.entry(sequence.clone()).or_default();
             for n in numbers {
@@ -156,6 +161,10 @@ impl Bench {
                 }
             }
         }
+    }
+
+    fn check(&mut self, what: &str, outcome: &Outcome) -> anyhow::Result<()> {
+        self.record_numbers(outcome);
         if outcome.failed > 0 {
             bail!(
                 "{what}: {} of {} requests failed (statuses {:?})",
@@ -325,6 +334,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             drained_sequences: 100,
             idle_documents: 5,
             scale: 0.1,
+            neighbour_documents: 2_000,
         }
     } else {
         Sizes {
@@ -336,6 +346,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             drained_sequences: 1000,
             idle_documents: 20,
             scale: 1.0,
+            neighbour_documents: 20_000,
         }
     };
     for name in &args.only {
@@ -428,6 +439,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("doc-single") {
         single_documents(&mut bench, &idpool, &postgres, &sizes).await?;
+    }
+    if wanted("neighbour") {
+        hostile_neighbour(&mut bench, &idpool, &sizes).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =
@@ -795,6 +809,115 @@ async fn documents_until_committed(
         accepted_s,
         committed_s: started.elapsed().as_secs_f64(),
     })
+}
+
+/// A second tenant's `POST /ids` p99 (8 connections) while a hostile
+/// neighbour floods (made-up keys, clients that never read, batch bodies a
+/// byte at a time, the largest listings of its own big outbox), against
+/// the same p99 without the flood, in alternating rounds.
+async fn hostile_neighbour(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    idpool.reset_peak_rss();
+    let total = sizes.neighbour_documents;
+    let seeded = load::run(bench.addr, 8, Until::Count(total / 1000), |i| {
+        let documents: Vec<_> = (0..1000)
+            .map(|n| json!({"project": "HOSTILE", "type": "1", "metadata": metadata(i * 1000 + n)}))
+            .collect();
+        Call {
+            method: Method::POST,
+            path: "/api/v1/documents/batch",
+            body: Bytes::from(json!({"documents": documents}).to_string()),
+            sequence: None,
+        }
+    })
+    .await?;
+    bench.check("the neighbour's documents", &seeded)?;
+    bench
+        .all_committed("HOSTILE", total as i64, Duration::from_secs(120))
+        .await?;
+    let hostile_key = load::key_of(KEYS - 1).context("the neighbour's key")?;
+    let victim = || ids_call("neighbour", 1);
+    let warm = load::run(
+        bench.addr,
+        8,
+        Until::Elapsed(Duration::from_secs(1)),
+        victim(),
+    )
+    .await?;
+    bench.check("warm-up", &warm)?;
+    let (mut alone, mut flooded, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let mut failed = 0;
+    let mut sent = neighbour::Sent::default();
+    let mut flood_time = Duration::ZERO;
+    for _ in 0..sizes.rounds {
+        let base = load::run(bench.addr, 8, Until::Elapsed(sizes.slice), victim()).await?;
+        bench.check("POST /ids alone", &base)?;
+        let flood = neighbour::start(bench.addr, hostile_key.clone(), "HOSTILE");
+        // The flood is under way (connections open, bodies trickling)
+        // before the victim is timed.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let subject = load::run(bench.addr, 8, Until::Elapsed(sizes.slice), victim()).await?;
+        let round = flood.stop().await;
+        flood_time += sizes.slice + Duration::from_millis(300);
+        failed += subject.failed;
+        sent.made_up_keys += round.made_up_keys;
+        sent.listings += round.listings;
+        sent.listed_rows += round.listed_rows;
+        bench.record_numbers(&subject);
+        let (base_p99, subject_p99) = (base.quantile_ms(0.99), subject.quantile_ms(0.99));
+        alone.push(base_p99);
+        flooded.push(subject_p99);
+        ratios.push(subject_p99 / base_p99);
+    }
+    let n = ratios.len();
+    let seconds = flood_time.as_secs_f64();
+    bench.context(
+        "neighbour: made-up keys sent (per second of flood)",
+        sent.made_up_keys as f64 / seconds,
+        "req/s",
+    );
+    bench.context(
+        "neighbour: outbox listings of 1000 answered (per second of flood)",
+        sent.listings as f64 / seconds,
+        "req/s",
+    );
+    bench.context(
+        "neighbour: rows listed (per second of flood)",
+        sent.listed_rows as f64 / seconds,
+        "rows/s",
+    );
+    bench.context(
+        &format!("second tenant's POST /ids p99, 8 connections, alone (median of {n} rounds)"),
+        median(&mut alone),
+        "ms",
+    );
+    bench.context(
+        &format!(
+            "second tenant's POST /ids p99, 8 connections, beside the flood (median of {n} rounds)"
+        ),
+        median(&mut flooded),
+        "ms",
+    );
+    bench.at_most(
+        "second tenant's POST /ids p99: flooded ÷ alone (median of per-round ratios)",
+        median(&mut ratios),
+        "ratio",
+        1.5,
+    );
+    bench.row(
+        "second tenant's requests that failed beside the flood",
+        failed as f64,
+        "requests",
+        "0",
+        Some(failed == 0),
+    );
+    bench
+        .peak_rss
+        .push(("hostile neighbour".into(), idpool.peak_rss_mib()));
+    Ok(())
 }
 
 /// Documents in batches of 1,000, 64 connections, until all committed.

@@ -405,17 +405,53 @@ pub async fn claim_due(
     } else {
         "NULL::text"
     };
+    // Every tenant with pending rows gets an equal share of the batch, so
+    // one tenant's backlog (a migration of millions) delays another's
+    // documents by one batch, not by the backlog. A share left unused by a
+    // tenant with fewer due rows is taken by the next batch, which follows
+    // at once when this one was full.
+    let tenants = tenants_with_pending_rows(conn).await?;
+    if tenants.is_empty() {
+        return Ok(Vec::new());
+    }
+    let share = (limit / tenants.len() as i64).max(1);
     // The status spelt out, so the planner matches the partial index of
     // pending rows.
     let pending = DocumentStatus::Pending.as_str();
     let sql = format!(
-        "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
-                seq_number AS seq, created_at, {payload} AS payload \
-         FROM id_outbox WHERE status = '{pending}' AND next_retry_at <= now() \
-         ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+        "SELECT c.* FROM unnest($1::text[]) AS t(code) CROSS JOIN LATERAL ( \
+             SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
+                    seq_number AS seq, created_at, {payload} AS payload, next_retry_at \
+             FROM id_outbox \
+             WHERE tenant_code = t.code AND status = '{pending}' AND next_retry_at <= now() \
+             ORDER BY next_retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) c \
+         ORDER BY c.next_retry_at LIMIT $3"
     );
     sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(&tenants)
+        .bind(share)
         .bind(limit)
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// The tenants that have pending rows, found by skipping through the index
+/// of pending rows by tenant: one probe per such tenant, however many rows
+/// each holds.
+async fn tenants_with_pending_rows(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
+    let pending = DocumentStatus::Pending.as_str();
+    let sql = format!(
+        "WITH RECURSIVE t(code) AS ( \
+             (SELECT tenant_code FROM id_outbox WHERE status = '{pending}' \
+              ORDER BY tenant_code LIMIT 1) \
+             UNION ALL \
+             SELECT (SELECT o.tenant_code FROM id_outbox o \
+                     WHERE o.status = '{pending}' AND o.tenant_code > t.code \
+                     ORDER BY o.tenant_code LIMIT 1) \
+             FROM t WHERE t.code IS NOT NULL) \
+         SELECT code FROM t WHERE code IS NOT NULL"
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_all(&mut *conn)
         .await
 }

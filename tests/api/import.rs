@@ -12,6 +12,18 @@ use serde_json::{Value, json};
 use crate::helpers::{TestApp, TestEnv, create_key};
 
 fn import(app: &TestApp, key: &str, file: &Path, out: &Path, extra: &[&str]) -> Command {
+    import_as(app, "1", key, file, out, extra)
+}
+
+/// `idpool import` of `file` into IMP/`doc_type`, the key in IDPOOL_KEY.
+fn import_as(
+    app: &TestApp,
+    doc_type: &str,
+    key: &str,
+    file: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idpool"));
     command
         .arg("import")
@@ -20,12 +32,11 @@ fn import(app: &TestApp, key: &str, file: &Path, out: &Path, extra: &[&str]) -> 
             "--project",
             "IMP",
             "--type",
-            "1",
+            doc_type,
             "--url",
             &app.address,
-            "--key",
-            key,
         ])
+        .env("IDPOOL_KEY", key)
         .arg("--out")
         .arg(out)
         .args(extra)
@@ -268,4 +279,125 @@ async fn an_import_over_its_keys_rate_waits_and_retries_until_done() {
         .await,
         100
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_run_again_days_later_with_another_key_creates_no_document_twice() {
+    let app = TestEnv::new().spawn().await;
+    let first_key = create_key(&app.state, &["IMP"], false).await;
+    let second_key = create_key(&app.state, &["IMP"], false).await;
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("legacy.jsonl");
+    let mut file = std::fs::File::create(&input).unwrap();
+    for i in 0..300 {
+        writeln!(
+            file,
+            "{}",
+            json!({"source_id": format!("old-{i}"), "metadata": {"n": i}})
+        )
+        .unwrap();
+    }
+    drop(file);
+    let first_out = work.path().join("first.jsonl");
+    let first = import(&app, &first_key, &input, &first_out, &["--batch", "100"])
+        .output()
+        .unwrap();
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    // Days later every Idempotency-Key record is gone, and the customer
+    // runs it again with another key, read from a file.
+    sqlx::query("DELETE FROM idempotency_keys")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let key_file = work.path().join("key");
+    std::fs::write(&key_file, format!("{second_key}\n")).unwrap();
+    let second_out = work.path().join("second.jsonl");
+    let second = import(
+        &app,
+        "not-this-one",
+        &input,
+        &second_out,
+        &["--batch", "100"],
+    )
+    .arg("--key-file")
+    .arg(&key_file)
+    .output()
+    .unwrap();
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let (first, second) = (mapping(&first_out), mapping(&second_out));
+    assert_eq!(first.len(), 300);
+    assert_eq!(second.len(), 300);
+    for (a, b) in first.iter().zip(&second) {
+        assert_eq!(a["source_id"], b["source_id"]);
+        assert_eq!(a["id"], b["id"], "one ID per source id, for ever");
+        assert_eq!(b["replayed"], true);
+    }
+    assert_eq!(count(&app, "SELECT count(*) FROM id_outbox").await, 300);
+
+    // A document the server refuses is a reject line, never the end of the
+    // run: here one whose ID another document holds (a definition saved
+    // before such definitions were refused).
+    sqlx::query(
+        "INSERT INTO sequences (project, doc_type, format, layout, start_seq, reset, timezone, \
+                                pool_size, refill_at) \
+         VALUES ('IMP', '2', 'TAKEN-{seq}', 'text', 1, 'never', 'UTC', 1000, 0.75)",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, \
+                                period, seq, seq_number) \
+         VALUES ('TAKEN-1', 'OTHER', '1', '{}', -1, '', 1, 1)",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let some = work.path().join("some.jsonl");
+    let mut file = std::fs::File::create(&some).unwrap();
+    for i in 0..5 {
+        writeln!(
+            file,
+            "{}",
+            json!({"source_id": format!("new-{i}"), "metadata": {}})
+        )
+        .unwrap();
+    }
+    drop(file);
+    let third_out = work.path().join("third.jsonl");
+    let third = import_as(
+        &app,
+        "2",
+        &first_key,
+        &some,
+        &third_out,
+        &["--key", &first_key],
+    )
+    .output()
+    .unwrap();
+    let said = String::from_utf8_lossy(&third.stderr);
+    assert_eq!(
+        third.status.code(),
+        Some(1),
+        "rejects end the run with 1: {said}"
+    );
+    assert!(
+        said.contains("--key"),
+        "a key on the command line is warned about: {said}"
+    );
+    assert_eq!(
+        mapping(&third_out).len(),
+        4,
+        "the other lines were imported"
+    );
+    let rejects = std::fs::read_to_string(work.path().join("third.rejects.jsonl")).unwrap();
+    assert!(rejects.contains("document_id_taken"), "{rejects}");
 }

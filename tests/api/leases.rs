@@ -587,3 +587,120 @@ async fn two_instances_under_load_one_killed_mid_lease() {
         assert_ne!(reason(n), Some("lease_lost"), "{n} was handed out");
     }
 }
+
+/// Issues on `port` from 16 clients until `stop`; every answered ID is
+/// handed to `attach` at once.
+async fn issue_and_attach(
+    port: u16,
+    key: String,
+    stop: Arc<AtomicBool>,
+    attached: tokio::sync::mpsc::UnboundedSender<String>,
+) {
+    let issuing = (0..16).map(|_| {
+        let (stop, attached) = (stop.clone(), attached.clone());
+        let client = crate::helpers::client_with_key(Some(&key));
+        async move {
+            while !stop.load(Ordering::Relaxed) {
+                let answer = client
+                    .post(format!("http://127.0.0.1:{port}/ids"))
+                    .json(&json!({"project": "ATT", "type": "1", "count": 1}))
+                    .send()
+                    .await;
+                // The instance may be killed under us: what it answered counts.
+                let Ok(answer) = answer else { return };
+                if answer.status() != reqwest::StatusCode::OK {
+                    continue;
+                }
+                let Ok(body) = answer.json::<Value>().await else {
+                    return;
+                };
+                if let Some(id) = body["ids"][0].as_str() {
+                    let _ = attached.send(id.to_owned());
+                }
+            }
+        }
+    });
+    futures::future::join_all(issuing).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_answered_is_attachable_at_once_through_any_instance_and_after_its_instance_is_killed()
+ {
+    let env = TestEnv::new();
+    // The instance that attaches; the one that answers is a process of
+    // its own, so it can be killed.
+    let attaching = env.spawn().await;
+    let mut answering = ServeProcess::start(&env).await;
+    let key = attaching.admin_key.clone();
+    let attach = |id: String| {
+        let (client, url) = (attaching.client.clone(), attaching.url("/documents"));
+        async move {
+            let response = client
+                .post(url)
+                .json(&json!({"project": "ATT", "type": "1", "id": id, "metadata": {}}))
+                .send()
+                .await
+                .expect("attach");
+            let status = response.status();
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            (id, status, body)
+        }
+    };
+
+    // Busy enough for leases; each ID attached through the other instance
+    // the moment it is answered.
+    let (sent, mut answered) = tokio::sync::mpsc::unbounded_channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let issuing = tokio::spawn(issue_and_attach(
+        answering.port,
+        key.clone(),
+        stop.clone(),
+        sent.clone(),
+    ));
+    let mut at_once = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1500) {
+        let Some(id) = answered.recv().await else {
+            break;
+        };
+        let (id, status, body) = attach(id).await;
+        assert_eq!(
+            status,
+            reqwest::StatusCode::ACCEPTED,
+            "{id} attached at once: {body}"
+        );
+        at_once += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    issuing.await.unwrap();
+    assert!(at_once >= 50, "too few IDs to tell ({at_once})");
+    let leased = ledger_rows(&attaching.db, "ATT", "lease").await;
+    assert!(!leased.is_empty(), "the answering instance served no lease");
+
+    // Killed mid-burst: every ID it had answered is still attachable.
+    let stop = Arc::new(AtomicBool::new(false));
+    let issuing = tokio::spawn(issue_and_attach(
+        answering.port,
+        key.clone(),
+        stop.clone(),
+        sent,
+    ));
+    let mut before_kill = Vec::new();
+    while before_kill.len() < 200 {
+        before_kill.push(answered.recv().await.expect("answers"));
+    }
+    answering.kill();
+    stop.store(true, Ordering::Relaxed);
+    issuing.await.unwrap();
+    while let Ok(id) = answered.try_recv() {
+        before_kill.push(id);
+    }
+    for id in before_kill {
+        let (id, status, body) = attach(id).await;
+        assert_eq!(
+            status,
+            reqwest::StatusCode::ACCEPTED,
+            "{id}, answered before the kill: {body}"
+        );
+    }
+}

@@ -11,6 +11,7 @@ mod hostile;
 mod ids;
 mod import;
 mod inputs;
+mod isolation;
 mod leases;
 mod operations;
 mod pools;

@@ -229,3 +229,153 @@ async fn the_binary_stops_cleanly_on_sigterm() {
     };
     assert!(status.success(), "exit status {status}");
 }
+
+/// The lines of a JSON log at `level` and above (WARN, ERROR).
+fn lines_at(log: &std::path::Path, levels: &[&str]) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            levels
+                .iter()
+                .any(|level| l.contains(&format!("\"level\":\"{level}\"")))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_starts_without_an_error_and_logs_each_request_with_its_key_and_nothing_per_stranger()
+ {
+    let env = TestEnv::new();
+    let setup = env.spawn().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut server = crate::helpers::ServeProcess::start_logging(&env, log.path(), "info").await;
+    let base = format!("http://127.0.0.1:{}", server.port);
+    let ok = setup
+        .client
+        .post(format!("{base}/ids"))
+        .json(&serde_json::json!({"project": "OPS", "type": "1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    // Strangers with made-up keys: answered, and not one log line each.
+    let stranger = reqwest::Client::new();
+    for n in 0..200 {
+        let refused = stranger
+            .get(format!("{base}/api/v1/sequences"))
+            .bearer_auth(format!("idp_{:012}_{}", n, "x".repeat(43)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+    }
+    server.stop();
+    let troubles = lines_at(log.path(), &["WARN", "ERROR"]);
+    assert!(troubles.is_empty(), "warnings or errors: {troubles:?}");
+    let key_id = setup.admin_key.split('_').nth(1).unwrap().to_owned();
+    let logs = std::fs::read_to_string(log.path()).unwrap();
+    let request_lines: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("idpool::request") && l.contains("\"level\":\"INFO\""))
+        .collect();
+    assert!(
+        request_lines
+            .iter()
+            .any(|l| l.contains("\"/ids\"") && l.contains(&key_id)),
+        "no request line names the key: {request_lines:?}"
+    );
+    assert!(
+        !logs.contains("SELECT") && !logs.contains("INSERT"),
+        "statements at info: {logs}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_prefix_of_another_database_is_named_at_once() {
+    let first = TestEnv::new();
+    let _owner = first.spawn().await;
+    // Another database (a recreated one, say) with the same prefix.
+    let mut second = TestEnv::new();
+    second.prefix = first.prefix.clone();
+    // Its database made and migrated by a process that is gone again.
+    crate::helpers::ServeProcess::start(&second).await.stop();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut server = crate::helpers::ServeProcess::start_logging(&second, log.path(), "info").await;
+    let started = Instant::now();
+    loop {
+        let errors = lines_at(log.path(), &["ERROR"]);
+        if let Some(first_error) = errors.first() {
+            assert!(
+                first_error.contains("belongs to another database"),
+                "the first error names the cause: {first_error}"
+            );
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the cause was not named within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.stop();
+    let logs = std::fs::read_to_string(log.path()).unwrap();
+    assert!(!logs.contains("unreachable: reconnected"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_commands_never_create_a_database_and_show_only_their_own_options() {
+    let missing = format!(
+        "idpool_typo_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let url = replace_database(&base_database_url(), &missing);
+    let listed = Command::new(env!("CARGO_BIN_EXE_idpool"))
+        .args(["keys", "list"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(
+        !listed.status.success(),
+        "keys list on a missing database succeeded"
+    );
+    let said = String::from_utf8_lossy(&listed.stderr);
+    assert!(said.contains("does not exist"), "{said}");
+    let db = sqlx::PgPool::connect(&replace_database(&base_database_url(), "postgres"))
+        .await
+        .unwrap();
+    let created: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&missing)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    assert!(!created, "keys list created the database it was pointed at");
+
+    let help = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    for command in [
+        &["keys", "create", "--help"][..],
+        &["keys", "list", "--help"],
+        &["db", "migrate", "--help"],
+        &["import", "--help"],
+    ] {
+        let text = help(command);
+        assert!(
+            !text.contains("IDPOOL_MAX_CONNECTIONS"),
+            "{command:?} lists serve's options: {text}"
+        );
+        for line in text.lines().filter(|l| l.trim_start().starts_with("--")) {
+            let described = line.split_whitespace().count() > 2;
+            assert!(described, "{command:?}: an option without help: {line}");
+        }
+    }
+    assert!(help(&["serve", "--help"]).contains("IDPOOL_MAX_CONNECTIONS"));
+    assert!(help(&["import", "--help"]).contains("--key-file"));
+}
