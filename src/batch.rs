@@ -70,25 +70,6 @@ impl<T: Send + 'static> Batcher<T> {
     pub async fn submit(&self, item: T) -> Result<(), BatcherClosed<T>> {
         self.tx.send(item).await.map_err(|e| BatcherClosed(e.0))
     }
-
-    /// Queues `item` without waiting; when the queue is full, a task of its
-    /// own waits for room (so a caller holding something it must not lose
-    /// can hand it over before any await).
-    pub fn submit_now(&self, item: T) -> Result<(), BatcherClosed<T>> {
-        match self.tx.try_send(item) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Closed(item)) => Err(BatcherClosed(item)),
-            Err(mpsc::error::TrySendError::Full(item)) => {
-                let tx = self.tx.clone();
-                tokio::spawn(async move {
-                    // Closed meanwhile: the item is dropped, and whoever
-                    // waits on its answer sees the sender gone.
-                    let _ = tx.send(item).await;
-                });
-                Ok(())
-            }
-        }
-    }
 }
 
 #[cfg(test)]

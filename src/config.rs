@@ -379,6 +379,18 @@ pub struct Config {
     )]
     pub max_in_flight_per_key: u64,
 
+    /// Rows of lists (outbox, gaps, sequences) one API key may read per
+    /// second (bursts of twice that); a key past it waits before its next
+    /// list. 0: no limit.
+    #[arg(
+        long = "idpool-list-rows-per-key",
+        env = "IDPOOL_LIST_ROWS_PER_KEY",
+        value_name = "IDPOOL_LIST_ROWS_PER_KEY",
+        default_value_t = 20_000,
+        value_parser = clap::value_parser!(u32),
+    )]
+    pub list_rows_per_key: u32,
+
     /// Requests per second per API key (bursts of twice that).
     #[arg(
         long = "idpool-rate-limit",

@@ -30,9 +30,7 @@ use sqlx::PgPool;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
-use crate::batch::Batcher;
 use crate::clock::Clock;
 use crate::issuance::{IssueError, Issued, Issuer};
 use crate::ledger::{self, LeaseReport, LedgerError, Via};
@@ -213,8 +211,8 @@ pub struct Leases {
     clock: Arc<dyn Clock>,
     settings: LeaseSettings,
     holders: Mutex<HashMap<HolderKey, Arc<Holder>>>,
-    /// Handouts of concurrent requests, written in one commit.
-    handouts: Batcher<Handout>,
+    /// Handouts of concurrent requests, written together.
+    handouts: mpsc::UnboundedSender<Handout>,
     reports: mpsc::UnboundedSender<Report>,
     /// Held by the reporter while it runs (a restarted one takes it over).
     received: tokio::sync::Mutex<mpsc::UnboundedReceiver<Report>>,
@@ -236,13 +234,7 @@ impl Leases {
         let (reports, received) = mpsc::unbounded_channel();
         // Lives as long as the leases (past the server's drain): every
         // request that took numbers gets its answer written.
-        let db = issuer.db.clone();
-        let handouts = Batcher::spawn(
-            &TaskTracker::new(),
-            "lease handouts",
-            4096,
-            move |batch: Vec<Handout>| write_handouts(db.clone(), batch),
-        );
+        let handouts = spawn_handout_writers(issuer.db.clone());
         Arc::new(Self {
             issuer,
             pools,
@@ -320,7 +312,7 @@ impl Leases {
             },
             written,
         };
-        if let Err(closed) = self.handouts.submit_now(handout) {
+        if let Err(closed) = self.handouts.send(handout) {
             let _ = closed
                 .0
                 .written
@@ -790,17 +782,60 @@ fn merge_per_pool(returned: Vec<(PoolRef, LeaseReport)>) -> Vec<(PoolRef, LeaseR
     merged
 }
 
+/// Writers of handouts working at once: while one commits, the other
+/// takes everything that arrived meanwhile, so a request waits for about
+/// one commit, not for the one running and then its own.
+const HANDOUT_WRITERS: usize = 2;
+
+/// Most handouts one statement records.
+const HANDOUTS_PER_WRITE: usize = 4096;
+
+/// Starts the handout writers; they stop once every sender is dropped and
+/// the queue is drained. The queue holds at most the requests in flight.
+fn spawn_handout_writers(db: PgPool) -> mpsc::UnboundedSender<Handout> {
+    let (sender, receiver) = mpsc::unbounded_channel();
+    let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
+    for _ in 0..HANDOUT_WRITERS {
+        let (db, receiver) = (db.clone(), receiver.clone());
+        tokio::spawn(async move {
+            let mut conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>> = None;
+            let mut batch = Vec::with_capacity(64);
+            loop {
+                let taken = receiver
+                    .lock()
+                    .await
+                    .recv_many(&mut batch, HANDOUTS_PER_WRITE)
+                    .await;
+                if taken == 0 {
+                    return;
+                }
+                write_handouts(&db, &mut conn, std::mem::take(&mut batch)).await;
+            }
+        });
+    }
+    sender
+}
+
 /// Records the handouts of every request waiting in one statement (its
-/// own commit), then answers each.
-async fn write_handouts(db: PgPool, batch: Vec<Handout>) {
+/// own commit) on the writer's connection, then answers each.
+async fn write_handouts(
+    db: &PgPool,
+    conn: &mut Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
+    batch: Vec<Handout>,
+) {
     let reports: Vec<LeaseReport> = batch.iter().map(|h| h.report.clone()).collect();
-    let outcome = match db.acquire().await {
+    let outcome = match writer_connection(db, conn).await {
         // No connection: nothing was written.
         Err(e) => Err(HandoutFailed::NotWritten(LedgerError::from(e))),
-        Ok(mut conn) => match ledger::record_handouts(&mut conn, &reports).await {
+        Ok(held) => match ledger::record_handouts(held, &reports).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 let e = LedgerError::from(e);
+                if !e.numbers_reusable() {
+                    // The connection may be broken: the next write takes
+                    // a new one.
+                    *conn = None;
+                }
                 Err(if e.numbers_reusable() {
                     HandoutFailed::NotWritten(e)
                 } else {
@@ -811,6 +846,20 @@ async fn write_handouts(db: PgPool, batch: Vec<Handout>) {
     };
     for handout in batch {
         let _ = handout.written.send(outcome.clone());
+    }
+}
+
+/// The writer's connection, taken from the pool when it has none.
+async fn writer_connection<'c>(
+    db: &PgPool,
+    conn: &'c mut Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
+) -> Result<&'c mut sqlx::PgConnection, sqlx::Error> {
+    if conn.is_none() {
+        *conn = Some(db.acquire().await?);
+    }
+    match conn.as_mut() {
+        Some(held) => Ok(&mut **held),
+        None => Err(sqlx::Error::PoolClosed),
     }
 }
 

@@ -170,7 +170,7 @@ impl Parts {
         let keys = Arc::new(KeyStore::new(db.clone()));
         keys.load_all().await?;
         let auth = Arc::new(if config.auth.is_on() {
-            Authenticator::new(keys.clone(), config.rate_limit)
+            Authenticator::new(keys.clone(), config.rate_limit, config.list_rows_per_key)
         } else {
             Authenticator::off(keys.clone())
         });
@@ -424,10 +424,10 @@ impl Parts {
 pub const BATCH_BODIES_PER_KEY: usize = 4;
 
 /// Request-path turns on the Postgres pool: its connections less those the
-/// instance's own work keeps (the shared ledger writer, the handout writer,
-/// two outbox loops), at least two.
+/// instance's own work keeps (the shared ledger writer, two handout
+/// writers, two outbox loops), at least two.
 pub fn request_db_turns(pool_size: u32) -> usize {
-    (pool_size as usize).saturating_sub(4).max(2)
+    (pool_size as usize).saturating_sub(5).max(2)
 }
 
 /// Cancels `stop` on SIGTERM or SIGINT.

@@ -56,6 +56,10 @@ struct Args {
     /// drain, neighbour.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// The neighbour scenario's floods (comma separated: keys, readers,
+    /// trickles, listings); all by default.
+    #[arg(long, value_delimiter = ',')]
+    floods: Vec<String>,
     /// Extra environment for idpool, KEY=VALUE (repeatable).
     #[arg(long = "idpool-env")]
     idpool_env: Vec<String>,
@@ -441,7 +445,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         single_documents(&mut bench, &idpool, &postgres, &sizes).await?;
     }
     if wanted("neighbour") {
-        hostile_neighbour(&mut bench, &idpool, &sizes).await?;
+        let intensity = if args.floods.is_empty() {
+            neighbour::INTENSITY
+        } else {
+            neighbour::Intensity::only(&args.floods)
+        };
+        hostile_neighbour(&mut bench, &idpool, &sizes, &intensity).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =
@@ -819,6 +828,7 @@ async fn hostile_neighbour(
     bench: &mut Bench,
     idpool: &Idpool,
     sizes: &Sizes,
+    intensity: &neighbour::Intensity,
 ) -> anyhow::Result<()> {
     idpool.reset_peak_rss();
     let total = sizes.neighbour_documents;
@@ -855,7 +865,7 @@ async fn hostile_neighbour(
     for _ in 0..sizes.rounds {
         let base = load::run(bench.addr, 8, Until::Elapsed(sizes.slice), victim()).await?;
         bench.check("POST /ids alone", &base)?;
-        let flood = neighbour::start(bench.addr, hostile_key.clone(), "HOSTILE");
+        let flood = neighbour::start(bench.addr, hostile_key.clone(), "HOSTILE", intensity);
         // The flood is under way (connections open, bodies trickling)
         // before the victim is timed.
         tokio::time::sleep(Duration::from_millis(300)).await;

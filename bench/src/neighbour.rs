@@ -32,6 +32,25 @@ pub const INTENSITY: Intensity = Intensity {
     listing_connections: 4,
 };
 
+impl Intensity {
+    /// Only the floods named (`keys`, `readers`, `trickles`, `listings`).
+    pub fn only(names: &[String]) -> Intensity {
+        let on = |name: &str, n: usize| {
+            if names.iter().any(|x| x == name) {
+                n
+            } else {
+                0
+            }
+        };
+        Intensity {
+            made_up_key_connections: on("keys", INTENSITY.made_up_key_connections),
+            slow_readers: on("readers", INTENSITY.slow_readers),
+            trickled_batches: on("trickles", INTENSITY.trickled_batches),
+            listing_connections: on("listings", INTENSITY.listing_connections),
+        }
+    }
+}
+
 /// What the flood sent, for the table.
 #[derive(Debug, Default)]
 pub struct Sent {
@@ -51,32 +70,37 @@ pub struct Flood {
 
 /// Starts every flood at once; `hostile_key` is the neighbour's own key
 /// (a project key of `project`).
-pub fn start(addr: SocketAddr, hostile_key: HeaderValue, project: &'static str) -> Flood {
+pub fn start(
+    addr: SocketAddr,
+    hostile_key: HeaderValue,
+    project: &'static str,
+    intensity: &Intensity,
+) -> Flood {
     let stop = Arc::new(AtomicBool::new(false));
     let made_up_keys = Arc::new(AtomicU64::new(0));
     let listings = Arc::new(AtomicU64::new(0));
     let listed_rows = Arc::new(AtomicU64::new(0));
     let mut counted = Vec::new();
     let mut held = Vec::new();
-    for n in 0..INTENSITY.made_up_key_connections {
+    for n in 0..intensity.made_up_key_connections {
         let (stop, sent) = (stop.clone(), made_up_keys.clone());
         counted.push(tokio::spawn(async move {
             let _ = made_up_key_requests(addr, n as u64, &stop, &sent).await;
         }));
     }
-    for _ in 0..INTENSITY.listing_connections {
+    for _ in 0..intensity.listing_connections {
         let (stop, sent, rows) = (stop.clone(), listings.clone(), listed_rows.clone());
         let key = hostile_key.clone();
         counted.push(tokio::spawn(async move {
             let _ = big_listings(addr, key, project, &stop, &sent, &rows).await;
         }));
     }
-    for _ in 0..INTENSITY.slow_readers {
+    for _ in 0..intensity.slow_readers {
         held.push(tokio::spawn(async move {
             let _ = never_read(addr).await;
         }));
     }
-    for _ in 0..INTENSITY.trickled_batches {
+    for _ in 0..intensity.trickled_batches {
         let key = hostile_key.clone();
         held.push(tokio::spawn(async move {
             let _ = trickle_a_batch(addr, key).await;

@@ -68,12 +68,81 @@ pub struct Authenticator {
     keys: Arc<KeyStore>,
     /// `None` with authentication off.
     limiter: Option<KeyedLimiter>,
+    /// Rows of lists each key may read per second.
+    rows: RowBudget,
+}
+
+/// Rows of lists (outbox, gaps, sequences) one key may read per second,
+/// with a burst of twice that: a list costs the rows it returned, charged
+/// once it has run, and a key in debt waits before its next list. A page of
+/// three rows costs three, a thousand a thousand, so one key's largest
+/// listings cannot take the processors from everybody else.
+pub struct RowBudget {
+    per_second: f64,
+    burst: f64,
+    keys: std::sync::Mutex<std::collections::HashMap<String, (f64, std::time::Instant)>>,
+}
+
+impl RowBudget {
+    /// `per_second` rows (0: no budget).
+    pub fn new(per_second: u32) -> Self {
+        Self {
+            per_second: f64::from(per_second),
+            burst: 2.0 * f64::from(per_second),
+            keys: Default::default(),
+        }
+    }
+
+    /// A key's tokens now (refilled since it last spent).
+    fn tokens(&self, key: &str) -> f64 {
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        let (tokens, at) = keys.entry(key.to_owned()).or_insert((self.burst, now));
+        *tokens =
+            (*tokens + self.per_second * now.duration_since(*at).as_secs_f64()).min(self.burst);
+        *at = now;
+        *tokens
+    }
+
+    /// Waits until `caller` is out of debt.
+    pub async fn wait(&self, caller: &Caller) {
+        if self.per_second <= 0.0 {
+            return;
+        }
+        loop {
+            let tokens = self.tokens(caller.id());
+            if tokens > 0.0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_secs_f64(-tokens / self.per_second + 0.001)).await;
+        }
+    }
+
+    /// Charges `rows` to `caller`.
+    pub fn spend(&self, caller: &Caller, rows: usize) {
+        if self.per_second <= 0.0 {
+            return;
+        }
+        self.tokens(caller.id());
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((tokens, _)) = keys.get_mut(caller.id()) {
+            *tokens -= rows as f64;
+        }
+    }
+
+    /// Forgets keys whose budget is full again.
+    fn tidy(&self) {
+        let full = self.burst;
+        let per_second = self.per_second;
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        keys.retain(|_, (tokens, at)| *tokens + per_second * at.elapsed().as_secs_f64() < full);
+    }
 }
 
 impl Authenticator {
     /// Keys checked against `keys`, each allowed `per_second` requests a
     /// second with a burst of twice that.
-    pub fn new(keys: Arc<KeyStore>, per_second: u32) -> Self {
+    pub fn new(keys: Arc<KeyStore>, per_second: u32, rows_per_second: u32) -> Self {
         let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
         let burst = NonZeroU32::new(per_second.saturating_mul(2)).unwrap_or(rate);
         Self {
@@ -81,6 +150,7 @@ impl Authenticator {
             limiter: Some(governor::RateLimiter::keyed(
                 governor::Quota::per_second(rate).allow_burst(burst),
             )),
+            rows: RowBudget::new(rows_per_second),
         }
     }
 
@@ -89,7 +159,13 @@ impl Authenticator {
         Self {
             keys,
             limiter: None,
+            rows: RowBudget::new(0),
         }
+    }
+
+    /// The rows of lists each key may read.
+    pub fn rows(&self) -> &RowBudget {
+        &self.rows
     }
 
     pub fn is_on(&self) -> bool {
@@ -125,6 +201,7 @@ impl Authenticator {
             limiter.retain_recent();
             limiter.shrink_to_fit();
         }
+        self.rows.tidy();
     }
 }
 

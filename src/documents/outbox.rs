@@ -192,33 +192,60 @@ pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentVi
     let Some(projects) = projects else {
         return Ok(list_everything(db, filter, after_row).await?);
     };
+    let mut page = Vec::new();
+    for project in &projects {
+        page.extend(list_project(db, project, filter, after_row).await?);
+    }
+    page.sort_unstable_by_key(|d| d.row_id);
+    page.truncate(usize::try_from(filter.limit).unwrap_or(0));
+    Ok(page)
+}
+
+/// One project's part of a page: each status it asks for walked on the
+/// index that starts with the tenant (and the type, when asked), merged.
+///
+/// One statement per project, planned for the project it names (an
+/// unnamed statement gets a plan for its values): a plan made for any
+/// project could walk the whole outbox in row order, filtering, which costs
+/// a small tenant the size of a large one.
+async fn list_project(
+    db: &PgPool,
+    project: &str,
+    filter: &ListFilter<'_>,
+    after_row: i64,
+) -> Result<Vec<DocumentView>, sqlx::Error> {
     let statuses: Vec<&str> = match filter.status {
         Some(status) => vec![status.as_str()],
         None => DocumentStatus::ALL.map(DocumentStatus::as_str).to_vec(),
     };
-    // The type is a column of the index or absent from the statement:
-    // one text each, so neither plan has to allow for the other.
     let by_type = match filter.doc_type {
-        Some(_) => "AND o.entity_type_id = $5",
-        None => "AND $5::text IS NULL",
+        Some(_) => "AND entity_type_id = $4",
+        None => "AND $4::text IS NULL",
     };
+    // Each status is one of four fixed words, spelt out so every branch
+    // has a plan of its own.
+    let branches: Vec<String> = statuses
+        .iter()
+        .map(|status| {
+            format!(
+                "(SELECT {VIEW_COLUMNS} FROM id_outbox \
+                  WHERE tenant_code = $1 AND status = '{status}' AND id > $2 {by_type} \
+                  ORDER BY id LIMIT $3)"
+            )
+        })
+        .collect();
     let sql = format!(
-        "SELECT v.* FROM unnest($1::text[]) AS p(code) \
-         CROSS JOIN unnest($2::text[]) AS st(status) \
-         CROSS JOIN LATERAL ( \
-             SELECT {VIEW_COLUMNS} FROM id_outbox o \
-             WHERE o.tenant_code = p.code AND o.status = st.status AND o.id > $3 {by_type} \
-             ORDER BY o.id LIMIT $4) v \
-         ORDER BY v.row_id LIMIT $4"
+        "SELECT * FROM ({}) AS page ORDER BY row_id LIMIT $3",
+        branches.join(" UNION ALL ")
     );
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(&projects)
-        .bind(&statuses)
+    sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .persistent(false)
+        .bind(project)
         .bind(after_row)
         .bind(filter.limit)
         .bind(filter.doc_type)
         .fetch_all(db)
-        .await?)
+        .await
 }
 
 /// The row a cursor's document holds, if the caller may see it (else the
@@ -407,32 +434,52 @@ pub async fn claim_due(
     };
     // Every tenant with pending rows gets an equal share of the batch, so
     // one tenant's backlog (a migration of millions) delays another's
-    // documents by one batch, not by the backlog. A share left unused by a
-    // tenant with fewer due rows is taken by the next batch, which follows
-    // at once when this one was full.
+    // documents by one batch, not by the backlog. What the shares leave of
+    // the batch is filled in due order.
     let tenants = tenants_with_pending_rows(conn).await?;
     if tenants.is_empty() {
         return Ok(Vec::new());
     }
     let share = (limit / tenants.len() as i64).max(1);
-    // The status spelt out, so the planner matches the partial index of
-    // pending rows.
+    // The status spelt out, so the planner matches the partial indexes of
+    // pending rows; one statement per tenant, planned for that tenant (a
+    // plan for any tenant could walk everyone's pending rows in due order).
     let pending = DocumentStatus::Pending.as_str();
     let sql = format!(
-        "SELECT c.* FROM unnest($1::text[]) AS t(code) CROSS JOIN LATERAL ( \
-             SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
-                    seq_number AS seq, created_at, {payload} AS payload, next_retry_at \
-             FROM id_outbox \
-             WHERE tenant_code = t.code AND status = '{pending}' AND next_retry_at <= now() \
-             ORDER BY next_retry_at LIMIT $2 FOR UPDATE SKIP LOCKED) c \
-         ORDER BY c.next_retry_at LIMIT $3"
+        "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
+                seq_number AS seq, created_at, {payload} AS payload \
+         FROM id_outbox \
+         WHERE tenant_code = $1 AND status = '{pending}' AND next_retry_at <= now() \
+         ORDER BY tenant_code, next_retry_at LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
-    sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(&tenants)
-        .bind(share)
-        .bind(limit)
-        .fetch_all(&mut *conn)
-        .await
+    let mut claimed: Vec<Delivery> = Vec::new();
+    for tenant in &tenants {
+        let theirs: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql.clone()))
+            .persistent(false)
+            .bind(tenant)
+            .bind(share)
+            .fetch_all(&mut *conn)
+            .await?;
+        claimed.extend(theirs);
+    }
+    let room = limit - claimed.len() as i64;
+    if room > 0 && tenants.len() > 1 {
+        let taken: Vec<i64> = claimed.iter().map(|d| d.row_id).collect();
+        let sql = format!(
+            "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
+                    seq_number AS seq, created_at, {payload} AS payload \
+             FROM id_outbox WHERE status = '{pending}' AND next_retry_at <= now() \
+               AND id <> ALL($1) \
+             ORDER BY next_retry_at LIMIT $2 FOR UPDATE SKIP LOCKED"
+        );
+        let more: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(&taken)
+            .bind(room)
+            .fetch_all(&mut *conn)
+            .await?;
+        claimed.extend(more);
+    }
+    Ok(claimed)
 }
 
 /// The tenants that have pending rows, found by skipping through the index

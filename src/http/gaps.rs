@@ -127,6 +127,7 @@ pub async fn list_gaps(
     let gaps = if !in_scope {
         Vec::new()
     } else {
+        state.auth.rows().wait(&caller).await;
         let _turn = state.db_turn(&caller).await;
         gaps::list(
             &state.db,
@@ -142,6 +143,7 @@ pub async fn list_gaps(
         .await
         .map_err(db_error)?
     };
+    state.auth.rows().spend(&caller, gaps.len());
     let next_cursor = page.next_cursor(&gaps, |g| format!("{}:{}", g.period, g.from_seq));
     Ok(axum::Json(GapList {
         project: project.to_string(),

@@ -150,7 +150,7 @@ pub struct Probes {
 impl Default for Probes {
     fn default() -> Self {
         Self {
-            readiness: Coalesced::new(Duration::from_millis(100)),
+            readiness: Coalesced::new(Duration::from_millis(25)),
             metrics: Coalesced::new(Duration::from_millis(100)),
         }
     }

@@ -121,7 +121,8 @@ pub async fn list_outbox(
         None => None,
         Some(cursor) => Some(cursor::document_of(cursor).ok_or_else(unknown_cursor)?),
     };
-    let _turn = state.db_turn(&caller).await;
+    state.auth.rows().wait(&caller).await;
+    let turn = state.db_turn(&caller).await;
     let documents = outbox::list(
         &state.db,
         &ListFilter {
@@ -138,6 +139,8 @@ pub async fn list_outbox(
         ListError::Cursor => unknown_cursor(),
         ListError::Db(e) => db_error(e),
     })?;
+    drop(turn);
+    state.auth.rows().spend(&caller, documents.len());
     let next_cursor = page.next_cursor(&documents, |d| cursor::after(&d.id));
     Ok(axum::Json(OutboxPage {
         documents,

@@ -127,11 +127,14 @@ pub async fn list_sequences(
     Query(query): Query<ListQuery>,
 ) -> Result<axum::Json<SequenceList>, ApiError> {
     let page = Page::parse(query.limit, query.cursor.as_deref(), |c| c.split_once('/'))?;
-    let _turn = state.db_turn(&caller).await;
+    state.auth.rows().wait(&caller).await;
+    let turn = state.db_turn(&caller).await;
     let sequences = state
         .sequences
         .list(page.after, page.limit, caller.projects())
         .await?;
+    drop(turn);
+    state.auth.rows().spend(&caller, sequences.len());
     let next_cursor = page.next_cursor(&sequences, |s| format!("{}/{}", s.project, s.doc_type));
     Ok(axum::Json(SequenceList {
         sequences: sequences

@@ -850,3 +850,32 @@ async fn a_delivery_that_keeps_failing_is_dead_lettered_after_its_last_retry() {
     assert!(!listed.to_string().contains(&dir_name), "{listed}");
     assert_eq!(processor.step().await.unwrap().claimed, 0, "nothing is due");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_backlog_delays_another_tenants_documents_by_one_batch() {
+    let mut env = TestEnv::new();
+    env.processor = false;
+    let app = env.spawn().await;
+    // A migration's backlog, accepted first...
+    for _ in 0..5 {
+        accept_batch(&app, "BACKLOG", 1000).await;
+    }
+    // ...then a handful of another tenant's documents.
+    accept_batch(&app, "SMALL", 5).await;
+    let dir = tempfile::tempdir().unwrap();
+    let processor = dir_processor(&app, dir.path(), 100);
+    let step = processor.step().await.unwrap();
+    assert_eq!(step.delivered, 100);
+    let delivered: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT tenant_code, count(*) FROM id_outbox WHERE status = 'committed' \
+         GROUP BY tenant_code ORDER BY tenant_code",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        delivered,
+        vec![("BACKLOG".to_owned(), 95), ("SMALL".to_owned(), 5)],
+        "the first batch shares itself between the tenants with due rows"
+    );
+}

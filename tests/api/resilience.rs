@@ -142,7 +142,25 @@ async fn a_pool_filled_on_another_server_is_discarded_after_reconnect() {
     let (_, before) = app.issue("FAIL", "1", 10).await;
     // Same data, new server: like a failover to a replica.
     redis.restart_with_data();
-    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    // The pools are checked against the new server (the old pool found
+    // and discarded), then used again.
+    let started = std::time::Instant::now();
+    loop {
+        let discards: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pool_discards WHERE cause = 'redis_reconnect'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if discards > 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the pool filled on the old server was not discarded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     app.wait_for_mode("pool", Duration::from_secs(10)).await;
     let (_, after) = app.issue("FAIL", "1", 10).await;
     let highest_block: i64 =
