@@ -16,7 +16,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::counter::Counter;
 use crate::documents::Documents;
-use crate::documents::processor::{OutboxWake, Processor};
+use crate::documents::processor::{OutboxWake, PendingTenants, Processor};
 use crate::documents::sink::{Sink, SinkSettings};
 use crate::fair::FairSlots;
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
@@ -295,6 +295,7 @@ impl Parts {
         drained: &CancellationToken,
     ) -> anyhow::Result<()> {
         let outbox_wake = Arc::new(Notify::new());
+        let pending_tenants = Arc::new(PendingTenants::default());
         let (pools, auth, db) = (self.pools.clone(), self.auth.clone(), self.db.clone());
         let watch_stop = stop.clone();
         supervisor.spawn("redis watch", move || {
@@ -303,7 +304,10 @@ impl Parts {
         let subscribers: listen::Subscribers = vec![
             self.sequences.clone(),
             self.keys.clone(),
-            Arc::new(OutboxWake(outbox_wake.clone())),
+            Arc::new(OutboxWake {
+                wake: outbox_wake.clone(),
+                tenants: pending_tenants.clone(),
+            }),
         ];
         let (listen_db, listen_stop) = (db.clone(), stop.clone());
         supervisor.spawn("notifications", move || {
@@ -328,7 +332,13 @@ impl Parts {
             });
         }
         if config.outbox_processor.is_on() {
-            self.start_outbox(config, overrides, supervisor, stop, outbox_wake)?;
+            self.start_outbox(
+                config,
+                overrides,
+                supervisor,
+                stop,
+                (outbox_wake, pending_tenants),
+            )?;
         }
         Ok(())
     }
@@ -339,7 +349,7 @@ impl Parts {
         overrides: &Overrides,
         supervisor: &Supervisor,
         stop: &CancellationToken,
-        wake: Arc<Notify>,
+        (wake, tenants): (Arc<Notify>, Arc<PendingTenants>),
     ) -> anyhow::Result<()> {
         let sink = Sink::build(
             &config.sink,
@@ -351,12 +361,13 @@ impl Parts {
                 clock: overrides.clock.clone(),
             },
         )?;
-        let processor = Arc::new(Processor::new(
+        let processor = Arc::new(Processor::with_tenants(
             self.db.clone(),
             sink,
             config.processor_settings(),
             wake,
             self.stats.clone(),
+            tenants,
         ));
         // Several loops, so delivery can use more than one core of
         // Postgres; SKIP LOCKED keeps them off each other's rows.
@@ -424,10 +435,10 @@ impl Parts {
 pub const BATCH_BODIES_PER_KEY: usize = 4;
 
 /// Request-path turns on the Postgres pool: its connections less those the
-/// instance's own work keeps (the shared ledger writer, two handout
-/// writers, two outbox loops), at least two.
+/// instance's own work keeps (the shared ledger writer, the handout writer,
+/// two outbox loops), at least two.
 pub fn request_db_turns(pool_size: u32) -> usize {
-    (pool_size as usize).saturating_sub(5).max(2)
+    (pool_size as usize).saturating_sub(4).max(2)
 }
 
 /// Cancels `stop` on SIGTERM or SIGINT.

@@ -159,13 +159,14 @@ pub enum ListError {
     Db(#[from] sqlx::Error),
 }
 
-/// One page of documents, in the order they were accepted.
+/// One page of documents.
 ///
-/// A caller limited to some projects (or asking for one) is served by the
-/// indexes that start with the tenant: each of its projects and statuses
-/// is walked in row order from the cursor for one page, and the walks are
-/// merged, so the page costs its own size, whatever other tenants hold.
-/// An admin listing every project walks the whole outbox in row order.
+/// A caller limited to some projects (or asking for one) gets them project
+/// by project, each by type and then in the order they came, read from the
+/// indexes that start with the tenant: each status asked for is walked from
+/// the cursor for one page, and the walks are merged, so the page costs its
+/// own size, whatever other tenants hold. An admin listing every project
+/// walks the whole outbox in the order documents came.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentView>, ListError> {
     let projects: Option<Vec<String>> = match (filter.projects, filter.project) {
@@ -183,26 +184,47 @@ pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentVi
     if projects.as_ref().is_some_and(Vec::is_empty) {
         return Ok(Vec::new());
     }
-    let after_row = match filter.after {
-        None => 0,
-        Some(document_id) => cursor_row(db, document_id, projects.as_deref())
-            .await?
-            .ok_or(ListError::Cursor)?,
+    let after = match filter.after {
+        None => None,
+        Some(document_id) => Some(
+            cursor_position(db, document_id, projects.as_deref())
+                .await?
+                .ok_or(ListError::Cursor)?,
+        ),
     };
-    let Some(projects) = projects else {
+    let Some(mut projects) = projects else {
+        let after_row = after.map_or(0, |a| a.row);
         return Ok(list_everything(db, filter, after_row).await?);
     };
+    projects.sort_unstable();
+    projects.dedup();
+    let limit = usize::try_from(filter.limit).unwrap_or(0);
     let mut page = Vec::new();
     for project in &projects {
-        page.extend(list_project(db, project, filter, after_row).await?);
+        let start = match &after {
+            Some(after) if after.project > *project => continue,
+            Some(after) if after.project == *project => (after.doc_type.as_str(), after.row),
+            _ => ("", 0),
+        };
+        let room = limit - page.len();
+        if room == 0 {
+            break;
+        }
+        page.extend(list_project(db, project, filter, start, room as i64).await?);
     }
-    page.sort_unstable_by_key(|d| d.row_id);
-    page.truncate(usize::try_from(filter.limit).unwrap_or(0));
     Ok(page)
 }
 
-/// One project's part of a page: each status it asks for walked on the
-/// index that starts with the tenant (and the type, when asked), merged.
+/// Where a cursor's document stands in a project's listing.
+struct Position {
+    project: String,
+    doc_type: String,
+    row: i64,
+}
+
+/// Up to `limit` documents of one project after `(type, row)`, by type and
+/// then row: each status asked for walked on the index that starts with
+/// the tenant (delivered documents and the others have one each), merged.
 ///
 /// One statement per project, planned for the project it names (an
 /// unnamed statement gets a plan for its values): a plan made for any
@@ -212,7 +234,8 @@ async fn list_project(
     db: &PgPool,
     project: &str,
     filter: &ListFilter<'_>,
-    after_row: i64,
+    (after_type, after_row): (&str, i64),
+    limit: i64,
 ) -> Result<Vec<DocumentView>, sqlx::Error> {
     let statuses: Vec<&str> = match filter.status {
         Some(status) => vec![status.as_str()],
@@ -223,46 +246,53 @@ async fn list_project(
         None => "AND $4::text IS NULL",
     };
     // Each status is one of four fixed words, spelt out so every branch
-    // has a plan of its own.
+    // matches its partial index.
     let branches: Vec<String> = statuses
         .iter()
         .map(|status| {
             format!(
                 "(SELECT {VIEW_COLUMNS} FROM id_outbox \
-                  WHERE tenant_code = $1 AND status = '{status}' AND id > $2 {by_type} \
-                  ORDER BY id LIMIT $3)"
+                  WHERE tenant_code = $1 AND status = '{status}' {by_type} \
+                    AND (entity_type_id, id) > ($5, $2) \
+                  ORDER BY entity_type_id, id LIMIT $3)"
             )
         })
         .collect();
     let sql = format!(
-        "SELECT * FROM ({}) AS page ORDER BY row_id LIMIT $3",
+        "SELECT * FROM ({}) AS page ORDER BY doc_type, row_id LIMIT $3",
         branches.join(" UNION ALL ")
     );
     sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .persistent(false)
         .bind(project)
         .bind(after_row)
-        .bind(filter.limit)
+        .bind(limit)
         .bind(filter.doc_type)
+        .bind(after_type)
         .fetch_all(db)
         .await
 }
 
-/// The row a cursor's document holds, if the caller may see it (else the
+/// Where the cursor's document stands, if the caller may see it (else the
 /// cursor is refused exactly as one that names no document).
-async fn cursor_row(
+async fn cursor_position(
     db: &PgPool,
     document_id: &str,
     projects: Option<&[String]>,
-) -> Result<Option<i64>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT id FROM id_outbox WHERE document_id = $1 \
+) -> Result<Option<Position>, sqlx::Error> {
+    let found: Option<(String, String, i64)> = sqlx::query_as(
+        "SELECT tenant_code, entity_type_id, id FROM id_outbox WHERE document_id = $1 \
          AND ($2::text[] IS NULL OR tenant_code = ANY($2))",
     )
     .bind(document_id)
     .bind(projects)
     .fetch_optional(db)
-    .await
+    .await?;
+    Ok(found.map(|(project, doc_type, row)| Position {
+        project,
+        doc_type,
+        row,
+    }))
 }
 
 /// An admin's page of every project, in row order.
@@ -412,6 +442,7 @@ pub async fn claim_due(
     conn: &mut PgConnection,
     limit: i64,
     with_payload: bool,
+    tenants: &[String],
 ) -> Result<Vec<Delivery>, sqlx::Error> {
     // Deliveries (a webhook's answers) keep this transaction open while
     // no statement runs; their own timeouts bound that, not Postgres'.
@@ -420,10 +451,14 @@ pub async fn claim_due(
     // (a fresh install taking a migration), the planner believes a few
     // hundred rows are pending and reads all of them, then sorts: measured
     // 65 ms a claim at 150,000 pending, and delivery three times slower.
-    // Every statement of this transaction finds its rows by an index.
+    // Every statement of this transaction finds its rows by an index, in
+    // the order it reads them: a tenant's pending rows by due time, never
+    // all of them sorted (which the planner thinks cheap for a tenant whose
+    // rows its statistics have not seen yet).
     sqlx::raw_sql(
         "SET LOCAL idle_in_transaction_session_timeout = 0; \
-         SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off",
+         SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off; \
+         SET LOCAL enable_sort = off",
     )
     .execute(&mut *conn)
     .await?;
@@ -435,57 +470,98 @@ pub async fn claim_due(
     // Every tenant with pending rows gets an equal share of the batch, so
     // one tenant's backlog (a migration of millions) delays another's
     // documents by one batch, not by the backlog. What the shares leave of
-    // the batch is filled in due order.
-    let tenants = tenants_with_pending_rows(conn).await?;
+    // the batch goes to the tenants that filled theirs.
     if tenants.is_empty() {
         return Ok(Vec::new());
     }
     let share = (limit / tenants.len() as i64).max(1);
-    // The status spelt out, so the planner matches the partial indexes of
-    // pending rows; one statement per tenant, planned for that tenant (a
-    // plan for any tenant could walk everyone's pending rows in due order).
+    // The status spelt out, so the planner matches the partial index of
+    // pending rows by tenant: one statement per tenant, on the only index
+    // that orders a tenant's pending rows by due time (none walks every
+    // tenant's rows, so a plan for any tenant is the right plan).
     let pending = DocumentStatus::Pending.as_str();
+    // Rows this transaction holds already are not skipped by SKIP LOCKED
+    // (it holds their locks): `$3` names them.
     let sql = format!(
         "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
                 seq_number AS seq, created_at, {payload} AS payload \
          FROM id_outbox \
          WHERE tenant_code = $1 AND status = '{pending}' AND next_retry_at <= now() \
+           AND id <> ALL($3) \
          ORDER BY tenant_code, next_retry_at LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
     let mut claimed: Vec<Delivery> = Vec::new();
-    for tenant in &tenants {
-        let theirs: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql.clone()))
-            .persistent(false)
-            .bind(tenant)
-            .bind(share)
-            .fetch_all(&mut *conn)
-            .await?;
-        claimed.extend(theirs);
+    for tenant in tenants {
+        claimed.extend(claim_of(conn, &sql, tenant, share, &[]).await?);
     }
-    let room = limit - claimed.len() as i64;
+    // What the shares left of the batch goes to the tenants that filled
+    // theirs (their rows may be due; the others had no more).
+    let mut room = limit - claimed.len() as i64;
     if room > 0 && tenants.len() > 1 {
-        let taken: Vec<i64> = claimed.iter().map(|d| d.row_id).collect();
-        let sql = format!(
-            "SELECT id AS row_id, document_id, tenant_code AS project, entity_type_id AS doc_type, \
-                    seq_number AS seq, created_at, {payload} AS payload \
-             FROM id_outbox WHERE status = '{pending}' AND next_retry_at <= now() \
-               AND id <> ALL($1) \
-             ORDER BY next_retry_at LIMIT $2 FOR UPDATE SKIP LOCKED"
-        );
-        let more: Vec<Delivery> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(&taken)
-            .bind(room)
-            .fetch_all(&mut *conn)
-            .await?;
-        claimed.extend(more);
+        for tenant in tenants {
+            if room <= 0 {
+                break;
+            }
+            let theirs = claimed.iter().filter(|d| d.project == *tenant).count() as i64;
+            if theirs < share {
+                continue;
+            }
+            let held: Vec<i64> = claimed
+                .iter()
+                .filter(|d| d.project == *tenant)
+                .map(|d| d.row_id)
+                .collect();
+            let more = claim_of(conn, &sql, tenant, room, &held).await?;
+            room -= more.len() as i64;
+            claimed.extend(more);
+        }
     }
     Ok(claimed)
+}
+
+/// Up to `limit` due rows of `tenant` that no other transaction holds,
+/// leaving out `held` (this one's).
+async fn claim_of(
+    conn: &mut PgConnection,
+    sql: &str,
+    tenant: &str,
+    limit: i64,
+    held: &[i64],
+) -> Result<Vec<Delivery>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()))
+        .bind(tenant)
+        .bind(limit)
+        .bind(held)
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// How long until `tenant`'s next pending row is due (zero when one is due
+/// now), by the database's clock (which set the due times); None when it
+/// has none pending. Inside the claim's transaction: the due-order index of
+/// the tenant's pending rows is the one read.
+pub async fn next_due_of(
+    conn: &mut PgConnection,
+    tenant: &str,
+) -> Result<Option<std::time::Duration>, sqlx::Error> {
+    let pending = DocumentStatus::Pending.as_str();
+    let sql = format!(
+        "SELECT extract(epoch FROM next_retry_at - clock_timestamp())::float8 FROM id_outbox \
+         WHERE tenant_code = $1 AND status = '{pending}' ORDER BY tenant_code, next_retry_at LIMIT 1"
+    );
+    let seconds: Option<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .bind(tenant)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(seconds.map(|s| std::time::Duration::try_from_secs_f64(s).unwrap_or_default()))
 }
 
 /// The tenants that have pending rows, found by skipping through the index
 /// of pending rows by tenant: one probe per such tenant, however many rows
 /// each holds.
-async fn tenants_with_pending_rows(conn: &mut PgConnection) -> Result<Vec<String>, sqlx::Error> {
+pub async fn tenants_with_pending_rows(
+    conn: &mut PgConnection,
+) -> Result<Vec<String>, sqlx::Error> {
     let pending = DocumentStatus::Pending.as_str();
     let sql = format!(
         "WITH RECURSIVE t(code) AS ( \

@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::outbox::{self, DocumentStatus};
+use super::outbox;
 use super::sink::Sink;
 use crate::stats::Stats;
 
@@ -44,20 +44,92 @@ impl Default for ProcessorSettings {
 /// Channel the outbox trigger notifies on insert.
 pub const OUTBOX_CHANNEL: &str = "idpool_outbox";
 
-/// New outbox rows (here or on another instance) wake a waiting processor.
-pub struct OutboxWake(pub Arc<Notify>);
+/// The tenants with pending rows, as far as this instance knows: told by
+/// the notification of every new row (its payload names the tenants), and
+/// found again by a scan at least every [`TENANT_SCAN_EVERY`] (for what
+/// notifications do not tell: another instance's retries and abandons, a
+/// listener that reconnected). A tenant leaves once a step finds nothing
+/// of it pending.
+#[derive(Debug, Default)]
+pub struct PendingTenants {
+    known: std::sync::Mutex<Known>,
+}
+
+#[derive(Debug, Default)]
+struct Known {
+    tenants: std::collections::BTreeSet<String>,
+    scanned: Option<std::time::Instant>,
+}
+
+/// Longest a processor goes without scanning for tenants with pending rows.
+const TENANT_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+impl PendingTenants {
+    fn known(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A notification: the tenants it names have new rows; one that names
+    /// none (a retried dead letter) asks for a scan.
+    pub fn told(&self, payload: &str) {
+        let mut known = self.known();
+        if payload.is_empty() {
+            known.scanned = None;
+        }
+        for tenant in payload.split(',').filter(|t| !t.is_empty()) {
+            if !known.tenants.contains(tenant) {
+                known.tenants.insert(tenant.to_owned());
+            }
+        }
+    }
+
+    /// Notifications may have been missed: scan at the next step.
+    pub fn rescan(&self) {
+        self.known().scanned = None;
+    }
+
+    /// The tenants to serve now, scanning first when it is time.
+    async fn current(&self, conn: &mut sqlx::PgConnection) -> Result<Vec<String>, sqlx::Error> {
+        let due = self
+            .known()
+            .scanned
+            .is_none_or(|at| at.elapsed() >= TENANT_SCAN_EVERY);
+        if due {
+            let scanned_at = std::time::Instant::now();
+            let found = outbox::tenants_with_pending_rows(conn).await?;
+            let mut known = self.known();
+            known.tenants.extend(found);
+            known.scanned = Some(scanned_at);
+        }
+        Ok(self.known().tenants.iter().cloned().collect())
+    }
+
+    /// `tenant` has nothing pending.
+    fn idle(&self, tenant: &str) {
+        self.known().tenants.remove(tenant);
+    }
+}
+
+/// New outbox rows (here or on another instance) wake a waiting processor
+/// and name their tenants.
+pub struct OutboxWake {
+    pub wake: Arc<Notify>,
+    pub tenants: Arc<PendingTenants>,
+}
 
 impl crate::listen::Subscriber for OutboxWake {
     fn channel(&self) -> &'static str {
         OUTBOX_CHANNEL
     }
 
-    fn notified(&self, _payload: &str) {
-        self.0.notify_one();
+    fn notified(&self, payload: &str) {
+        self.tenants.told(payload);
+        self.wake.notify_one();
     }
 
     fn missed(&self) {
-        self.0.notify_one();
+        self.tenants.rescan();
+        self.wake.notify_one();
     }
 }
 
@@ -71,6 +143,10 @@ pub struct Step {
     pub delivered: usize,
     pub failed: usize,
     pub dead_lettered: usize,
+    /// After a batch that was not full: how long until the next pending row
+    /// is due (zero: one is due now, held by another processor); None when
+    /// nothing is pending.
+    pub next_due: Option<Duration>,
 }
 
 pub struct Processor {
@@ -81,6 +157,7 @@ pub struct Processor {
     stats: Arc<Stats>,
     /// Failed deliveries, logged without flooding the log.
     failures: crate::log_limit::Repeated,
+    tenants: Arc<PendingTenants>,
 }
 
 impl Processor {
@@ -91,6 +168,19 @@ impl Processor {
         wake: Arc<Notify>,
         stats: Arc<Stats>,
     ) -> Self {
+        Self::with_tenants(db, sink, settings, wake, stats, Default::default())
+    }
+
+    /// The same, told of tenants with new rows through `tenants` (see
+    /// [`OutboxWake`]).
+    pub fn with_tenants(
+        db: PgPool,
+        sink: Sink,
+        settings: ProcessorSettings,
+        wake: Arc<Notify>,
+        stats: Arc<Stats>,
+        tenants: Arc<PendingTenants>,
+    ) -> Self {
         Self {
             db,
             sink,
@@ -98,16 +188,28 @@ impl Processor {
             wake,
             stats,
             failures: crate::log_limit::Repeated::new("outbox deliveries failed"),
+            tenants,
         }
     }
 
     /// Claims and delivers one batch of due rows.
     pub async fn step(&self) -> Result<Step, sqlx::Error> {
         let mut tx = self.db.begin().await?;
-        let claimed =
-            outbox::claim_due(&mut tx, self.settings.batch_size, self.sink.needs_payload()).await?;
+        let tenants = self.tenants.current(&mut tx).await?;
+        let claimed = outbox::claim_due(
+            &mut tx,
+            self.settings.batch_size,
+            self.sink.needs_payload(),
+            &tenants,
+        )
+        .await?;
+        let full = claimed.len() as i64 >= self.settings.batch_size;
         if claimed.is_empty() {
-            return Ok(Step::default());
+            let next_due = self.next_due(&mut tx, &tenants).await?;
+            return Ok(Step {
+                next_due,
+                ..Step::default()
+            });
         }
         let outcomes = self.sink.deliver(&mut tx, &claimed).await;
         let mut delivered = Vec::new();
@@ -129,6 +231,11 @@ impl Processor {
             backoff_base: self.settings.backoff_base,
         };
         let recorded = outbox::record_outcomes(&mut tx, &delivered, &failed, &retry).await?;
+        let next_due = if full {
+            None
+        } else {
+            self.next_due(&mut tx, &tenants).await?
+        };
         tx.commit().await?;
         for lag in recorded.lags {
             self.stats.outbox_lag.observe(lag);
@@ -147,21 +254,25 @@ impl Processor {
             delivered: delivered.len(),
             failed: failed.len(),
             dead_lettered,
+            next_due,
         })
     }
 
-    /// How long until the next pending row is due, if there is one, by
-    /// the database's clock (which set the due times).
-    async fn until_next_due(&self) -> Result<Option<Duration>, sqlx::Error> {
-        let pending = DocumentStatus::Pending.as_str();
-        let sql = format!(
-            "SELECT extract(epoch FROM min(next_retry_at) - clock_timestamp())::float8 \
-             FROM id_outbox WHERE status = '{pending}'"
-        );
-        let seconds: Option<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .fetch_one(&self.db)
-            .await?;
-        Ok(seconds.map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)))
+    /// How long until the next pending row of `tenants` is due; tenants
+    /// with none pending are forgotten.
+    async fn next_due(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        tenants: &[String],
+    ) -> Result<Option<Duration>, sqlx::Error> {
+        let mut soonest: Option<Duration> = None;
+        for tenant in tenants {
+            match outbox::next_due_of(conn, tenant).await? {
+                Some(due) => soonest = Some(soonest.map_or(due, |s| s.min(due))),
+                None => self.tenants.idle(tenant),
+            }
+        }
+        Ok(soonest)
     }
 
     /// Runs until `stop`: a full batch goes straight on to the next; else it
@@ -187,7 +298,7 @@ impl Processor {
                     return;
                 }
             };
-            let claimed = match result {
+            let (claimed, next_due) = match result {
                 Ok(step) if step.claimed as i64 >= self.settings.batch_size => {
                     // More is waiting: a sleeping loop of this instance can help.
                     self.wake.notify_one();
@@ -195,7 +306,7 @@ impl Processor {
                 }
                 Ok(step) => {
                     backoff_on_error = Duration::from_millis(100);
-                    step.claimed
+                    (step.claimed, step.next_due)
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "outbox step failed");
@@ -207,10 +318,7 @@ impl Processor {
                     continue;
                 }
             };
-            let until_due = match self.until_next_due().await {
-                Ok(Some(wait)) => wait,
-                _ => self.settings.poll,
-            };
+            let until_due = next_due.unwrap_or(self.settings.poll);
             // A row that is due but was not claimed is held by another
             // processor: look again shortly instead of spinning.
             if until_due.is_zero() && claimed > 0 {

@@ -162,14 +162,23 @@ impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
                 let Some(deadline) = self.activity.read_deadline() else {
                     return Poll::Pending;
                 };
-                if self.read_timer.deadline() != deadline {
-                    self.read_timer.as_mut().reset(deadline);
-                }
-                match self.read_timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Err(
-                        self.timed_out("the client sent no complete request in time")
-                    )),
-                    Poll::Pending => Poll::Pending,
+                // The timer is moved only to an earlier deadline: an idle
+                // deadline moves later with every request, so the timer
+                // fires at an old one at most once per idle spell and is
+                // set again then, instead of being reset for every request.
+                loop {
+                    if self.read_timer.deadline() > deadline {
+                        self.read_timer.as_mut().reset(deadline);
+                    }
+                    match self.read_timer.as_mut().poll(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(()) if Instant::now() >= deadline => {
+                            return Poll::Ready(Err(
+                                self.timed_out("the client sent no complete request in time")
+                            ));
+                        }
+                        Poll::Ready(()) => self.read_timer.as_mut().reset(deadline),
+                    }
                 }
             }
         }

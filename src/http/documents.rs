@@ -135,10 +135,14 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(create_document))
         .routes(routes!(create_document_short))
         .layer(DefaultBodyLimit::max(DOCUMENT_BODY_LIMIT))
+        .layer(axum::Extension(super::extract::BodyLimit(
+            DOCUMENT_BODY_LIMIT,
+        )))
         .merge(
             OpenApiRouter::new()
                 .routes(routes!(create_batch))
-                .layer(DefaultBodyLimit::max(BATCH_BODY_LIMIT)),
+                .layer(DefaultBodyLimit::max(BATCH_BODY_LIMIT))
+                .layer(axum::Extension(super::extract::BodyLimit(BATCH_BODY_LIMIT))),
         )
         .merge(OpenApiRouter::new().routes(routes!(get_document)))
 }

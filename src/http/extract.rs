@@ -22,8 +22,13 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
                 "send the body as JSON with Content-Type: application/json",
             ));
         }
+        let _ = state;
         let deadline = req.extensions().get::<BodyDeadline>().copied();
-        let read = Bytes::from_request(req, state);
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(super::SMALL_BODY_LIMIT, |l| l.0);
+        let read = read_body(req.into_body(), limit);
         let read = match deadline {
             Some(BodyDeadline(at)) => tokio::time::timeout_at(at, read).await.map_err(|_| {
                 ApiError::new(
@@ -34,17 +39,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
             })?,
             None => read.await,
         };
-        let bytes = read.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    "the request body is larger than this route accepts",
-                )
-            } else {
-                ApiError::bad_request("invalid_body", rejection.body_text())
-            }
-        })?;
+        let bytes = read?;
         if let Some(what) = unstorable_escape(&bytes) {
             return Err(ApiError::bad_request(
                 "invalid_character",
@@ -69,6 +64,43 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
         let axum::Json(value) = axum::Json::<T>::from_bytes(&bytes)?;
         Ok(Json(value))
     }
+}
+
+/// The largest body a route takes (set on its router).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+/// Bytes past a route's limit that are read and dropped before the 413 is
+/// answered: a client still sending its body reads the answer instead of a
+/// reset connection. Past this, the connection is closed.
+const DRAIN_PAST_LIMIT: usize = 1024 * 1024;
+
+/// The body, if it holds at most `limit` bytes.
+async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, ApiError> {
+    use http_body_util::BodyExt;
+    let mut body = body;
+    let mut bytes = bytes::BytesMut::new();
+    let mut read = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ApiError::bad_request("invalid_body", e.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        read += data.len();
+        if read <= limit {
+            bytes.extend_from_slice(&data);
+        } else if read > limit + DRAIN_PAST_LIMIT {
+            break;
+        }
+    }
+    if read > limit {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            "the request body is larger than this route accepts",
+        ));
+    }
+    Ok(bytes.freeze())
 }
 
 /// When the body of the request must have arrived (set by the request

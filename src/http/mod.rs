@@ -269,6 +269,7 @@ pub fn router(state: AppState) -> Router {
     let (api, mut document) = api_router().split_for_parts();
     secure(&mut document);
     api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
+        .layer(axum::Extension(extract::BodyLimit(SMALL_BODY_LIMIT)))
         .route_layer(middleware::from_fn(pass_route_on))
         .merge(SwaggerUi::new("/docs").url("/openapi.json", document))
         .fallback(not_found)

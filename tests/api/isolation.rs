@@ -23,6 +23,7 @@ const USUAL: Duration = Duration::from_millis(1500);
 /// reading it back, in a loop, every answer timed.
 struct Neighbour {
     running: Arc<AtomicBool>,
+    rounds: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<Report>,
 }
 
@@ -42,6 +43,8 @@ impl Neighbour {
         let address = app.address.clone();
         let running = Arc::new(AtomicBool::new(true));
         let flag = running.clone();
+        let rounds = Arc::new(AtomicU64::new(0));
+        let counted = rounds.clone();
         let task = tokio::spawn(async move {
             let mut report = Report::default();
             let timed = |what: &'static str, took: Duration, report: &mut Report| {
@@ -105,16 +108,30 @@ impl Neighbour {
                     }
                 }
                 report.rounds += 1;
+                counted.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             report
         });
-        Self { running, task }
+        Self {
+            running,
+            rounds,
+            task,
+        }
     }
 
     /// Stops the loop and asserts the tenant was served throughout, each
     /// answer within `bound`.
     async fn assert_unharmed(self, during: &str, bound: Duration) {
+        // Enough rounds to tell, however quickly the neighbour's worst was
+        // over.
+        let rounds = self.rounds.clone();
+        eventually(
+            Duration::from_secs(20),
+            "three rounds of the second tenant",
+            async || rounds.load(Ordering::Relaxed) >= 3,
+        )
+        .await;
         self.running.store(false, Ordering::Relaxed);
         let report = self.task.await.expect("neighbour loop");
         assert!(
