@@ -386,7 +386,7 @@ pub struct Config {
         long = "idpool-list-rows-per-key",
         env = "IDPOOL_LIST_ROWS_PER_KEY",
         value_name = "IDPOOL_LIST_ROWS_PER_KEY",
-        default_value_t = 20_000,
+        default_value_t = 10_000,
         value_parser = clap::value_parser!(u32),
     )]
     pub list_rows_per_key: u32,

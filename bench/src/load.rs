@@ -70,9 +70,10 @@ struct Document {
     seq: i64,
 }
 
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+pub type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
-async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
+/// A keep-alive HTTP/1.1 connection to `addr`.
+pub async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
     let stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
     let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;

@@ -12,9 +12,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper::header::HeaderValue;
-use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
+
+use crate::load::connect;
 use tokio::task::JoinHandle;
 
 /// How hard each kind of flood pushes.
@@ -135,18 +136,6 @@ impl Flood {
             listed_rows: self.listed_rows.load(Ordering::Relaxed),
         }
     }
-}
-
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
-    let stream = TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
-    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    Ok(sender)
 }
 
 /// A well-formed key nobody created: `idp_<12>_<43>`, new every time.

@@ -254,7 +254,7 @@ impl TestEnv {
             auth: if self.auth { Switch::On } else { Switch::Off },
             rate_limit: self.rate_limit,
             max_in_flight_per_key: 256,
-            list_rows_per_key: 20_000,
+            list_rows_per_key: 10_000,
             redis_start_wait_ms: self.redis_start_wait_ms,
             leases: if self.leases { Switch::On } else { Switch::Off },
         }

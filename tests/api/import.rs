@@ -45,6 +45,19 @@ fn import_as(
     command
 }
 
+/// A JSON-lines file of documents `{source_id, metadata}`.
+fn write_lines(path: &Path, lines: impl Iterator<Item = (String, Value)>) {
+    let mut file = std::fs::File::create(path).unwrap();
+    for (source_id, metadata) in lines {
+        writeln!(
+            file,
+            "{}",
+            json!({"source_id": source_id, "metadata": metadata})
+        )
+        .unwrap();
+    }
+}
+
 fn mapping(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -288,16 +301,10 @@ async fn an_import_run_again_days_later_with_another_key_creates_no_document_twi
     let second_key = create_key(&app.state, &["IMP"], false).await;
     let work = tempfile::tempdir().unwrap();
     let input = work.path().join("legacy.jsonl");
-    let mut file = std::fs::File::create(&input).unwrap();
-    for i in 0..300 {
-        writeln!(
-            file,
-            "{}",
-            json!({"source_id": format!("old-{i}"), "metadata": {"n": i}})
-        )
-        .unwrap();
-    }
-    drop(file);
+    write_lines(
+        &input,
+        (0..300).map(|i| (format!("old-{i}"), json!({"n": i}))),
+    );
     let first_out = work.path().join("first.jsonl");
     let first = import(&app, &first_key, &input, &first_out, &["--batch", "100"])
         .output()
@@ -362,16 +369,7 @@ async fn an_import_run_again_days_later_with_another_key_creates_no_document_twi
     .await
     .unwrap();
     let some = work.path().join("some.jsonl");
-    let mut file = std::fs::File::create(&some).unwrap();
-    for i in 0..5 {
-        writeln!(
-            file,
-            "{}",
-            json!({"source_id": format!("new-{i}"), "metadata": {}})
-        )
-        .unwrap();
-    }
-    drop(file);
+    write_lines(&some, (0..5).map(|i| (format!("new-{i}"), json!({}))));
     let third_out = work.path().join("third.jsonl");
     let third = import_as(
         &app,
