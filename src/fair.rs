@@ -15,7 +15,6 @@ use tokio::sync::oneshot;
 
 #[derive(Debug)]
 pub struct FairSlots {
-    name: &'static str,
     capacity: usize,
     per_key: usize,
     state: Mutex<State>,
@@ -42,25 +41,12 @@ pub struct Turn {
 
 impl FairSlots {
     /// `capacity` slots in all, at most `per_key` held by one key.
-    pub fn new(name: &'static str, capacity: usize, per_key: usize) -> Arc<Self> {
+    pub fn new(capacity: usize, per_key: usize) -> Arc<Self> {
         Arc::new(Self {
-            name,
             capacity: capacity.max(1),
             per_key: per_key.max(1),
             state: Mutex::new(State::default()),
         })
-    }
-
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    pub fn per_key(&self) -> usize {
-        self.per_key
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -110,23 +96,6 @@ impl FairSlots {
                 }
             }
         }
-    }
-
-    /// A slot for `key` if one is free for it now, without waiting.
-    pub fn try_acquire(self: &Arc<Self>, key: &str) -> Option<Turn> {
-        let mut state = self.state();
-        let held = state.held.get(key).copied().unwrap_or(0);
-        let nobody_waits = state.waiting.values().all(VecDeque::is_empty);
-        if state.in_use >= self.capacity || held >= self.per_key || !nobody_waits {
-            return None;
-        }
-        let key: Arc<str> = Arc::from(key);
-        state.in_use += 1;
-        *state.held.entry(key.clone()).or_insert(0) += 1;
-        Some(Turn {
-            slots: self.clone(),
-            key,
-        })
     }
 
     /// Slots in use now.
@@ -213,7 +182,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_freed_slot_goes_to_the_key_holding_fewest() {
-        let slots = FairSlots::new("test", 2, 2);
+        let slots = FairSlots::new(2, 2);
         let a1 = slots.acquire("a").await;
         let a2 = slots.acquire("a").await;
         // A queues many more; then b asks once.
@@ -244,7 +213,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_key_at_its_cap_waits_while_others_are_served() {
-        let slots = FairSlots::new("test", 4, 1);
+        let slots = FairSlots::new(4, 1);
         let a = slots.acquire("a").await;
         let second_a = {
             let slots = slots.clone();
@@ -265,7 +234,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_that_goes_away_leaves_no_slot_behind() {
-        let slots = FairSlots::new("test", 1, 1);
+        let slots = FairSlots::new(1, 1);
         let held = slots.acquire("a").await;
         let gone = {
             let slots = slots.clone();

@@ -408,23 +408,11 @@ impl Parts {
             clock,
             db: self.db,
             request_timeout: config.request_timeout(),
-            batch_turns: FairSlots::new(
-                "batch turns",
-                config.batch_concurrency,
-                config.batch_concurrency,
-            ),
-            batch_bodies: FairSlots::new("batch bodies", usize::MAX / 2, BATCH_BODIES_PER_KEY),
+            batch_turns: FairSlots::new(config.batch_concurrency, config.batch_concurrency),
+            batch_bodies: FairSlots::new(usize::MAX / 2, BATCH_BODIES_PER_KEY),
             probes: Default::default(),
-            in_flight: FairSlots::new(
-                "requests in flight",
-                usize::MAX / 2,
-                config.max_in_flight_per_key as usize,
-            ),
-            db_turns: FairSlots::new(
-                "database turns",
-                request_db_turns(config.db_pool_size),
-                usize::MAX / 2,
-            ),
+            in_flight: FairSlots::new(usize::MAX / 2, config.max_in_flight_per_key as usize),
+            db_turns: FairSlots::new(request_db_turns(config.db_pool_size), usize::MAX / 2),
         }))
     }
 }

@@ -48,6 +48,8 @@ pub struct Activity {
     deadlines: Deadlines,
     /// Set when a deadline ended the connection.
     timed_out: AtomicBool,
+    /// The request being served has a body not read to its end yet.
+    body_unread: AtomicBool,
 }
 
 impl Activity {
@@ -58,7 +60,17 @@ impl Activity {
             }),
             deadlines,
             timed_out: AtomicBool::new(false),
+            body_unread: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the request being served has a body still to read.
+    pub fn body_unread(&self, unread: bool) {
+        self.body_unread.store(unread, Ordering::Relaxed);
+    }
+
+    pub fn is_body_unread(&self) -> bool {
+        self.body_unread.load(Ordering::Relaxed)
     }
 
     fn phase(&self) -> std::sync::MutexGuard<'_, Phase> {
@@ -272,6 +284,43 @@ impl<B: http_body::Body + Unpin, G: Unpin> http_body::Body for Holding<B, G> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request body that tells the connection when it has been read to its
+/// end.
+pub struct ReadToEnd<B> {
+    inner: B,
+    activity: std::sync::Arc<Activity>,
+}
+
+impl<B> ReadToEnd<B> {
+    pub fn new(inner: B, activity: std::sync::Arc<Activity>) -> Self {
+        Self { inner, activity }
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for ReadToEnd<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.activity.body_unread(false);
+        }
+        frame
     }
 
     fn is_end_stream(&self) -> bool {

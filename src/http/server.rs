@@ -19,7 +19,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
-use super::conn_guard::{Activity, AnswerDone, Deadlines, Guarded, Holding};
+use super::conn_guard::{Activity, AnswerDone, Deadlines, Guarded, Holding, ReadToEnd};
 
 #[derive(Debug, Clone, Copy)]
 pub struct ServerLimits {
@@ -102,9 +102,28 @@ where
             .clone()
             .map_request(move |request: hyper::Request<Incoming>| {
                 started.request_started();
-                request.map(Body::new)
+                // A body the answer leaves unread (a refused key, a wrong
+                // media type) ends the connection: the answer says so, so
+                // the client opens a new one instead of meeting a reset.
+                let body = request.body();
+                let unread = !hyper::body::Body::is_end_stream(body);
+                started.body_unread(unread);
+                let watching = started.clone();
+                request.map(|body| {
+                    if unread {
+                        Body::new(ReadToEnd::new(body, watching))
+                    } else {
+                        Body::new(body)
+                    }
+                })
             })
-            .map_response(move |response: Response| {
+            .map_response(move |mut response: Response| {
+                if done.is_body_unread() {
+                    response.headers_mut().insert(
+                        axum::http::header::CONNECTION,
+                        axum::http::HeaderValue::from_static("close"),
+                    );
+                }
                 let done = done.clone();
                 response.map(|body| Body::new(Holding::new(body, AnswerDone(done))))
             });

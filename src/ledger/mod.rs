@@ -17,6 +17,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
 use crate::db::sqlstate;
+use crate::log_limit::Repeated;
 use crate::numbers::{SeqRange, runs, subtract};
 use crate::stats::Stats;
 use outbox::OutboxRow;
@@ -243,7 +244,11 @@ pub async fn write_shared(
             }
             Err(e) if part.len() > 1 && e.statement_failed() => {
                 if !split {
-                    tracing::warn!(error = %e, writes = writes.len(), "shared ledger write failed; finding the request at fault");
+                    // A caller can send a refused value as often as it
+                    // likes: said once, then with a count.
+                    static SPLITS: Repeated =
+                        Repeated::new("shared ledger write failed; finding the request at fault");
+                    SPLITS.warn(&e);
                     stats.ledger_writes_split.inc();
                     split = true;
                 }
@@ -257,7 +262,8 @@ pub async fn write_shared(
             }
             Err(e) if part.len() == 1 => outcomes[range.start] = Some(Err(e)),
             Err(e) => {
-                tracing::error!(error = %e, "ledger batch failed");
+                static FAILED: Repeated = Repeated::new("ledger batch failed");
+                FAILED.warn(&e);
                 for slot in &mut outcomes[range] {
                     *slot = Some(Err(e.clone()));
                 }
