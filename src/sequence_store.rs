@@ -256,6 +256,74 @@ impl SequenceStore {
         Ok(self.remember(created.into_sequence()?))
     }
 
+    /// Creates with the default definition every one of `pairs` not yet
+    /// defined, all in one transaction: when one of them cannot be created
+    /// (no room left in its project, a default that clashes), none is, and
+    /// the error names the index of that pair. A batch refused for one
+    /// item thus leaves no sequence behind.
+    pub async fn create_missing(
+        &self,
+        pairs: &[(ProjectCode, TypeCode)],
+    ) -> Result<(), (usize, StoreError)> {
+        let mut missing: Vec<usize> = Vec::new();
+        for (index, (project, doc_type)) in pairs.iter().enumerate() {
+            if self
+                .cached(&cache_key(project.as_str(), doc_type.as_str()))
+                .is_none()
+            {
+                missing.push(index);
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let first = missing[0];
+        let whole = |e: StoreError| (first, e);
+        let mut tx = self.db.begin().await.map_err(|e| whole(e.into()))?;
+        // Projects locked in one order, so two batches naming the same
+        // projects cannot wait for each other.
+        let mut projects: Vec<&ProjectCode> = missing.iter().map(|i| &pairs[*i].0).collect();
+        projects.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        projects.dedup_by(|a, b| a.as_str() == b.as_str());
+        for project in &projects {
+            lock_project(&mut tx, project).await.map_err(whole)?;
+        }
+        let mut created = Vec::new();
+        for index in missing {
+            let (project, doc_type) = &pairs[index];
+            let at = |e: StoreError| (index, e);
+            if let Some(row) = select_for_update(&mut tx, project, doc_type)
+                .await
+                .map_err(at)?
+            {
+                created.push(row);
+                continue;
+            }
+            let definition = Definition::defaults(project, doc_type).map_err(|reason| {
+                at(StoreError::NoDefault {
+                    sequence: cache_key(project.as_str(), doc_type.as_str()),
+                    reason,
+                })
+            })?;
+            self.check_room(&mut tx, project).await.map_err(at)?;
+            check_against_project(&mut tx, project, doc_type, None, &definition)
+                .await
+                .map_err(at)?;
+            created.push(
+                insert_definition(&mut tx, project, doc_type, &definition)
+                    .await
+                    .map_err(at)?,
+            );
+        }
+        tx.commit().await.map_err(|e| whole(e.into()))?;
+        for row in created {
+            if let Ok(sequence) = row.into_sequence() {
+                self.remember(sequence);
+            }
+        }
+        Ok(())
+    }
+
     /// The sequence if it was defined or used, read fresh from Postgres.
     #[tracing::instrument(skip_all, level = "debug")]
     pub async fn get(

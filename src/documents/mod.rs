@@ -200,6 +200,22 @@ impl Documents {
     /// takes a connection of its own).
     pub async fn place_all(&self, inputs: &[DocumentInput]) -> Result<Placements, BatchError> {
         let mut placements = Placements::new();
+        // Sequences first used by this batch are created together: an item
+        // refused here leaves none of them behind.
+        let mut first_use: Vec<(ProjectCode, TypeCode)> = Vec::new();
+        let mut first_index: Vec<usize> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for (index, input) in inputs.iter().enumerate() {
+            if seen.insert((input.project.as_str(), input.doc_type.as_str())) {
+                first_use.push((input.project.clone(), input.doc_type.clone()));
+                first_index.push(index);
+            }
+        }
+        self.issuer
+            .sequences
+            .create_missing(&first_use)
+            .await
+            .map_err(|(pair, e)| BatchError::at(first_index[pair])(IssueError::from(e).into()))?;
         for (index, input) in inputs.iter().enumerate() {
             let key = (input.project.to_string(), input.doc_type.to_string());
             if let std::collections::hash_map::Entry::Vacant(slot) = placements.entry(key) {

@@ -758,6 +758,32 @@ async fn a_project_holds_at_most_its_limit_of_sequences() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_for_want_of_room_creates_none_of_its_sequences() {
+    let mut env = TestEnv::new();
+    env.max_sequences_per_project = 3;
+    let app = env.spawn().await;
+    app.issue("ROOM", "A", 1).await;
+    let item = |doc_type: &str| json!({"project": "ROOM", "type": doc_type, "metadata": {}});
+    let refused = app
+        .post_batch(vec![item("A"), item("B"), item("C"), item("D"), item("E")])
+        .await;
+    let problem = assert_problem(refused, StatusCode::CONFLICT, "sequence_limit_reached").await;
+    assert_eq!(problem["index"], 3, "the first item past the room is named");
+    let types = async || -> Vec<String> {
+        sqlx::query_scalar("SELECT doc_type FROM sequences WHERE project = 'ROOM' ORDER BY doc_type")
+            .fetch_all(&app.db)
+            .await
+            .unwrap()
+    };
+    assert_eq!(types().await, vec!["A"], "the refused batch left no sequence behind");
+    assert_eq!(count(&app, "id_outbox").await, 0);
+    // Room for two more: a batch within it is taken whole.
+    let taken = app.post_batch(vec![item("B"), item("C"), item("A")]).await;
+    assert_eq!(taken.status(), StatusCode::ACCEPTED);
+    assert_eq!(types().await, vec!["A", "B", "C"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_id_over_the_limit_is_never_issued_even_from_an_old_definition() {
     let app = TestEnv::new().spawn().await;
     // A definition stored before the checks existed.
