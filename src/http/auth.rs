@@ -10,7 +10,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::conn_guard::Holding;
+use super::conn_guard::{Activity, Holding};
 use super::problem::ApiError;
 use crate::auth::{Authenticator, Caller, Rejected, Verdict};
 use crate::fair::FairSlots;
@@ -37,6 +37,9 @@ pub async fn authenticate(
     match auth.check(authorization).await {
         Verdict::Allowed(caller) => {
             tracing::Span::current().record("key_id", caller.id());
+            if let Some(connection) = req.extensions().get::<Arc<Activity>>() {
+                connection.carried_key(caller.id());
+            }
             // A key's requests in flight, answers still being sent
             // included, are capped: what it holds of the instance (memory,
             // tasks, answers' buffers) is bounded whatever it sends. Its

@@ -11,8 +11,8 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -50,6 +50,10 @@ pub struct Activity {
     timed_out: AtomicBool,
     /// The request being served has a body not read to its end yet.
     body_unread: AtomicBool,
+    /// The first key a request on this connection was served under.
+    key: OnceLock<Arc<str>>,
+    /// Since when a write has been waiting for the client to read.
+    stalled_since: Mutex<Option<Instant>>,
 }
 
 impl Activity {
@@ -61,7 +65,41 @@ impl Activity {
             deadlines,
             timed_out: AtomicBool::new(false),
             body_unread: AtomicBool::new(false),
+            key: OnceLock::new(),
+            stalled_since: Mutex::new(None),
         }
+    }
+
+    /// A request on this connection was served under `key`.
+    pub fn carried_key(&self, key: &str) {
+        if self.key.get().is_none() {
+            let _ = self.key.set(Arc::from(key));
+        }
+    }
+
+    /// The first key served on this connection; `None` for a connection
+    /// that never carried a valid key.
+    pub fn key(&self) -> Option<&Arc<str>> {
+        self.key.get()
+    }
+
+    /// Since when the connection has done nothing for its client, if it
+    /// does nothing now: it waits between requests or for a request head,
+    /// or its answer has not left for `stall` or longer. A connection
+    /// serving a request is busy.
+    pub fn unused_since(&self, now: Instant, stall: Duration) -> Option<Instant> {
+        match *self.phase() {
+            Phase::Head { by } => Some(by - self.deadlines.header),
+            Phase::Idle { until } => Some(until - self.deadlines.idle),
+            Phase::Serving => {
+                let stalled = *self.stalled_since.lock().unwrap_or_else(|e| e.into_inner());
+                stalled.filter(|since| now.saturating_duration_since(*since) >= stall)
+            }
+        }
+    }
+
+    fn write_stalled(&self, since: Option<Instant>) {
+        *self.stalled_since.lock().unwrap_or_else(|e| e.into_inner()) = since;
     }
 
     /// Whether the request being served has a body still to read.
@@ -116,7 +154,7 @@ impl Activity {
 /// A socket whose reads and writes keep [`Activity`]'s deadlines.
 pub struct Guarded<T> {
     inner: T,
-    activity: std::sync::Arc<Activity>,
+    activity: Arc<Activity>,
     read_timer: Pin<Box<Sleep>>,
     /// Set while a write is waiting for the client to read.
     write_stalled_since: Option<Instant>,
@@ -124,7 +162,7 @@ pub struct Guarded<T> {
 }
 
 impl<T> Guarded<T> {
-    pub fn new(inner: T, activity: std::sync::Arc<Activity>) -> Self {
+    pub fn new(inner: T, activity: Arc<Activity>) -> Self {
         let far = Instant::now() + Duration::from_secs(86_400);
         Self {
             inner,
@@ -132,6 +170,12 @@ impl<T> Guarded<T> {
             read_timer: Box::pin(tokio::time::sleep_until(far)),
             write_stalled_since: None,
             write_timer: Box::pin(tokio::time::sleep_until(far)),
+        }
+    }
+
+    fn write_progressed(&mut self) {
+        if self.write_stalled_since.take().is_some() {
+            self.activity.write_stalled(None);
         }
     }
 
@@ -143,7 +187,15 @@ impl<T> Guarded<T> {
     /// A write that returned Pending: fails once it has made no progress
     /// for the write timeout.
     fn write_pending(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
-        let since = *self.write_stalled_since.get_or_insert_with(Instant::now);
+        let since = match self.write_stalled_since {
+            Some(since) => since,
+            None => {
+                let now = Instant::now();
+                self.write_stalled_since = Some(now);
+                self.activity.write_stalled(Some(now));
+                now
+            }
+        };
         let deadline = since + self.activity.deadlines.write;
         if self.write_timer.deadline() != deadline {
             self.write_timer.as_mut().reset(deadline);
@@ -205,7 +257,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
     ) -> Poll<io::Result<usize>> {
         match Pin::new(&mut self.inner).poll_write(cx, buf) {
             Poll::Ready(result) => {
-                self.write_stalled_since = None;
+                self.write_progressed();
                 Poll::Ready(result)
             }
             Poll::Pending => self.write_pending(cx).map(Err),
@@ -219,7 +271,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
     ) -> Poll<io::Result<usize>> {
         match Pin::new(&mut self.inner).poll_write_vectored(cx, bufs) {
             Poll::Ready(result) => {
-                self.write_stalled_since = None;
+                self.write_progressed();
                 Poll::Ready(result)
             }
             Poll::Pending => self.write_pending(cx).map(Err),
@@ -233,7 +285,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match Pin::new(&mut self.inner).poll_flush(cx) {
             Poll::Ready(result) => {
-                self.write_stalled_since = None;
+                self.write_progressed();
                 Poll::Ready(result)
             }
             Poll::Pending => self.write_pending(cx).map(Err),
@@ -250,7 +302,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
 
 /// Tells the connection its answer is done when dropped (the answer's body
 /// was sent in full, or dropped with the connection).
-pub struct AnswerDone(pub std::sync::Arc<Activity>);
+pub struct AnswerDone(pub Arc<Activity>);
 
 impl Drop for AnswerDone {
     fn drop(&mut self) {
@@ -299,11 +351,11 @@ impl<B: http_body::Body + Unpin, G: Unpin> http_body::Body for Holding<B, G> {
 /// end.
 pub struct ReadToEnd<B> {
     inner: B,
-    activity: std::sync::Arc<Activity>,
+    activity: Arc<Activity>,
 }
 
 impl<B> ReadToEnd<B> {
-    pub fn new(inner: B, activity: std::sync::Arc<Activity>) -> Self {
+    pub fn new(inner: B, activity: Arc<Activity>) -> Self {
         Self { inner, activity }
     }
 }

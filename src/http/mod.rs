@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod conn_guard;
+mod connections;
 mod documents;
 pub mod extract;
 mod gaps;

@@ -12,20 +12,22 @@ use axum::extract::Request;
 use axum::response::Response;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
 use super::conn_guard::{Activity, AnswerDone, Deadlines, Guarded, Holding, ReadToEnd};
+use super::connections::{Connections, Slot};
+use crate::log_limit::Repeated;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ServerLimits {
     /// Deadlines of every connection: headers, idle keep-alive, writes.
     pub deadlines: Deadlines,
-    /// Connections open at once; further clients wait to be accepted.
+    /// Connections open at once; a further client takes the slot of an
+    /// unused connection, or waits for one to end (`connections`).
     pub max_connections: usize,
     /// How long requests in flight may take to finish at shutdown.
     pub drain: Duration,
@@ -54,27 +56,9 @@ where
         .max_header_size(CONNECTION_BUFFER)
         .max_headers(MAX_HEADERS)
         .keep_alive(true);
-    let graceful = GracefulShutdown::new();
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let mut said_full_at: Option<std::time::Instant> = None;
+    let connections = Connections::new(limits.max_connections);
+    let tasks = TaskTracker::new();
     loop {
-        if slots.available_permits() == 0
-            && said_full_at.is_none_or(|at| at.elapsed() > Duration::from_secs(60))
-        {
-            tracing::warn!(
-                max = limits.max_connections,
-                "connection limit reached; new clients wait to be accepted"
-            );
-            said_full_at = Some(std::time::Instant::now());
-        }
-        let slot = tokio::select! {
-            biased;
-            _ = stop.cancelled() => break,
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-        };
         let (stream, _peer) = tokio::select! {
             biased;
             _ = stop.cancelled() => break,
@@ -91,12 +75,15 @@ where
                 }
             },
         };
+        let activity = Arc::new(Activity::new(limits.deadlines));
+        let Some(slot) = take_slot(&connections, &activity, &stop).await else {
+            break;
+        };
         // Answers go out as soon as they are written, not after the
         // client's ACK of the previous one (Nagle).
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "could not set TCP_NODELAY");
         }
-        let activity = Arc::new(Activity::new(limits.deadlines));
         let (started, done) = (activity.clone(), activity.clone());
         let service = app
             .clone()
@@ -109,13 +96,15 @@ where
                 let unread = !hyper::body::Body::is_end_stream(body);
                 started.body_unread(unread);
                 let watching = started.clone();
-                request.map(|body| {
-                    if unread {
-                        Body::new(ReadToEnd::new(body, watching))
-                    } else {
-                        Body::new(body)
-                    }
-                })
+                // The key check marks the connection as a tenant's.
+                let (mut parts, body) = request.into_parts();
+                parts.extensions.insert(started.clone());
+                let body = if unread {
+                    Body::new(ReadToEnd::new(body, watching))
+                } else {
+                    Body::new(body)
+                };
+                Request::from_parts(parts, body)
             })
             .map_response(move |mut response: Response| {
                 if done.is_body_unread() {
@@ -131,20 +120,61 @@ where
             TokioIo::new(Guarded::new(stream, activity)),
             TowerToHyperService::new(service),
         );
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            let ended = tokio::select! {
+                biased;
+                ended = connection.as_mut() => ended,
+                // Another client took the slot of this unused connection.
+                _ = slot.closed.cancelled() => Ok(()),
+                _ = stop.cancelled() => {
+                    // Requests in flight are answered; idle ones close now.
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
             drop(slot);
         });
     }
     drop(listener);
-    if tokio::time::timeout(limits.drain, graceful.shutdown())
+    tasks.close();
+    if tokio::time::timeout(limits.drain, tasks.wait())
         .await
         .is_err()
     {
         tracing::warn!("requests still running at shutdown were cut off");
+    }
+}
+
+/// A slot for a new connection: a free one, else one an unused connection
+/// gives up, else the first freed. `None` when the server stops meanwhile.
+async fn take_slot(
+    connections: &Arc<Connections>,
+    activity: &Arc<Activity>,
+    stop: &CancellationToken,
+) -> Option<Slot> {
+    static FULL: Repeated =
+        Repeated::new("connection limit reached; unused connections give up their slots");
+    let mut asked_to_close = false;
+    loop {
+        if let Some(slot) = connections.open(activity.clone()) {
+            return Some(slot);
+        }
+        if !asked_to_close {
+            FULL.warn(&"every connection slot is taken");
+            asked_to_close = connections.close_one_unused();
+        }
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return None,
+            _ = connections.wait_for_free() => {}
+            // Every connection was busy: look again once some may not be.
+            _ = tokio::time::sleep(Duration::from_millis(100)), if !asked_to_close => {}
+        }
     }
 }
 

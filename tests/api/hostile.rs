@@ -663,42 +663,115 @@ async fn a_body_that_never_arrives_is_answered_408_and_the_connection_closed() {
     nothing_written(&app, 0).await;
 }
 
+/// Sends `request` on `stream`; its answer's first bytes, or `None` when
+/// none came within `wait` (or the connection was closed).
+async fn answer_on(stream: &mut TcpStream, request: &[u8], wait: Duration) -> Option<String> {
+    stream.write_all(request).await.ok()?;
+    let mut buffer = [0u8; 1024];
+    match tokio::time::timeout(wait, stream.read(&mut buffer)).await {
+        Ok(Ok(n)) if n > 0 => Some(String::from_utf8_lossy(&buffer[..n]).into_owned()),
+        _ => None,
+    }
+}
+
+/// Whether the server closed `stream` (a read sees the end at once).
+async fn closed(stream: &mut TcpStream) -> bool {
+    let mut buffer = [0u8; 64];
+    matches!(
+        tokio::time::timeout(Duration::from_millis(300), stream.read(&mut buffer)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_beyond_the_cap_wait_until_one_closes() {
+async fn at_the_cap_a_new_client_takes_the_slot_of_the_keyless_connection_idle_longest() {
     let mut env = TestEnv::new();
     env.max_connections = 8;
     let app = env.spawn().await;
     let address = app.address.trim_start_matches("http://").to_owned();
-    // Open connections, each served once and kept alive, until one is not
-    // served: the cap (the test's own client holds some of it too).
-    let mut held = Vec::new();
-    let mut buffer = [0u8; 1024];
-    let mut blocked = None;
-    for _ in 0..12 {
+    let keyed_request = format!(
+        "GET /api/v1/sequences HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
+        app.admin_key
+    );
+    let mut keyed = TcpStream::connect(&address).await.unwrap();
+    let first = answer_on(&mut keyed, keyed_request.as_bytes(), Duration::from_secs(2)).await;
+    assert!(first.is_some_and(|a| a.starts_with("HTTP/1.1 200")));
+    // A stranger opens twice the cap of keep-alive connections: each is
+    // served at once, taking the slot of the keyless one idle longest.
+    let mut stranger = Vec::new();
+    for n in 0..16 {
         let mut stream = TcpStream::connect(&address).await.unwrap();
-        stream
-            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        match tokio::time::timeout(Duration::from_millis(800), stream.read(&mut buffer)).await {
-            Ok(Ok(n)) if n > 0 => held.push(stream),
-            Ok(_) => panic!("a connection was closed instead of waiting"),
-            Err(_) => {
-                blocked = Some(stream);
-                break;
-            }
+        let answer = answer_on(
+            &mut stream,
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+            Duration::from_secs(2),
+        )
+        .await;
+        assert!(
+            answer.is_some_and(|a| a.starts_with("HTTP/1.1 200")),
+            "connection {n} over a full instance was not served"
+        );
+        stranger.push(stream);
+    }
+    let mut open = 0;
+    for stream in &mut stranger {
+        if !closed(stream).await {
+            open += 1;
         }
     }
-    let mut blocked = blocked.expect("a connection over the cap waited");
     assert!(
-        (6..=8).contains(&held.len()),
-        "{} connections served with a cap of 8",
-        held.len()
+        open < 8,
+        "{open} of the stranger's connections still open with a cap of 8"
     );
-    held.pop();
-    let n = tokio::time::timeout(Duration::from_secs(3), blocked.read(&mut buffer))
+    assert!(
+        closed(&mut stranger[0]).await,
+        "the oldest was closed first"
+    );
+    // The tenant's connection, idle longer than any of them, still serves.
+    let again = answer_on(&mut keyed, keyed_request.as_bytes(), Duration::from_secs(2)).await;
+    assert!(
+        again.is_some_and(|a| a.starts_with("HTTP/1.1 200")),
+        "the keyed connection was closed for a stranger's"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_wait_while_every_one_is_serving() {
+    let mut env = TestEnv::new();
+    env.max_connections = 4;
+    let app = env.spawn().await;
+    let address = app.address.trim_start_matches("http://").to_owned();
+    // Four requests whose bodies are still coming: every slot is busy.
+    let head = format!(
+        "POST /documents HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 60\r\nExpect: 100-continue\r\n\r\n",
+        app.admin_key
+    );
+    let mut busy = Vec::new();
+    for _ in 0..4 {
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        // The interim answer says the handler is reading the body: the
+        // connection is serving, not waiting for its head.
+        let interim = answer_on(&mut stream, head.as_bytes(), Duration::from_secs(2)).await;
+        assert!(
+            interim.is_some_and(|a| a.starts_with("HTTP/1.1 100")),
+            "no 100 Continue"
+        );
+        stream.write_all(b"{\"project\"").await.unwrap();
+        busy.push(stream);
+    }
+    let mut waiting = TcpStream::connect(&address).await.unwrap();
+    let health = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_eq!(
+        answer_on(&mut waiting, health, Duration::from_millis(800)).await,
+        None,
+        "a connection over the cap was served while every slot was busy"
+    );
+    drop(busy.pop());
+    let mut buffer = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(3), waiting.read(&mut buffer))
         .await
-        .expect("served once another closed")
+        .expect("served once a busy one ended")
         .unwrap();
     assert!(String::from_utf8_lossy(&buffer[..n]).starts_with("HTTP/1.1 200"));
 }
@@ -770,12 +843,18 @@ async fn a_batch_refused_for_want_of_room_creates_none_of_its_sequences() {
     let problem = assert_problem(refused, StatusCode::CONFLICT, "sequence_limit_reached").await;
     assert_eq!(problem["index"], 3, "the first item past the room is named");
     let types = async || -> Vec<String> {
-        sqlx::query_scalar("SELECT doc_type FROM sequences WHERE project = 'ROOM' ORDER BY doc_type")
-            .fetch_all(&app.db)
-            .await
-            .unwrap()
+        sqlx::query_scalar(
+            "SELECT doc_type FROM sequences WHERE project = 'ROOM' ORDER BY doc_type",
+        )
+        .fetch_all(&app.db)
+        .await
+        .unwrap()
     };
-    assert_eq!(types().await, vec!["A"], "the refused batch left no sequence behind");
+    assert_eq!(
+        types().await,
+        vec!["A"],
+        "the refused batch left no sequence behind"
+    );
     assert_eq!(count(&app, "id_outbox").await, 0);
     // Room for two more: a batch within it is taken whole.
     let taken = app.post_batch(vec![item("B"), item("C"), item("A")]).await;

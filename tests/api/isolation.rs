@@ -843,3 +843,68 @@ async fn a_key_with_hundreds_of_requests_in_flight_holds_up_only_itself() {
         .await;
     drop(stalled);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_holding_every_connection_slot_keeps_no_tenant_from_connecting() {
+    let mut env = TestEnv::new();
+    env.max_connections = 64;
+    let app = env.spawn().await;
+    let neighbour = Neighbour::start(&app, "SLOTS").await;
+    let key = create_key(&app.state, &["SLOTS"], false).await;
+    // A stranger opens keep-alive connections, four times the cap, and
+    // holds every one.
+    let host = host_of(&app);
+    let stranger = tokio::spawn(async move {
+        let mut held = Vec::new();
+        let mut served = 0;
+        for _ in 0..256 {
+            let Ok(mut stream) = TcpStream::connect(&host).await else {
+                continue;
+            };
+            if stream
+                .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+                .await
+                .is_err()
+            {
+                continue;
+            }
+            let mut buffer = [0u8; 512];
+            if let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buffer)).await
+                && n > 0
+            {
+                served += 1;
+            }
+            held.push(stream);
+        }
+        (served, held)
+    });
+    // Meanwhile a tenant's client opens a new connection for every request.
+    let mut slowest = Duration::ZERO;
+    while !stranger.is_finished() {
+        let fresh = client_with_key(Some(&key));
+        let started = Instant::now();
+        let answer = fresh
+            .get(app.url("/api/v1/sequences"))
+            .timeout(Duration::from_secs(20))
+            .send()
+            .await
+            .expect("a new connection beside a stranger's hundreds is served");
+        assert_eq!(answer.status(), StatusCode::OK);
+        slowest = slowest.max(started.elapsed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (served, held) = stranger.await.unwrap();
+    assert_eq!(
+        served, 256,
+        "each of the stranger's connections is served in turn"
+    );
+    assert!(
+        slowest < USUAL,
+        "a tenant's new connection waited {slowest:?} beside the stranger's"
+    );
+    neighbour
+        .assert_unharmed("a stranger holding every connection slot", USUAL)
+        .await;
+    drop(held);
+}
