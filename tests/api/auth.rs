@@ -414,7 +414,7 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
     let url = |path: &str| format!("http://127.0.0.1:{}{path}", server.port);
     let good = client_with_key(Some(&key));
     let wrong = client_with_key(Some(&format!("{}x", &key[..key.len() - 1])));
-    let basic = reqwest::Client::new();
+    let basic = crate::helpers::client_with_key(None);
     // A failure here names what the server logged (it logs to a file).
     let said = || warnings_and_errors(log.path());
     let answered = |sent: reqwest::Result<reqwest::Response>| {
@@ -512,7 +512,7 @@ async fn authentication_is_off_only_when_asked_and_only_on_a_loopback_address() 
     off.auth = false;
     let log = tempfile::NamedTempFile::new().unwrap();
     let mut server = ServeProcess::start_logging(&off, log.path(), "info").await;
-    let open = reqwest::Client::new()
+    let open = crate::helpers::client_with_key(None)
         .post(format!("http://127.0.0.1:{}/ids", server.port))
         .json(&json!({"project": "DEV", "type": "1"}))
         .send()

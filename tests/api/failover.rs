@@ -53,7 +53,7 @@ async fn a_rediss_url_takes_the_pools_over_tls() {
         tls.ca().to_string_lossy().into_owned(),
     ));
     let server = ServeProcess::start(&env).await;
-    let client = reqwest::Client::new();
+    let client = crate::helpers::client_with_key(None);
     let ready: Value =
         crate::helpers::get_ok(&client, &format!("http://127.0.0.1:{}/readyz", server.port)).await;
     assert_eq!(ready["mode"], "pool", "{ready}");
@@ -240,7 +240,7 @@ async fn postgres_failover(after_failover: AfterFailover) {
     );
     env.auth = false;
     env.request_timeout_s = 2;
-    let client = reqwest::Client::new();
+    let client = crate::helpers::client_with_key(None);
     // Numbers of `n` requests of 10; a 503 (Postgres away, or its counters
     // being fenced) is sent again, as a client would.
     let issue = async |port: u16, n: usize| -> Vec<i64> {

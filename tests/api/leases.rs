@@ -659,7 +659,8 @@ async fn an_id_answered_is_attachable_at_once_through_any_instance_and_after_its
     ));
     let mut at_once = 0;
     let started = Instant::now();
-    while started.elapsed() < Duration::from_millis(1500) {
+    // Fifty IDs tell; how soon they come depends on the machine.
+    while at_once < 50 && started.elapsed() < Duration::from_secs(15) {
         let Some(id) = answered.recv().await else {
             break;
         };

@@ -187,7 +187,7 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         .stderr(crate::helpers::child_output())
         .spawn()
         .unwrap();
-    let client = reqwest::Client::new();
+    let client = crate::helpers::client_with_key(None);
     let started = Instant::now();
     loop {
         if let Ok(r) = client
@@ -261,7 +261,7 @@ async fn an_instance_starts_without_an_error_and_logs_each_request_with_its_key_
         .unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
     // Strangers with made-up keys: answered, and not one log line each.
-    let stranger = reqwest::Client::new();
+    let stranger = crate::helpers::client_with_key(None);
     for n in 0..200 {
         let refused = stranger
             .get(format!("{base}/api/v1/sequences"))
