@@ -391,6 +391,19 @@ pub struct Config {
     )]
     pub list_rows_per_key: u32,
 
+    /// Numbers one API key may take per second through `POST /ids` and
+    /// batches (bursts of twice that): each costs Redis and Postgres work
+    /// every tenant shares. A key past it waits before its next request for
+    /// numbers. 0: no limit.
+    #[arg(
+        long = "idpool-numbers-per-key",
+        env = "IDPOOL_NUMBERS_PER_KEY",
+        value_name = "IDPOOL_NUMBERS_PER_KEY",
+        default_value_t = 200_000,
+        value_parser = clap::value_parser!(u32),
+    )]
+    pub numbers_per_key: u32,
+
     /// Requests per second per API key (bursts of twice that).
     #[arg(
         long = "idpool-rate-limit",

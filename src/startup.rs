@@ -170,7 +170,14 @@ impl Parts {
         let keys = Arc::new(KeyStore::new(db.clone()));
         keys.load_all().await?;
         let auth = Arc::new(if config.auth.is_on() {
-            Authenticator::new(keys.clone(), config.rate_limit, config.list_rows_per_key)
+            Authenticator::new(
+                keys.clone(),
+                config.rate_limit,
+                crate::auth::Budgets {
+                    rows_per_second: config.list_rows_per_key,
+                    numbers_per_second: config.numbers_per_key,
+                },
+            )
         } else {
             Authenticator::off(keys.clone())
         });
@@ -408,8 +415,11 @@ impl Parts {
             clock,
             db: self.db,
             request_timeout: config.request_timeout(),
-            batch_turns: FairSlots::new(config.batch_concurrency, config.batch_concurrency),
-            batch_bodies: FairSlots::new(usize::MAX / 2, BATCH_BODIES_PER_KEY),
+            batch_turns: FairSlots::new(
+                config.batch_concurrency,
+                batch_turns_per_key(config.batch_concurrency),
+            ),
+            batch_bodies: FairSlots::new(2 * config.batch_concurrency, BATCH_BODIES_PER_KEY),
             probes: Default::default(),
             in_flight: FairSlots::new(usize::MAX / 2, config.max_in_flight_per_key as usize),
             db_turns: FairSlots::new(request_db_turns(config.db_pool_size), usize::MAX / 2),
@@ -419,8 +429,17 @@ impl Parts {
 
 /// Batch bodies one key may send at once: its further batches wait before
 /// their bodies are read, so a key's memory is bounded and its slow bodies
-/// hold up only itself.
-pub const BATCH_BODIES_PER_KEY: usize = 4;
+/// hold up only itself. All keys together may have twice the batch turns'
+/// bodies read or held (a body is held until its batch is answered), which
+/// bounds what batches take of the instance's memory.
+pub const BATCH_BODIES_PER_KEY: usize = 2;
+
+/// Batch turns one key may hold: half of them, so that another tenant's
+/// batch always finds one free without waiting for a migration's batch to
+/// end.
+pub fn batch_turns_per_key(batch_concurrency: usize) -> usize {
+    (batch_concurrency / 2).max(1)
+}
 
 /// Request-path turns on the Postgres pool: its connections less those the
 /// instance's own work keeps (the shared ledger writer, the handout writer,

@@ -57,7 +57,7 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
-    /// trickles, listings); all by default.
+    /// trickles, listings, counts); all by default.
     #[arg(long, value_delimiter = ',')]
     floods: Vec<String>,
     /// Extra environment for idpool, KEY=VALUE (repeatable).
@@ -876,6 +876,7 @@ async fn hostile_neighbour(
         sent.made_up_keys += round.made_up_keys;
         sent.listings += round.listings;
         sent.listed_rows += round.listed_rows;
+        sent.numbers += round.numbers;
         bench.record_numbers(&subject);
         let (base_p99, subject_p99) = (base.quantile_ms(0.99), subject.quantile_ms(0.99));
         alone.push(base_p99);
@@ -898,6 +899,11 @@ async fn hostile_neighbour(
         "neighbour: rows listed (per second of flood)",
         sent.listed_rows as f64 / seconds,
         "rows/s",
+    );
+    bench.context(
+        "neighbour: numbers taken 10,000 at a time (per second of flood)",
+        sent.numbers as f64 / seconds,
+        "numbers/s",
     );
     bench.context(
         &format!("second tenant's POST /ids p99, 8 connections, alone (median of {n} rounds)"),

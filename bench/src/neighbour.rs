@@ -1,7 +1,8 @@
 //! A hostile neighbour: while one tenant's `POST /ids` is timed, another
 //! tenant and a stranger do their worst at once — made-up API keys, clients
-//! that never read their answers, batch bodies sent a byte at a time, and
-//! the largest outbox listings a key may ask for.
+//! that never read their answers, batch bodies sent a byte at a time, the
+//! largest outbox listings a key may ask for, and `POST /ids` of 10,000
+//! numbers at a time.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ pub struct Intensity {
     pub slow_readers: usize,
     pub trickled_batches: usize,
     pub listing_connections: usize,
+    pub large_count_connections: usize,
 }
 
 pub const INTENSITY: Intensity = Intensity {
@@ -31,10 +33,12 @@ pub const INTENSITY: Intensity = Intensity {
     slow_readers: 64,
     trickled_batches: 4,
     listing_connections: 4,
+    large_count_connections: 4,
 };
 
 impl Intensity {
-    /// Only the floods named (`keys`, `readers`, `trickles`, `listings`).
+    /// Only the floods named (`keys`, `readers`, `trickles`, `listings`,
+    /// `counts`).
     pub fn only(names: &[String]) -> Intensity {
         let on = |name: &str, n: usize| {
             if names.iter().any(|x| x == name) {
@@ -48,6 +52,7 @@ impl Intensity {
             slow_readers: on("readers", INTENSITY.slow_readers),
             trickled_batches: on("trickles", INTENSITY.trickled_batches),
             listing_connections: on("listings", INTENSITY.listing_connections),
+            large_count_connections: on("counts", INTENSITY.large_count_connections),
         }
     }
 }
@@ -58,6 +63,7 @@ pub struct Sent {
     pub made_up_keys: u64,
     pub listings: u64,
     pub listed_rows: u64,
+    pub numbers: u64,
 }
 
 pub struct Flood {
@@ -67,6 +73,7 @@ pub struct Flood {
     made_up_keys: Arc<AtomicU64>,
     listings: Arc<AtomicU64>,
     listed_rows: Arc<AtomicU64>,
+    numbers: Arc<AtomicU64>,
 }
 
 /// Starts every flood at once; `hostile_key` is the neighbour's own key
@@ -81,6 +88,7 @@ pub fn start(
     let made_up_keys = Arc::new(AtomicU64::new(0));
     let listings = Arc::new(AtomicU64::new(0));
     let listed_rows = Arc::new(AtomicU64::new(0));
+    let numbers = Arc::new(AtomicU64::new(0));
     let mut counted = Vec::new();
     let mut held = Vec::new();
     for n in 0..intensity.made_up_key_connections {
@@ -94,6 +102,13 @@ pub fn start(
         let key = hostile_key.clone();
         counted.push(tokio::spawn(async move {
             let _ = big_listings(addr, key, project, &stop, &sent, &rows).await;
+        }));
+    }
+    for _ in 0..intensity.large_count_connections {
+        let (stop, numbers) = (stop.clone(), numbers.clone());
+        let key = hostile_key.clone();
+        counted.push(tokio::spawn(async move {
+            let _ = large_counts(addr, key, project, &stop, &numbers).await;
         }));
     }
     for _ in 0..intensity.slow_readers {
@@ -114,6 +129,7 @@ pub fn start(
         made_up_keys,
         listings,
         listed_rows,
+        numbers,
     }
 }
 
@@ -134,6 +150,7 @@ impl Flood {
             made_up_keys: self.made_up_keys.load(Ordering::Relaxed),
             listings: self.listings.load(Ordering::Relaxed),
             listed_rows: self.listed_rows.load(Ordering::Relaxed),
+            numbers: self.numbers.load(Ordering::Relaxed),
         }
     }
 }
@@ -204,6 +221,37 @@ async fn big_listings(
         let listed = body.windows(6).filter(|w| w == b"\"seq\":").count();
         sent.fetch_add(1, Ordering::Relaxed);
         rows.fetch_add(listed as u64, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// `POST /ids` of the largest count, one after another.
+async fn large_counts(
+    addr: SocketAddr,
+    key: HeaderValue,
+    project: &str,
+    stop: &AtomicBool,
+    numbers: &AtomicU64,
+) -> anyhow::Result<()> {
+    let mut sender = connect(addr).await?;
+    let body = Bytes::from(format!(
+        r#"{{"project": "{project}", "type": "numbers", "count": 10000}}"#
+    ));
+    while !stop.load(Ordering::Relaxed) {
+        let request = Request::builder()
+            .method("POST")
+            .uri("/ids")
+            .header("host", "bench")
+            .header("content-type", "application/json")
+            .header("authorization", key.clone())
+            .body(Full::new(body.clone()))?;
+        sender.ready().await?;
+        let response = sender.send_request(request).await?;
+        let ok = response.status().is_success();
+        response.into_body().collect().await?;
+        if ok {
+            numbers.fetch_add(10_000, Ordering::Relaxed);
+        }
     }
     Ok(())
 }

@@ -62,6 +62,13 @@ pub enum Verdict {
     Limited(Duration),
 }
 
+/// What each key may spend per second beside its requests.
+#[derive(Debug, Clone, Copy)]
+pub struct Budgets {
+    pub rows_per_second: u32,
+    pub numbers_per_second: u32,
+}
+
 type KeyedLimiter = governor::DefaultKeyedRateLimiter<String>;
 
 pub struct Authenticator {
@@ -69,22 +76,25 @@ pub struct Authenticator {
     /// `None` with authentication off.
     limiter: Option<KeyedLimiter>,
     /// Rows of lists each key may read per second.
-    rows: RowBudget,
+    rows: KeyBudget,
+    /// Numbers each key may take per second.
+    numbers: KeyBudget,
 }
 
-/// Rows of lists (outbox, gaps, sequences) one key may read per second,
-/// with a burst of twice that: a list costs the rows it returned, charged
-/// once it has run, and a key in debt waits before its next list. A page of
-/// three rows costs three, a thousand a thousand, so one key's largest
-/// listings cannot take the processors from everybody else.
-pub struct RowBudget {
+/// Work of one kind each key may spend per second, with a burst of twice
+/// that; a key in debt waits before its next request of the kind. Rows of
+/// lists (outbox, gaps, sequences) are charged once a list has run, so a
+/// page of three rows costs three and a thousand a thousand; numbers are
+/// charged as they are asked for. So one key's largest listings or `count`s
+/// cannot take the processors, Redis or Postgres from everybody else.
+pub struct KeyBudget {
     per_second: f64,
     burst: f64,
     keys: std::sync::Mutex<std::collections::HashMap<String, (f64, std::time::Instant)>>,
 }
 
-impl RowBudget {
-    /// `per_second` rows (0: no budget).
+impl KeyBudget {
+    /// `per_second` a key (0: no budget).
     pub fn new(per_second: u32) -> Self {
         Self {
             per_second: f64::from(per_second),
@@ -118,6 +128,12 @@ impl RowBudget {
         }
     }
 
+    /// Waits until `caller` is out of debt, then charges it `amount`.
+    pub async fn take(&self, caller: &Caller, amount: usize) {
+        self.wait(caller).await;
+        self.spend(caller, amount);
+    }
+
     /// Charges `rows` to `caller`.
     pub fn spend(&self, caller: &Caller, rows: usize) {
         if self.per_second <= 0.0 {
@@ -141,8 +157,9 @@ impl RowBudget {
 
 impl Authenticator {
     /// Keys checked against `keys`, each allowed `per_second` requests a
-    /// second with a burst of twice that.
-    pub fn new(keys: Arc<KeyStore>, per_second: u32, rows_per_second: u32) -> Self {
+    /// second with a burst of twice that, `budgets` the rows and numbers
+    /// each may take a second.
+    pub fn new(keys: Arc<KeyStore>, per_second: u32, budgets: Budgets) -> Self {
         let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
         let burst = NonZeroU32::new(per_second.saturating_mul(2)).unwrap_or(rate);
         Self {
@@ -150,7 +167,8 @@ impl Authenticator {
             limiter: Some(governor::RateLimiter::keyed(
                 governor::Quota::per_second(rate).allow_burst(burst),
             )),
-            rows: RowBudget::new(rows_per_second),
+            rows: KeyBudget::new(budgets.rows_per_second),
+            numbers: KeyBudget::new(budgets.numbers_per_second),
         }
     }
 
@@ -159,13 +177,19 @@ impl Authenticator {
         Self {
             keys,
             limiter: None,
-            rows: RowBudget::new(0),
+            rows: KeyBudget::new(0),
+            numbers: KeyBudget::new(0),
         }
     }
 
     /// The rows of lists each key may read.
-    pub fn rows(&self) -> &RowBudget {
+    pub fn rows(&self) -> &KeyBudget {
         &self.rows
+    }
+
+    /// The numbers each key may take.
+    pub fn numbers(&self) -> &KeyBudget {
+        &self.numbers
     }
 
     pub fn is_on(&self) -> bool {
@@ -202,6 +226,7 @@ impl Authenticator {
             limiter.shrink_to_fit();
         }
         self.rows.tidy();
+        self.numbers.tidy();
     }
 }
 

@@ -149,6 +149,7 @@ pub async fn issue_ids(
 ) -> Result<Response, ApiError> {
     let input = IdsInput::parse(&body)?;
     within_scope(&caller, input.project.as_str())?;
+    state.auth.numbers().take(&caller, input.count).await;
     let Some(key) = key else {
         // The hot path: numbers are popped and recorded inside the shared
         // batch, so a client hanging up cannot leave one half-taken.

@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 
 pub use self::discard::DiscardCause;
 pub use self::placement::Placement;
-pub use self::redis::{PoolKeys, Popped, RedisFailure, RedisLink, RedisSettings};
+pub use self::redis::{PoolKeys, Popped, Pushed, RedisFailure, RedisLink, RedisSettings};
 use crate::batch::Batcher;
 use crate::counter::{Counter, PoolBlock, Reserved};
 use crate::numbers::SeqRange;
@@ -502,23 +502,23 @@ impl PoolService {
             .redis
             .push(&pool.keys, token, block.range, target, now_ms)
             .await;
-        let cause = match pushed {
-            Ok(Some(_depth)) => {
+        let (cause, rest) = match pushed {
+            Pushed::All(_depth) => {
                 if let Err(e) = self.counter.mark_pushed(block.id).await {
                     tracing::warn!(error = %e, block = block.id, "could not mark block pushed");
                 }
                 return RefillOutcome::Refilled;
             }
-            Ok(None) => {
-                tracing::warn!(pool = %pool.keys.pool, "refill lock expired before the push; block discarded");
-                DiscardCause::RefillLockLost
+            Pushed::LockLost(rest) => {
+                tracing::warn!(pool = %pool.keys.pool, "refill lock expired before the push; rest of the block discarded");
+                (DiscardCause::RefillLockLost, rest)
             }
-            Err(e) => {
-                tracing::warn!(error = %e, pool = %pool.keys.pool, "push failed; block discarded");
-                DiscardCause::PushFailed
+            Pushed::Failed(e, rest) => {
+                tracing::warn!(error = %e, pool = %pool.keys.pool, "push failed; rest of the block discarded");
+                (DiscardCause::PushFailed, rest)
             }
         };
-        self.record_discard(&pool.sequence, pool.period.key(), &[block.range], cause)
+        self.record_discard(&pool.sequence, pool.period.key(), &[rest], cause)
             .await;
         RefillOutcome::Failed
     }

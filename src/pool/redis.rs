@@ -11,6 +11,21 @@ use futures::StreamExt;
 use tokio::sync::Notify;
 
 use super::scripts;
+
+/// Most numbers one push script appends: about 2 ms of Redis, which every
+/// other pool waits for.
+pub const PUSH_PART: i64 = 8_192;
+
+/// What became of a block pushed to its pool.
+pub enum Pushed {
+    /// All of it is in the pool, now this deep.
+    All(i64),
+    /// The refill lock expired; the numbers from this range on are not in
+    /// the pool.
+    LockLost(SeqRange),
+    /// Redis failed; the numbers from this range on may not be in the pool.
+    Failed(RedisFailure, SeqRange),
+}
 use crate::numbers::SeqRange;
 use crate::stats::Stats;
 
@@ -24,6 +39,12 @@ pub struct PoolKeys {
 }
 
 impl PoolKeys {
+    /// A key of the same slot, new each time, for a pool being emptied.
+    fn drain_key(&self) -> String {
+        let tag = self.pool.strip_suffix(":pool").unwrap_or(&self.pool);
+        format!("{tag}:drain:{:016x}", rand::random::<u64>())
+    }
+
     pub fn new(prefix: &str, project: &str, doc_type: &str, period: &str) -> Self {
         let tag = format!("{prefix}:{{{project}:{doc_type}:{period}}}");
         Self {
@@ -95,6 +116,7 @@ struct Scripts {
     release: Script,
     discard: Script,
     trim_above: Script,
+    drain: Script,
     claim_prefix: Script,
 }
 
@@ -171,6 +193,7 @@ impl RedisLink {
                 release: Script::from_lua(scripts::RELEASE),
                 discard: Script::from_lua(scripts::DISCARD),
                 trim_above: Script::from_lua(scripts::TRIM_ABOVE),
+                drain: Script::from_lua(scripts::DRAIN),
                 claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
             },
             up: AtomicBool::new(false),
@@ -361,7 +384,9 @@ impl RedisLink {
         .await
     }
 
-    /// Appends `block` and releases the lock; `None` if the lock was lost.
+    /// Appends `block` and releases the lock. The block goes in parts of at
+    /// most [`PUSH_PART`] numbers, one script each, so other pools' pops run
+    /// between them; what a lost lock or a failure left out is reported.
     pub async fn push(
         &self,
         keys: &PoolKeys,
@@ -369,26 +394,41 @@ impl RedisLink {
         block: SeqRange,
         target: i64,
         now_ms: i64,
-    ) -> Result<Option<i64>, RedisFailure> {
-        self.guarded(async {
-            let reply = self
-                .eval(
-                    &self.scripts.push,
-                    vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
-                    vec![
-                        token.to_owned(),
-                        block.start.to_string(),
-                        block.end.to_string(),
-                        target.to_string(),
-                        now_ms.to_string(),
-                    ],
-                )
-                .await?;
-            let depth =
-                integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))?;
-            Ok((depth >= 0).then_some(depth))
-        })
-        .await
+    ) -> Pushed {
+        let mut start = block.start;
+        loop {
+            let end = start.saturating_add(PUSH_PART).min(block.end);
+            let last = end >= block.end;
+            let part = self
+                .guarded(async {
+                    let reply = self
+                        .eval(
+                            &self.scripts.push,
+                            vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
+                            vec![
+                                token.to_owned(),
+                                start.to_string(),
+                                end.to_string(),
+                                target.to_string(),
+                                now_ms.to_string(),
+                                if last { "1" } else { "0" }.to_owned(),
+                            ],
+                        )
+                        .await?;
+                    integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))
+                })
+                .await;
+            let rest = SeqRange {
+                start,
+                end: block.end,
+            };
+            match part {
+                Err(e) => return Pushed::Failed(e, rest),
+                Ok(depth) if depth < 0 => return Pushed::LockLost(rest),
+                Ok(depth) if last => return Pushed::All(depth),
+                Ok(_) => start = end,
+            }
+        }
     }
 
     pub async fn release(&self, keys: &PoolKeys, token: &str) -> Result<(), RedisFailure> {
@@ -406,7 +446,9 @@ impl RedisLink {
 
     /// Empties the pool (with `keep_if_filled_here`, only if the server
     /// holding it did not fill it: a restart, a promoted replica), returning
-    /// the numbers it held.
+    /// the numbers it held. The pool is emptied in one step; its numbers are
+    /// then read back in parts of [`PUSH_PART`], so that no script holds
+    /// Redis for long. Parts a failure left unread are logged and expire.
     pub async fn discard(
         &self,
         keys: &PoolKeys,
@@ -417,44 +459,79 @@ impl RedisLink {
         } else {
             "all"
         };
-        self.guarded(async {
-            let reply = self
-                .eval(
-                    &self.scripts.discard,
-                    vec![keys.pool.clone(), keys.meta.clone()],
-                    vec![mode.to_owned()],
-                )
-                .await?;
-            let bounds: Vec<i64> = array(reply)?.iter().filter_map(integer).collect();
-            Ok(bounds
-                .chunks_exact(2)
-                .map(|pair| SeqRange::new(pair[0], pair[1] + 1))
-                .collect())
-        })
-        .await
+        let drain = keys.drain_key();
+        let moved = self
+            .guarded(async {
+                let reply = self
+                    .eval(
+                        &self.scripts.discard,
+                        vec![keys.pool.clone(), keys.meta.clone(), drain.clone()],
+                        vec![mode.to_owned()],
+                    )
+                    .await?;
+                Ok(integer(&reply) == Some(1))
+            })
+            .await?;
+        let mut ranges: Vec<SeqRange> = Vec::new();
+        if !moved {
+            return Ok(ranges);
+        }
+        loop {
+            let part = self
+                .guarded(async {
+                    let reply = self
+                        .eval(
+                            &self.scripts.drain,
+                            vec![drain.clone()],
+                            vec![PUSH_PART.to_string()],
+                        )
+                        .await?;
+                    counted_runs(reply)
+                })
+                .await;
+            match part {
+                Ok((left, runs)) => {
+                    merge_runs(&mut ranges, runs);
+                    if left <= 0 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, pool = %keys.pool, drained = ?ranges,
+                        "emptied pool only partly read back; the rest goes unrecorded");
+                    break;
+                }
+            }
+        }
+        Ok(ranges)
     }
 
-    /// Removes the numbers above `max` and returns them.
+    /// Removes the numbers above `max` and returns them, [`PUSH_PART`] at
+    /// a time.
     pub async fn trim_above(
         &self,
         keys: &PoolKeys,
         max: i64,
     ) -> Result<Vec<SeqRange>, RedisFailure> {
-        self.guarded(async {
-            let reply = self
-                .eval(
-                    &self.scripts.trim_above,
-                    vec![keys.pool.clone()],
-                    vec![max.to_string()],
-                )
+        let mut ranges: Vec<SeqRange> = Vec::new();
+        loop {
+            let (more, runs) = self
+                .guarded(async {
+                    let reply = self
+                        .eval(
+                            &self.scripts.trim_above,
+                            vec![keys.pool.clone()],
+                            vec![max.to_string(), PUSH_PART.to_string()],
+                        )
+                        .await?;
+                    counted_runs(reply)
+                })
                 .await?;
-            let bounds: Vec<i64> = array(reply)?.iter().filter_map(integer).collect();
-            Ok(bounds
-                .chunks_exact(2)
-                .map(|pair| SeqRange::new(pair[0], pair[1] + 1))
-                .collect())
-        })
-        .await
+            merge_runs(&mut ranges, runs);
+            if more == 0 {
+                return Ok(ranges);
+            }
+        }
     }
 
     /// Puts numbers back at the head of the pool, lowest first.
@@ -601,6 +678,38 @@ fn array(value: Value) -> Result<Vec<Value>, RedisFailure> {
         other => Err(RedisFailure::Reply(format!(
             "expected an array, got {other:?}"
         ))),
+    }
+}
+
+/// A script's `{count, {first, last, first, last, ...}}` answer.
+fn counted_runs(reply: Value) -> Result<(i64, Vec<SeqRange>), RedisFailure> {
+    let mut parts = array(reply)?.into_iter();
+    let count = parts
+        .next()
+        .as_ref()
+        .and_then(integer)
+        .ok_or_else(|| RedisFailure::Reply("expected a count".into()))?;
+    let bounds: Vec<i64> = match parts.next() {
+        Some(runs) => array(runs)?.iter().filter_map(integer).collect(),
+        None => Vec::new(),
+    };
+    Ok((
+        count,
+        bounds
+            .chunks_exact(2)
+            .map(|pair| SeqRange::new(pair[0], pair[1] + 1))
+            .collect(),
+    ))
+}
+
+/// Adds `runs` to `ranges`, joining a run that continues the one before.
+fn merge_runs(ranges: &mut Vec<SeqRange>, runs: Vec<SeqRange>) {
+    for run in runs {
+        match ranges.last_mut() {
+            Some(last) if last.end == run.start => last.end = run.end,
+            Some(last) if run.end == last.start => last.start = run.start,
+            _ => ranges.push(run),
+        }
     }
 }
 

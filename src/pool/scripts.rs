@@ -22,13 +22,16 @@ local meta = redis.call('HMGET', KEYS[3], 'target', 'refilled_at')
 return {depth, tonumber(meta[1] or '0') or 0, tonumber(meta[2] or '0') or 0}
 "#;
 
-/// KEYS: lock, pool, meta. ARGV: token, first, end (exclusive), target, now_ms.
-/// Appends the block only while the caller still holds the lock (a refill
-/// that outlived its lock must not push numbers behind a newer block), stamps
-/// the server's run_id so a pool replayed by another server is recognised,
-/// keeps the highest block end ever pushed (`max_end`: Postgres must never
-/// be found behind it), and releases the lock. Returns the new depth, or -1
-/// if the lock was lost.
+/// KEYS: lock, pool, meta. ARGV: token, first, end (exclusive), target,
+/// now_ms, last ('1' for the last part of a block).
+/// Appends part of a block only while the caller still holds the lock (a
+/// refill that outlived its lock must not push numbers behind a newer
+/// block), stamps the server's run_id so a pool replayed by another server
+/// is recognised, and keeps the highest block end ever pushed (`max_end`:
+/// Postgres must never be found behind it). A block goes in parts so that no
+/// one script holds Redis, which serves every tenant, for long; the last
+/// part records the target and releases the lock. Returns the new depth, or
+/// -1 if the lock was lost.
 pub const PUSH: &str = r#"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local first, last = tonumber(ARGV[2]), tonumber(ARGV[3]) - 1
@@ -45,9 +48,11 @@ if n > 0 then redis.call('RPUSH', KEYS[2], unpack(chunk)) end
 local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 local max_end = tonumber(redis.call('HGET', KEYS[3], 'max_end') or '0') or 0
 if tonumber(ARGV[3]) > max_end then max_end = tonumber(ARGV[3]) end
-redis.call('HSET', KEYS[3], 'target', ARGV[4], 'refilled_at', ARGV[5], 'run_id', run_id,
-  'max_end', string.format('%d', max_end))
-redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[3], 'run_id', run_id, 'max_end', string.format('%d', max_end))
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[3], 'target', ARGV[4], 'refilled_at', ARGV[5])
+  redis.call('DEL', KEYS[1])
+end
 return redis.call('LLEN', KEYS[2])
 "#;
 
@@ -57,41 +62,71 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 "#;
 
-/// KEYS: pool, meta. ARGV: 'foreign' (empty the pool unless this very
-/// server filled it) or 'all'.
-/// Returns the numbers it held as flat [first, last] pairs of consecutive
-/// runs. The server is the one holding the pool: in a cluster each pool is
-/// judged by its own node, so one node's restart costs only its pools.
+/// Lua that turns `values` (ascending or descending numbers as strings)
+/// into flat [first, last] pairs of consecutive runs, in `out` from `n`.
+macro_rules! runs_lua {
+    () => {
+        r#"
+local function runs(values, descending)
+  local out, n, first, prev = {}, 0, nil, nil
+  local step = 1
+  if descending then step = -1 end
+  for _, v in ipairs(values) do
+    local x = tonumber(v)
+    if x then
+      if prev and x == prev + step then
+        prev = x
+      else
+        if first then
+          out[n + 1] = string.format('%d', math.min(first, prev))
+          out[n + 2] = string.format('%d', math.max(first, prev))
+          n = n + 2
+        end
+        first, prev = x, x
+      end
+    end
+  end
+  if first then
+    out[n + 1] = string.format('%d', math.min(first, prev))
+    out[n + 2] = string.format('%d', math.max(first, prev))
+  end
+  return out
+end
+"#
+    };
+}
+
+/// KEYS: pool, meta, drain. ARGV: 'foreign' (empty the pool unless this
+/// very server filled it) or 'all'.
+/// Empties the pool in one step by renaming its list to `drain` (which
+/// expires within the hour should its drainer die); returns 1 if there was a
+/// list to drain. The server is the one holding the pool: in a cluster each
+/// pool is judged by its own node, so one node's restart costs only its
+/// pools.
 pub const DISCARD: &str = r#"
 if ARGV[1] == 'foreign' then
   local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
-  if redis.call('HGET', KEYS[2], 'run_id') == run_id then return {} end
+  if redis.call('HGET', KEYS[2], 'run_id') == run_id then return 0 end
 end
-local values = redis.call('LRANGE', KEYS[1], 0, -1)
-redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], 'run_id')
-local out, n, first, prev = {}, 0, nil, nil
-for _, v in ipairs(values) do
-  local x = tonumber(v)
-  if x then
-    if prev and x == prev + 1 then
-      prev = x
-    else
-      if first then
-        out[n + 1] = string.format('%d', first)
-        out[n + 2] = string.format('%d', prev)
-        n = n + 2
-      end
-      first, prev = x, x
-    end
-  end
-end
-if first then
-  out[n + 1] = string.format('%d', first)
-  out[n + 2] = string.format('%d', prev)
-end
-return out
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RENAME', KEYS[1], KEYS[3])
+redis.call('PEXPIRE', KEYS[3], 3600000)
+return 1
 "#;
+
+/// KEYS: drain. ARGV: part.
+/// Takes up to `part` numbers off a drained pool; returns what is left and
+/// the numbers taken as flat [first, last] pairs of consecutive runs.
+pub const DRAIN: &str = concat!(
+    runs_lua!(),
+    r#"
+local part = tonumber(ARGV[1])
+local values = redis.call('LRANGE', KEYS[1], 0, part - 1)
+redis.call('LTRIM', KEYS[1], part, -1)
+return {redis.call('LLEN', KEYS[1]), runs(values, false)}
+"#
+);
 
 /// KEYS: installation. ARGV: our installation id.
 /// Claims the key prefix for one database; returns the id that owns it.
@@ -104,30 +139,21 @@ end
 return owner
 "#;
 
-/// KEYS: pool. ARGV: max.
-/// Removes the numbers above `max` from the tail of the ascending pool and
-/// returns them as flat [first, last] pairs of consecutive runs.
-pub const TRIM_ABOVE: &str = r#"
-local max = tonumber(ARGV[1])
-local out, n, first, last = {}, 0, nil, nil
-while true do
+/// KEYS: pool. ARGV: max, part.
+/// Removes up to `part` numbers above `max` from the tail of the ascending
+/// pool; returns whether more may be left (1) and the numbers removed as
+/// flat [first, last] pairs of consecutive runs.
+pub const TRIM_ABOVE: &str = concat!(
+    runs_lua!(),
+    r#"
+local max, part = tonumber(ARGV[1]), tonumber(ARGV[2])
+local removed = {}
+while #removed < part do
   local tail = tonumber(redis.call('LINDEX', KEYS[1], -1))
-  if not tail or tail <= max then break end
+  if not tail or tail <= max then return {0, runs(removed, true)} end
   redis.call('RPOP', KEYS[1])
-  if last and tail == first - 1 then
-    first = tail
-  else
-    if last then
-      out[n + 1] = string.format('%d', first)
-      out[n + 2] = string.format('%d', last)
-      n = n + 2
-    end
-    first, last = tail, tail
-  end
+  removed[#removed + 1] = tail
 end
-if last then
-  out[n + 1] = string.format('%d', first)
-  out[n + 2] = string.format('%d', last)
-end
-return out
-"#;
+return {1, runs(removed, true)}
+"#
+);

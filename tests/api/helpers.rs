@@ -101,6 +101,7 @@ pub struct TestEnv {
     pub auth: bool,
     /// Requests per second per key: high, so load tests are not throttled.
     pub rate_limit: u32,
+    pub numbers_per_key: u32,
     pub redis_start_wait_ms: u64,
     /// `IDPOOL_LEASES` (on by default, as in production).
     pub leases: bool,
@@ -139,6 +140,7 @@ impl TestEnv {
             webhook_secret: TEST_WEBHOOK_SECRET.to_owned(),
             auth: true,
             rate_limit: 1_000_000,
+            numbers_per_key: 200_000,
             redis_start_wait_ms: 5000,
             leases: true,
             extra_env: Vec::new(),
@@ -255,6 +257,7 @@ impl TestEnv {
             rate_limit: self.rate_limit,
             max_in_flight_per_key: 256,
             list_rows_per_key: 10_000,
+            numbers_per_key: self.numbers_per_key,
             redis_start_wait_ms: self.redis_start_wait_ms,
             leases: if self.leases { Switch::On } else { Switch::Off },
         }
@@ -363,6 +366,10 @@ pub fn client_with_key(key: Option<&str>) -> reqwest::Client {
     reqwest::Client::builder()
         .pool_max_idle_per_host(256)
         .default_headers(headers)
+        // The app speaks plain HTTP: loading the system's roots costs about
+        // 45 ms of a runtime thread per client, which a test making dozens
+        // of clients would take from the server it runs beside.
+        .tls_certs_only(Vec::<reqwest::Certificate>::new())
         .build()
         .expect("client")
 }
@@ -748,7 +755,7 @@ impl ServeProcess {
         }
         let child = command.spawn().expect("idpool binary starts");
         let process = Self { child, port };
-        let client = reqwest::Client::new();
+        let client = client_with_key(None);
         let started = Instant::now();
         loop {
             if let Ok(r) = client

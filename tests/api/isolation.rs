@@ -208,7 +208,7 @@ async fn made_up_and_revoked_keys_never_make_a_valid_key_wait_or_fail() {
         let (flooding, refused, address) = (flooding.clone(), refused.clone(), app.address.clone());
         let revoked = revoked.clone();
         flood.push(tokio::spawn(async move {
-            let client = reqwest::Client::new();
+            let client = crate::helpers::client_with_key(None);
             let mut other = Vec::new();
             while flooding.load(Ordering::Relaxed) {
                 let key = if n == 0 {
@@ -326,7 +326,7 @@ async fn clients_that_never_read_their_answers_lose_their_connections_after_the_
     // Every connection is taken by a client that does not read; the
     // next one waits to be accepted until the write timeout frees one.
     let started = Instant::now();
-    let health = reqwest::Client::new()
+    let health = crate::helpers::client_with_key(None)
         .get(app.url("/healthz"))
         .timeout(Duration::from_secs(20))
         .send()
@@ -771,26 +771,46 @@ async fn anyone_asking_for_readiness_and_metrics_costs_the_tenants_nothing() {
     let neighbour = Neighbour::start(&app, "READY").await;
     let flooding = Arc::new(AtomicBool::new(true));
     let asked = Arc::new(AtomicU64::new(0));
-    let flood: Vec<_> = (0..64)
-        .map(|n| {
-            let (flooding, asked, address) = (flooding.clone(), asked.clone(), app.address.clone());
-            tokio::spawn(async move {
-                let client = reqwest::Client::new();
-                let path = if n % 2 == 0 { "/readyz" } else { "/metrics" };
-                while flooding.load(Ordering::Relaxed) {
-                    let r = client.get(format!("{address}{path}")).send().await.unwrap();
-                    assert!(r.status().is_success());
-                    let _ = r.bytes().await;
-                    asked.fetch_add(1, Ordering::Relaxed);
+    // The stranger's clients run on a runtime of their own, as they would
+    // on their own machine: only the server's work is shared.
+    let flood = {
+        let (flooding, asked, address) = (flooding.clone(), asked.clone(), app.address.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let clients: Vec<_> = (0..64)
+                    .map(|n| {
+                        let (flooding, asked, address) =
+                            (flooding.clone(), asked.clone(), address.clone());
+                        tokio::spawn(async move {
+                            let client = crate::helpers::client_with_key(None);
+                            let path = if n % 2 == 0 { "/readyz" } else { "/metrics" };
+                            while flooding.load(Ordering::Relaxed) {
+                                let r =
+                                    client.get(format!("{address}{path}")).send().await.unwrap();
+                                assert!(r.status().is_success());
+                                let _ = r.bytes().await;
+                                asked.fetch_add(1, Ordering::Relaxed);
+                            }
+                        })
+                    })
+                    .collect();
+                for client in clients {
+                    client.await.unwrap();
                 }
             })
         })
-        .collect();
+    };
     tokio::time::sleep(Duration::from_secs(3)).await;
     flooding.store(false, Ordering::Relaxed);
-    for task in flood {
-        task.await.unwrap();
-    }
+    tokio::task::spawn_blocking(move || flood.join())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(
         asked.load(Ordering::Relaxed) > 200,
         "the flood was too small to tell"
@@ -907,4 +927,117 @@ async fn a_stranger_holding_every_connection_slot_keeps_no_tenant_from_connectin
         .assert_unharmed("a stranger holding every connection slot", USUAL)
         .await;
     drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_taking_numbers_ten_thousand_at_a_time_is_held_to_its_budget() {
+    let mut env = TestEnv::new();
+    env.numbers_per_key = 20_000;
+    let app = env.spawn().await;
+    let greedy_key = create_key(&app.state, &["GREEDY"], false).await;
+    let greedy = client_with_key(Some(&greedy_key));
+    let neighbour = Neighbour::start(&app, "MODEST").await;
+    // 160,000 numbers from four loops at once: the burst (40,000) goes at
+    // once, the rest at 20,000 a second, so no sooner than in about 6 s.
+    let started = Instant::now();
+    let mut loops = Vec::new();
+    for _ in 0..4 {
+        let greedy = greedy.clone();
+        let url = app.url("/ids");
+        loops.push(tokio::spawn(async move {
+            let mut taken = Vec::new();
+            for _ in 0..4 {
+                let answer = greedy
+                    .post(&url)
+                    .json(&json!({"project": "GREEDY", "type": "1", "count": 10_000}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(answer.status(), StatusCode::OK);
+                let body: Value = answer.json().await.unwrap();
+                taken.extend(
+                    body["seqs"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|n| n.as_i64().unwrap()),
+                );
+            }
+            taken
+        }));
+    }
+    let mut numbers = Vec::new();
+    for taken in loops {
+        numbers.extend(taken.await.unwrap());
+    }
+    let took = started.elapsed();
+    numbers.sort_unstable();
+    numbers.dedup();
+    assert_eq!(numbers.len(), 160_000, "every number asked for, once");
+    assert!(
+        took >= Duration::from_secs(5),
+        "160,000 numbers on a budget of 20,000 a second took only {took:?}"
+    );
+    neighbour
+        .assert_unharmed("a key taking numbers ten thousand at a time", USUAL)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_at_full_speed_leaves_batch_turns_for_another_tenant() {
+    let app = TestEnv::new().spawn().await;
+    let migrating_key = create_key(&app.state, &["MIGR"], false).await;
+    let migrating = client_with_key(Some(&migrating_key));
+    let other_key = create_key(&app.state, &["OTHER"], false).await;
+    let other = client_with_key(Some(&other_key));
+    let running = Arc::new(AtomicBool::new(true));
+    // As many batches of a thousand at once as there are batch turns.
+    let mut loops = Vec::new();
+    for _ in 0..4 {
+        let migrating = migrating.clone();
+        let url = app.url("/api/v1/documents/batch");
+        let running = running.clone();
+        loops.push(tokio::spawn(async move {
+            let documents: Vec<Value> = (0..1000)
+                .map(|n| json!({"project": "MIGR", "type": "1", "metadata": {"n": n, "pad": "x".repeat(200)}}))
+                .collect();
+            let mut batches = 0;
+            while running.load(Ordering::Relaxed) {
+                let answer = migrating
+                    .post(&url)
+                    .json(&json!({ "documents": documents }))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(answer.status(), StatusCode::ACCEPTED);
+                batches += 1;
+            }
+            batches
+        }));
+    }
+    let mut slowest = Duration::ZERO;
+    for n in 0..10 {
+        let started = Instant::now();
+        let answer = other
+            .post(app.url("/api/v1/documents/batch"))
+            .json(&json!({"documents": [{"project": "OTHER", "type": "1", "metadata": {"n": n}}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::ACCEPTED);
+        slowest = slowest.max(started.elapsed());
+    }
+    running.store(false, Ordering::Relaxed);
+    let mut batches = 0;
+    for batch_loop in loops {
+        batches += batch_loop.await.unwrap();
+    }
+    assert!(
+        batches >= 4,
+        "the migration went on meanwhile ({batches} batches)"
+    );
+    assert!(
+        slowest < USUAL,
+        "another tenant's one-item batch waited {slowest:?} beside a migration"
+    );
 }

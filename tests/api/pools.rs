@@ -76,3 +76,74 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     let shrunk = pool_target(&env, &app).await;
     assert_eq!(shrunk, grown / 2, "target after an idle spell");
 }
+
+/// Redis runs one script at a time for every tenant: a pool of a million
+/// numbers goes in, is trimmed and is emptied in parts, so no script holds
+/// it long enough to make another pool's pop wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
+    use idpool::numbers::SeqRange;
+    use idpool::pool::{Pushed, RedisLink, RedisSettings};
+
+    let server = crate::redis_server::RedisServer::start();
+    // Anything over 50 ms is logged; a part takes about 2 ms.
+    server.cli(&["CONFIG", "SET", "slowlog-log-slower-than", "50000"]);
+    server.cli(&["SLOWLOG", "RESET"]);
+    let link = RedisLink::connect(
+        &RedisSettings {
+            url: server.url(),
+            prefix: "idpool-parts".into(),
+            clients: 1,
+            command_timeout: Duration::from_secs(5),
+        },
+        Arc::new(idpool::stats::Stats::default()),
+    )
+    .unwrap();
+    // Nothing to check the pools against here: the circuit closes once the
+    // client is connected and nothing failed since.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !(link.all_connected() && link.mark_up(link.failure_count())) {
+        assert!(std::time::Instant::now() < deadline, "redis is up");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let keys = link.keys("BIG", "1", "");
+    let token = "refill-token";
+    let locked = link
+        .acquire(&keys, token, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(locked.is_some(), "the refill lock was free");
+    match link
+        .push(&keys, token, SeqRange::new(1, 1_000_001), 1_000_000, 0)
+        .await
+    {
+        Pushed::All(depth) => assert_eq!(depth, 1_000_000),
+        _ => panic!("the block did not go in whole"),
+    }
+    assert_eq!(
+        link.acquire(&keys, "next", Duration::from_secs(30))
+            .await
+            .unwrap()
+            .map(|l| l.depth),
+        Some(1_000_000),
+        "the last part released the lock"
+    );
+    link.release(&keys, "next").await.unwrap();
+    let trimmed = link.trim_above(&keys, 900_000).await.unwrap();
+    assert_eq!(trimmed, vec![SeqRange::new(900_001, 1_000_001)]);
+    assert_eq!(link.head(&keys).await.unwrap(), Some(1));
+    let discarded = link.discard(&keys, false).await.unwrap();
+    assert_eq!(discarded, vec![SeqRange::new(1, 900_001)]);
+    assert_eq!(link.depth(&keys).await.unwrap(), 0);
+    assert_eq!(
+        server.cli(&["--scan", "--pattern", "*drain*"]).trim(),
+        "",
+        "the emptied pool's list is gone"
+    );
+    let slow = server.cli(&["SLOWLOG", "GET", "10"]);
+    assert_eq!(
+        server.cli(&["SLOWLOG", "LEN"]).trim(),
+        "0",
+        "scripts held Redis over 50 ms: {slow}"
+    );
+}

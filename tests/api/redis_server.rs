@@ -100,6 +100,16 @@ impl RedisServer {
         }
     }
 
+    /// Runs `redis-cli` against this server; its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let output = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
     /// Starts again on the same port, empty.
     pub fn restart_empty(&mut self) {
         self.kill();
