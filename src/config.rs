@@ -380,26 +380,27 @@ pub struct Config {
     pub max_in_flight_per_key: u64,
 
     /// Rows of lists (outbox, gaps, sequences) one API key may read per
-    /// second (bursts of twice that); a key past it waits before its next
-    /// list. 0: no limit.
+    /// second (a second's worth at once); a key past it waits before its
+    /// next list. 0: no limit.
     #[arg(
         long = "idpool-list-rows-per-key",
         env = "IDPOOL_LIST_ROWS_PER_KEY",
         value_name = "IDPOOL_LIST_ROWS_PER_KEY",
-        default_value_t = 10_000,
+        default_value_t = 2_000,
         value_parser = clap::value_parser!(u32),
     )]
     pub list_rows_per_key: u32,
 
-    /// Numbers one API key may take per second through `POST /ids` and
-    /// batches (bursts of twice that): each costs Redis and Postgres work
-    /// every tenant shares. A key past it waits before its next request for
-    /// numbers. 0: no limit.
+    /// Numbers one API key may take per second through `POST /ids` (a
+    /// second's worth at once): each costs Redis, Postgres and formatting work every
+    /// tenant shares, and a `count` of 10,000 is still one request to the
+    /// rate limit. A key past it waits before its next `POST /ids`. (Batches
+    /// are bounded by their turns.) 0: no limit.
     #[arg(
         long = "idpool-numbers-per-key",
         env = "IDPOOL_NUMBERS_PER_KEY",
         value_name = "IDPOOL_NUMBERS_PER_KEY",
-        default_value_t = 200_000,
+        default_value_t = 50_000,
         value_parser = clap::value_parser!(u32),
     )]
     pub numbers_per_key: u32,

@@ -415,10 +415,7 @@ impl Parts {
             clock,
             db: self.db,
             request_timeout: config.request_timeout(),
-            batch_turns: FairSlots::new(
-                config.batch_concurrency,
-                batch_turns_per_key(config.batch_concurrency),
-            ),
+            batch_turns: FairSlots::new(config.batch_concurrency, config.batch_concurrency),
             batch_bodies: FairSlots::new(2 * config.batch_concurrency, BATCH_BODIES_PER_KEY),
             probes: Default::default(),
             in_flight: FairSlots::new(usize::MAX / 2, config.max_in_flight_per_key as usize),
@@ -432,14 +429,7 @@ impl Parts {
 /// hold up only itself. All keys together may have twice the batch turns'
 /// bodies read or held (a body is held until its batch is answered), which
 /// bounds what batches take of the instance's memory.
-pub const BATCH_BODIES_PER_KEY: usize = 2;
-
-/// Batch turns one key may hold: half of them, so that another tenant's
-/// batch always finds one free without waiting for a migration's batch to
-/// end.
-pub fn batch_turns_per_key(batch_concurrency: usize) -> usize {
-    (batch_concurrency / 2).max(1)
-}
+pub const BATCH_BODIES_PER_KEY: usize = 4;
 
 /// Request-path turns on the Postgres pool: its connections less those the
 /// instance's own work keeps (the shared ledger writer, the handout writer,

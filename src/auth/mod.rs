@@ -81,8 +81,8 @@ pub struct Authenticator {
     numbers: KeyBudget,
 }
 
-/// Work of one kind each key may spend per second, with a burst of twice
-/// that; a key in debt waits before its next request of the kind. Rows of
+/// Work of one kind each key may spend per second, a second's worth at
+/// once; a key in debt waits before its next request of the kind. Rows of
 /// lists (outbox, gaps, sequences) are charged once a list has run, so a
 /// page of three rows costs three and a thousand a thousand; numbers are
 /// charged as they are asked for. So one key's largest listings or `count`s
@@ -98,7 +98,10 @@ impl KeyBudget {
     pub fn new(per_second: u32) -> Self {
         Self {
             per_second: f64::from(per_second),
-            burst: 2.0 * f64::from(per_second),
+            // A second's worth at once, no more: the bucket refills
+            // between a flood's rounds, and a larger burst is what another
+            // tenant's slowest requests would pay for.
+            burst: f64::from(per_second),
             keys: Default::default(),
         }
     }
@@ -158,7 +161,7 @@ impl KeyBudget {
 impl Authenticator {
     /// Keys checked against `keys`, each allowed `per_second` requests a
     /// second with a burst of twice that, `budgets` the rows and numbers
-    /// each may take a second.
+    /// each may take a second (a second's worth at once).
     pub fn new(keys: Arc<KeyStore>, per_second: u32, budgets: Budgets) -> Self {
         let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
         let burst = NonZeroU32::new(per_second.saturating_mul(2)).unwrap_or(rate);

@@ -477,7 +477,6 @@ pub async fn create_batch(
         keys.push(key);
     }
     drop(body);
-    state.auth.numbers().take(&caller, count).await;
     // The batch is complete and checked: now it waits its turn, shared
     // fairly with other keys' batches, then for a connection of its own.
     let turn = state.batch_turns.acquire(caller.id()).await;

@@ -140,7 +140,7 @@ impl TestEnv {
             webhook_secret: TEST_WEBHOOK_SECRET.to_owned(),
             auth: true,
             rate_limit: 1_000_000,
-            numbers_per_key: 200_000,
+            numbers_per_key: 50_000,
             redis_start_wait_ms: 5000,
             leases: true,
             extra_env: Vec::new(),
