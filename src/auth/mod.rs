@@ -82,10 +82,11 @@ pub struct Authenticator {
 }
 
 /// Work of one kind each key may spend per second, a second's worth at
-/// once; a key in debt waits before its next request of the kind. Rows of
-/// lists (outbox, gaps, sequences) are charged once a list has run, so a
-/// page of three rows costs three and a thousand a thousand; numbers are
-/// charged as they are asked for. So one key's largest listings or `count`s
+/// once; a key in debt waits before its next request of the kind. Work is
+/// charged before it runs (a list its `limit`, a `POST /ids` its `count`),
+/// so a key's requests in flight never spend much more than its budget,
+/// however many it sends at once; a list gets back what its page did not
+/// use, so a page of three rows costs three and a thousand a thousand. So one key's largest listings or `count`s
 /// cannot take the processors, Redis or Postgres from everybody else.
 pub struct KeyBudget {
     per_second: f64,
@@ -135,6 +136,19 @@ impl KeyBudget {
     pub async fn take(&self, caller: &Caller, amount: usize) {
         self.wait(caller).await;
         self.spend(caller, amount);
+    }
+
+    /// Gives back what a request took but did not use (a page shorter than
+    /// its limit).
+    pub fn refund(&self, caller: &Caller, unused: usize) {
+        if self.per_second <= 0.0 || unused == 0 {
+            return;
+        }
+        self.tokens(caller.id());
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((tokens, _)) = keys.get_mut(caller.id()) {
+            *tokens = (*tokens + unused as f64).min(self.burst);
+        }
     }
 
     /// Charges `rows` to `caller`.

@@ -127,9 +127,9 @@ pub async fn list_gaps(
     let gaps = if !in_scope {
         Vec::new()
     } else {
-        state.auth.rows().wait(&caller).await;
-        let _turn = state.db_turn(&caller).await;
-        gaps::list(
+        state.auth.rows().take(&caller, page.limit as usize).await;
+        let turn = state.db_turn(&caller).await;
+        let listed = gaps::list(
             &state.db,
             &GapQuery {
                 project: project.as_str(),
@@ -140,10 +140,15 @@ pub async fn list_gaps(
                 limit: page.limit,
             },
         )
-        .await
-        .map_err(db_error)?
+        .await;
+        drop(turn);
+        let returned = listed.as_ref().map_or(0, Vec::len);
+        state
+            .auth
+            .rows()
+            .refund(&caller, (page.limit as usize).saturating_sub(returned));
+        listed.map_err(db_error)?
     };
-    state.auth.rows().spend(&caller, gaps.len());
     let next_cursor = page.next_cursor(&gaps, |g| format!("{}:{}", g.period, g.from_seq));
     Ok(axum::Json(GapList {
         project: project.to_string(),

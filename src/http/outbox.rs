@@ -121,9 +121,9 @@ pub async fn list_outbox(
         None => None,
         Some(cursor) => Some(cursor::document_of(cursor).ok_or_else(unknown_cursor)?),
     };
-    state.auth.rows().wait(&caller).await;
+    state.auth.rows().take(&caller, page.limit as usize).await;
     let turn = state.db_turn(&caller).await;
-    let documents = outbox::list(
+    let listed = outbox::list(
         &state.db,
         &ListFilter {
             status: query.status,
@@ -134,13 +134,17 @@ pub async fn list_outbox(
             limit: page.limit,
         },
     )
-    .await
-    .map_err(|e| match e {
+    .await;
+    drop(turn);
+    let returned = listed.as_ref().map_or(0, Vec::len);
+    state
+        .auth
+        .rows()
+        .refund(&caller, (page.limit as usize).saturating_sub(returned));
+    let documents = listed.map_err(|e| match e {
         ListError::Cursor => unknown_cursor(),
         ListError::Db(e) => db_error(e),
     })?;
-    drop(turn);
-    state.auth.rows().spend(&caller, documents.len());
     let next_cursor = page.next_cursor(&documents, |d| cursor::after(&d.id));
     Ok(axum::Json(OutboxPage {
         documents,

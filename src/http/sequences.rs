@@ -127,14 +127,19 @@ pub async fn list_sequences(
     Query(query): Query<ListQuery>,
 ) -> Result<axum::Json<SequenceList>, ApiError> {
     let page = Page::parse(query.limit, query.cursor.as_deref(), |c| c.split_once('/'))?;
-    state.auth.rows().wait(&caller).await;
+    state.auth.rows().take(&caller, page.limit as usize).await;
     let turn = state.db_turn(&caller).await;
-    let sequences = state
+    let listed = state
         .sequences
         .list(page.after, page.limit, caller.projects())
-        .await?;
+        .await;
     drop(turn);
-    state.auth.rows().spend(&caller, sequences.len());
+    let returned = listed.as_ref().map_or(0, Vec::len);
+    state
+        .auth
+        .rows()
+        .refund(&caller, (page.limit as usize).saturating_sub(returned));
+    let sequences = listed?;
     let next_cursor = page.next_cursor(&sequences, |s| format!("{}/{}", s.project, s.doc_type));
     Ok(axum::Json(SequenceList {
         sequences: sequences
