@@ -107,60 +107,58 @@ impl KeyBudget {
         }
     }
 
-    /// A key's tokens now (refilled since it last spent).
-    fn tokens(&self, key: &str) -> f64 {
+    /// Adds `change` to a key's tokens after refilling them for the time
+    /// since it last spent; the tokens it had before the change.
+    fn adjust(&self, key: &str, change: impl FnOnce(f64) -> f64) -> f64 {
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         let now = std::time::Instant::now();
-        let (tokens, at) = keys.entry(key.to_owned()).or_insert((self.burst, now));
-        *tokens =
+        if !keys.contains_key(key) {
+            keys.insert(key.to_owned(), (self.burst, now));
+        }
+        let Some((tokens, at)) = keys.get_mut(key) else {
+            return self.burst;
+        };
+        let had =
             (*tokens + self.per_second * now.duration_since(*at).as_secs_f64()).min(self.burst);
+        *tokens = change(had).min(self.burst);
         *at = now;
-        *tokens
+        had
     }
 
-    /// Waits until `caller` is out of debt.
-    pub async fn wait(&self, caller: &Caller) {
+    /// Waits until `caller` is out of debt, then charges it `amount`, in
+    /// one look at its tokens per try.
+    pub async fn take(&self, caller: &Caller, amount: usize) {
         if self.per_second <= 0.0 {
             return;
         }
         loop {
-            let tokens = self.tokens(caller.id());
-            if tokens > 0.0 {
+            let had = self.adjust(caller.id(), |had| {
+                if had > 0.0 { had - amount as f64 } else { had }
+            });
+            if had > 0.0 {
                 return;
             }
-            tokio::time::sleep(Duration::from_secs_f64(-tokens / self.per_second + 0.001)).await;
+            tokio::time::sleep(Duration::from_secs_f64(-had / self.per_second + 0.001)).await;
         }
     }
 
-    /// Waits until `caller` is out of debt, then charges it `amount`.
-    pub async fn take(&self, caller: &Caller, amount: usize) {
-        self.wait(caller).await;
-        self.spend(caller, amount);
-    }
-
-    /// Gives back what a request took but did not use (a page shorter than
-    /// its limit).
-    pub fn refund(&self, caller: &Caller, unused: usize) {
-        if self.per_second <= 0.0 || unused == 0 {
-            return;
+    /// Runs a list of at most `limit` rows for `caller`: charged `limit`
+    /// before it runs, given back what its page (or its failure) did not
+    /// use.
+    pub async fn charged<T, E>(
+        &self,
+        caller: &Caller,
+        limit: usize,
+        list: impl std::future::Future<Output = Result<Vec<T>, E>>,
+    ) -> Result<Vec<T>, E> {
+        self.take(caller, limit).await;
+        let listed = list.await;
+        let returned = listed.as_ref().map_or(0, Vec::len);
+        let unused = limit.saturating_sub(returned);
+        if self.per_second > 0.0 && unused > 0 {
+            self.adjust(caller.id(), |had| had + unused as f64);
         }
-        self.tokens(caller.id());
-        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((tokens, _)) = keys.get_mut(caller.id()) {
-            *tokens = (*tokens + unused as f64).min(self.burst);
-        }
-    }
-
-    /// Charges `rows` to `caller`.
-    pub fn spend(&self, caller: &Caller, rows: usize) {
-        if self.per_second <= 0.0 {
-            return;
-        }
-        self.tokens(caller.id());
-        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((tokens, _)) = keys.get_mut(caller.id()) {
-            *tokens -= rows as f64;
-        }
+        listed
     }
 
     /// Forgets keys whose budget is full again.

@@ -127,27 +127,26 @@ pub async fn list_gaps(
     let gaps = if !in_scope {
         Vec::new()
     } else {
-        state.auth.rows().take(&caller, page.limit as usize).await;
-        let turn = state.db_turn(&caller).await;
-        let listed = gaps::list(
-            &state.db,
-            &GapQuery {
-                project: project.as_str(),
-                doc_type: doc_type.as_str(),
-                period: query.period.as_deref(),
-                reason,
-                after: page.after.clone(),
-                limit: page.limit,
-            },
-        )
-        .await;
-        drop(turn);
-        let returned = listed.as_ref().map_or(0, Vec::len);
         state
             .auth
             .rows()
-            .refund(&caller, (page.limit as usize).saturating_sub(returned));
-        listed.map_err(db_error)?
+            .charged(&caller, page.limit as usize, async {
+                let _turn = state.db_turn(&caller).await;
+                gaps::list(
+                    &state.db,
+                    &GapQuery {
+                        project: project.as_str(),
+                        doc_type: doc_type.as_str(),
+                        period: query.period.as_deref(),
+                        reason,
+                        after: page.after.clone(),
+                        limit: page.limit,
+                    },
+                )
+                .await
+            })
+            .await
+            .map_err(db_error)?
     };
     let next_cursor = page.next_cursor(&gaps, |g| format!("{}:{}", g.period, g.from_seq));
     Ok(axum::Json(GapList {

@@ -121,27 +121,25 @@ pub async fn list_outbox(
         None => None,
         Some(cursor) => Some(cursor::document_of(cursor).ok_or_else(unknown_cursor)?),
     };
-    state.auth.rows().take(&caller, page.limit as usize).await;
-    let turn = state.db_turn(&caller).await;
-    let listed = outbox::list(
-        &state.db,
-        &ListFilter {
-            status: query.status,
-            projects: caller.projects(),
-            project: query.project.as_deref(),
-            doc_type: query.doc_type.as_deref(),
-            after: after.as_deref(),
-            limit: page.limit,
-        },
-    )
-    .await;
-    drop(turn);
-    let returned = listed.as_ref().map_or(0, Vec::len);
-    state
+    let listed = state
         .auth
         .rows()
-        .refund(&caller, (page.limit as usize).saturating_sub(returned));
-    let documents = listed.map_err(|e| match e {
+        .charged(&caller, page.limit as usize, async {
+            let _turn = state.db_turn(&caller).await;
+            outbox::list(
+                &state.db,
+                &ListFilter {
+                    status: query.status,
+                    projects: caller.projects(),
+                    project: query.project.as_deref(),
+                    doc_type: query.doc_type.as_deref(),
+                    after: after.as_deref(),
+                    limit: page.limit,
+                },
+            )
+            .await
+        });
+    let documents = listed.await.map_err(|e| match e {
         ListError::Cursor => unknown_cursor(),
         ListError::Db(e) => db_error(e),
     })?;

@@ -127,19 +127,17 @@ pub async fn list_sequences(
     Query(query): Query<ListQuery>,
 ) -> Result<axum::Json<SequenceList>, ApiError> {
     let page = Page::parse(query.limit, query.cursor.as_deref(), |c| c.split_once('/'))?;
-    state.auth.rows().take(&caller, page.limit as usize).await;
-    let turn = state.db_turn(&caller).await;
-    let listed = state
-        .sequences
-        .list(page.after, page.limit, caller.projects())
-        .await;
-    drop(turn);
-    let returned = listed.as_ref().map_or(0, Vec::len);
-    state
+    let sequences = state
         .auth
         .rows()
-        .refund(&caller, (page.limit as usize).saturating_sub(returned));
-    let sequences = listed?;
+        .charged(&caller, page.limit as usize, async {
+            let _turn = state.db_turn(&caller).await;
+            state
+                .sequences
+                .list(page.after, page.limit, caller.projects())
+                .await
+        })
+        .await?;
     let next_cursor = page.next_cursor(&sequences, |s| format!("{}/{}", s.project, s.doc_type));
     Ok(axum::Json(SequenceList {
         sequences: sequences

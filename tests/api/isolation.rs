@@ -109,7 +109,7 @@ impl Neighbour {
                 }
                 report.rounds += 1;
                 counted.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(Duration::from_millis(10)).await; // a tenant's pace, not a flood
             }
             report
         });
@@ -157,7 +157,7 @@ async fn eventually(limit: Duration, what: &str, mut done: impl AsyncFnMut() -> 
     let started = Instant::now();
     while !done().await {
         assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await; // polling, bounded by `limit`
     }
 }
 
@@ -912,7 +912,7 @@ async fn a_stranger_holding_every_connection_slot_keeps_no_tenant_from_connectin
             .expect("a new connection beside a stranger's hundreds is served");
         assert_eq!(answer.status(), StatusCode::OK);
         slowest = slowest.max(started.elapsed());
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await; // new clients arrive over the flood, not at once
     }
     let (served, held) = stranger.await.unwrap();
     assert_eq!(
