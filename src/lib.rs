@@ -23,7 +23,6 @@ pub mod ledger;
 mod listen;
 pub mod log_limit;
 pub mod numbers;
-pub mod pipeline;
 pub mod pool;
 pub mod sequence;
 pub mod sequence_store;

@@ -22,9 +22,8 @@ use crate::fair::FairSlots;
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
-use crate::issuance::Issuer;
-use crate::lease::{LeaseSettings, Leases};
-use crate::pipeline::Pipeline;
+use crate::issuance::{Issuer, IssuerParts};
+use crate::lease::LeaseSettings;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
@@ -39,8 +38,6 @@ pub struct Overrides {
     pub reconcile: Option<ReconcileSettings>,
     /// Replaces the lease timing (`enabled` still follows `IDPOOL_LEASES`).
     pub leases: Option<LeaseSettings>,
-    /// The clock leases measure a sequence's rate by.
-    pub lease_clock: Arc<dyn Clock>,
 }
 
 impl Default for Overrides {
@@ -50,7 +47,6 @@ impl Default for Overrides {
             pool: PoolSettings::default(),
             reconcile: None,
             leases: None,
-            lease_clock: Arc::new(SystemClock),
         }
     }
 }
@@ -155,7 +151,6 @@ struct Parts {
     sequences: Arc<SequenceStore>,
     pools: Arc<PoolService>,
     issuer: Arc<Issuer>,
-    leases: Arc<Leases>,
     reconciler: Arc<Reconciler>,
     instance_id: String,
 }
@@ -186,31 +181,31 @@ impl Parts {
             config.max_sequences_per_project as usize,
         ));
         let instance_id = config.instance_id();
-        let pools = Self::pools(config, overrides, &db, &sequences, &stats, &instance_id).await?;
-        let issuer = Arc::new(Issuer {
-            pipeline: Pipeline::spawn(
-                db.clone(),
-                pools.clone(),
-                stats.clone(),
-                &TaskTracker::new(),
-            ),
+        // The one tracker of the issuing wing's tasks: batchers, handout
+        // writer, lease fetches and requests' detached work.
+        let tasks = TaskTracker::new();
+        let pools = Self::pools(
+            config,
+            overrides,
+            &db,
+            &sequences,
+            &stats,
+            &instance_id,
+            &tasks,
+        )
+        .await?;
+        let issuer = Issuer::new(IssuerParts {
             sequences: sequences.clone(),
             pools: pools.clone(),
-            counter: pools.counter().clone(),
             clock: overrides.clock.clone(),
             stats: stats.clone(),
             db: db.clone(),
-        });
-        let leases = Leases::new(
-            issuer.clone(),
-            pools.clone(),
-            overrides.lease_clock.clone(),
-            LeaseSettings {
+            leases: LeaseSettings {
                 enabled: config.leases.is_on(),
                 ..overrides.leases.clone().unwrap_or_default()
             },
-            stats.clone(),
-        );
+            tasks: tasks.clone(),
+        });
         let background_db = db::pool(
             (*db.connect_options()).clone(),
             2,
@@ -238,7 +233,6 @@ impl Parts {
             sequences,
             pools,
             issuer,
-            leases,
             reconciler,
             instance_id,
         })
@@ -253,6 +247,7 @@ impl Parts {
         sequences: &Arc<SequenceStore>,
         stats: &Arc<Stats>,
         instance_id: &str,
+        tasks: &TaskTracker,
     ) -> anyhow::Result<Arc<PoolService>> {
         let redis = RedisLink::connect(
             &RedisSettings {
@@ -287,7 +282,7 @@ impl Parts {
             stats.clone(),
             settings,
             overrides.clock.clone(),
-            &TaskTracker::new(),
+            tasks,
         ))
     }
 
@@ -328,9 +323,9 @@ impl Parts {
         supervisor.spawn("idempotency pruning", move || {
             idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
         });
-        let (leases, lease_db, lease_stop) = (self.leases.clone(), db.clone(), drained.clone());
+        let (issuer, lease_stop) = (self.issuer.clone(), drained.clone());
         supervisor.spawn("lease reports", move || {
-            leases.clone().report(lease_db.clone(), lease_stop.clone())
+            issuer.clone().report_leases(lease_stop.clone())
         });
         if config.reconcile.is_on() {
             let (reconciler, stop) = (self.reconciler.clone(), stop.clone());
@@ -404,10 +399,8 @@ impl Parts {
             auth: self.auth,
             documents: Documents {
                 issuer: self.issuer.clone(),
-                leases: self.leases.clone(),
             },
             issuer: self.issuer,
-            leases: self.leases,
             reconciler: self.reconciler,
             sequences: self.sequences,
             pools: self.pools,

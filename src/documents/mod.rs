@@ -14,12 +14,9 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 use utoipa::ToSchema;
 
-use crate::issuance::{Db, IssueError, Issuer};
-use crate::lease::{LeaseClaim, Leases};
+use crate::issuance::{IssueError, Issuer, Want};
 use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
 use crate::ledger::{self, LedgerError, Via};
-use crate::numbers::without;
-use crate::pipeline::Demand;
 use crate::pool::Placement;
 use crate::sequence::{Layout, ProjectCode, TypeCode};
 
@@ -73,7 +70,7 @@ pub struct AcceptedDocument {
 #[derive(Debug, thiserror::Error)]
 pub enum DocumentError {
     #[error(transparent)]
-    Issue(#[from] IssueError),
+    Issue(IssueError),
     #[error("{id} cannot be attached: {reason}")]
     NotAttachable { id: String, reason: String },
     /// The request's own ID (never another tenant's data).
@@ -94,12 +91,18 @@ pub enum DocumentError {
 
 impl From<LedgerError> for DocumentError {
     fn from(e: LedgerError) -> Self {
+        IssueError::Ledger(e).into()
+    }
+}
+
+impl From<IssueError> for DocumentError {
+    fn from(e: IssueError) -> Self {
         match e {
-            LedgerError::AlreadyAttached => DocumentError::NotAttachable {
+            IssueError::Ledger(LedgerError::AlreadyAttached) => DocumentError::NotAttachable {
                 id: String::new(),
                 reason: "a concurrent request attached it first".into(),
             },
-            other => DocumentError::Issue(IssueError::Ledger(other)),
+            other => DocumentError::Issue(other),
         }
     }
 }
@@ -129,8 +132,6 @@ impl BatchError {
 
 pub struct Documents {
     pub issuer: Arc<Issuer>,
-    /// Attached IDs may have come from this instance's lease moments ago.
-    pub leases: Arc<Leases>,
 }
 
 /// The placement of each (project, type) of a batch.
@@ -155,44 +156,16 @@ impl Documents {
         &self,
         input: Arc<DocumentInput>,
     ) -> Result<AcceptedDocument, DocumentError> {
-        let issuer = &self.issuer;
-        let placement = issuer.place(&input.project, &input.doc_type).await?;
+        let placement = self.issuer.place(&input.project, &input.doc_type).await?;
         let attachment = Arc::new(input.attachment());
-        if let Some(claim) = self.leases.claim_for_document(&placement) {
-            // In a task of its own, entered without an await since the
-            // claim: a caller that goes away cannot leave a leased number
-            // neither written nor given back.
-            let (leases, issuer) = (self.leases.clone(), issuer.clone());
-            let (placement, attachment) = (placement.clone(), attachment.clone());
-            let leased = tokio::spawn(async move {
-                accept_leased(&leases, &issuer, claim, placement, attachment).await
-            })
-            .await
-            .map_err(IssueError::from)?;
-            if let Some(accepted) = leased {
-                return accepted;
-            }
-        }
-        let served = issuer
-            .pipeline
-            .submit(
-                placement.clone(),
-                Demand::Document {
-                    attachment: attachment.clone(),
-                },
-            )
+        let issued = self
+            .issuer
+            .issue(placement, Want::Document { attachment })
             .await?;
-        if let Some((row, created_at)) = &served.document {
-            return Ok(accepted(row, *created_at));
-        }
-        // The pool could not give a number at once. In a task of its own:
-        // a caller that goes away cannot leave a number taken but
-        // unrecorded.
-        let issuer = issuer.clone();
-        let refused = served.refused.len();
-        tokio::spawn(async move { accept_slowly(&issuer, &placement, &attachment, refused).await })
-            .await
-            .map_err(IssueError::from)?
+        let (row, created_at) = issued
+            .document
+            .ok_or_else(|| DocumentError::from(LedgerError::Closed))?;
+        Ok(accepted(&row, created_at))
     }
 
     /// Where each input's number comes from, decided before the caller's
@@ -212,7 +185,7 @@ impl Documents {
             }
         }
         self.issuer
-            .sequences
+            .sequences()
             .create_missing(&first_use)
             .await
             .map_err(|(pair, e)| BatchError::at(first_index[pair])(IssueError::from(e).into()))?;
@@ -286,7 +259,7 @@ impl Documents {
             }
         }
         // New numbers, grouped by sequence period, in request order.
-        let mut groups: Vec<(&Placement, Vec<usize>)> = Vec::new();
+        let mut groups: Vec<(&Arc<Placement>, Vec<usize>)> = Vec::new();
         for (index, input) in inputs.iter().enumerate().filter(|(_, i)| i.id.is_none()) {
             let placement = placement_of(input);
             match groups
@@ -306,48 +279,24 @@ impl Documents {
     }
 
     /// Numbers for the items `members` of one sequence period, recorded in
-    /// the ledger; numbers the ledger refuses (a stale pool) are replaced.
+    /// the ledger in the caller's transaction, in request order.
     async fn number_group(
         &self,
         conn: &mut PgConnection,
-        placement: &Placement,
-        mut members: Vec<usize>,
+        placement: &Arc<Placement>,
+        members: Vec<usize>,
         inputs: &[DocumentInput],
         rows: &mut [Option<PlacedRow>],
     ) -> Result<(), BatchError> {
-        let issuer = &self.issuer;
-        let sequence_id = placement.sequence.id;
-        let period = placement.period.key();
-        while !members.is_empty() {
-            let seqs = issuer
-                .obtain(&placement.pool, members.len(), Db::Transaction(&mut *conn))
-                .await
-                .map_err(|e| BatchError::whole(DocumentError::Issue(e)))?;
-            let refused = ledger::record_in(
-                conn,
-                &issuer.stats,
-                sequence_id,
-                period,
-                &seqs,
-                Via::Document,
-            )
+        let issued = self
+            .issuer
+            .issue_in(conn, placement, members.len(), Via::Document)
             .await
-            .map_err(BatchError::whole)?;
-            let mut taken = without(seqs, &refused).into_iter();
-            let mut still_waiting = Vec::new();
-            for index in members {
-                match taken.next() {
-                    Some(seq) => {
-                        let row = inputs[index].attachment().row(&placement.shape, seq);
-                        rows[index] = Some((sequence_id, period.to_owned(), row));
-                    }
-                    None => still_waiting.push(index),
-                }
-            }
-            if !refused.is_empty() {
-                issuer.refused(&placement.pool, refused.len()).await;
-            }
-            members = still_waiting;
+            .map_err(|e| BatchError::whole(DocumentError::from(e)))?;
+        let period = placement.period.key();
+        for (index, seq) in members.into_iter().zip(issued.seqs) {
+            let row = inputs[index].attachment().row(&placement.shape, seq);
+            rows[index] = Some((placement.sequence.id, period.to_owned(), row));
         }
         Ok(())
     }
@@ -428,62 +377,6 @@ async fn write_rows(
         .zip(created)
         .map(|((_, _, row), created_at)| accepted(row, created_at))
         .collect())
-}
-
-/// A document on a number of this instance's lease, its outbox row written
-/// in the shared commit; None when the sequence's rate asks for no lease.
-async fn accept_leased(
-    leases: &Arc<Leases>,
-    issuer: &Issuer,
-    claim: LeaseClaim,
-    placement: Arc<Placement>,
-    attachment: Arc<Attachment>,
-) -> Option<Result<AcceptedDocument, DocumentError>> {
-    let leased = leases.document_number(claim).await?;
-    let demand = Demand::LeasedDocument { attachment };
-    let written = issuer
-        .pipeline
-        .record(placement, demand, vec![leased.seq])
-        .await
-        .and_then(|served| served.document.ok_or(LedgerError::Closed));
-    Some(match written {
-        Ok((row, created_at)) => Ok(accepted(&row, created_at)),
-        Err(e) => {
-            leases.unwritten(leased, e.numbers_reusable()).await;
-            Err(e.into())
-        }
-    })
-}
-
-/// A document whose number the shared batch could not give at once: from
-/// the pool after a refill, or straight from the counter.
-async fn accept_slowly(
-    issuer: &Issuer,
-    placement: &Arc<Placement>,
-    attachment: &Arc<Attachment>,
-    refused: usize,
-) -> Result<AcceptedDocument, DocumentError> {
-    if refused > 0 {
-        issuer.refused(&placement.pool, refused).await;
-    }
-    loop {
-        let seqs = issuer
-            .obtain(&placement.pool, 1, Db::Pool(&issuer.db))
-            .await?;
-        let demand = Demand::Document {
-            attachment: attachment.clone(),
-        };
-        let served = issuer
-            .pipeline
-            .record(placement.clone(), demand, seqs)
-            .await?;
-        if let Some((row, created_at)) = &served.document {
-            return Ok(accepted(row, *created_at));
-        }
-        issuer
-            .refused(&placement.pool, served.refused.len().max(1))
-            .await;
-    }
 }
 
 /// Checks that `id` was issued by `POST /ids` for this sequence and carries

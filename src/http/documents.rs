@@ -293,17 +293,19 @@ pub async fn create_document(
     // Keyed and attaching requests hold a connection for their transaction.
     let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
-    // In a task of its own: a client hanging up must not cancel a
-    // transaction between taking a number and recording it.
-    let answer = tokio::spawn(async move {
-        let answer = accept_keyed(&state, &caller, vec![input], vec![keyed], false).await;
-        drop(db_turn);
-        answer
-    })
-    .await
-    .map_err(ApiError::internal)??
-    .pop()
-    .ok_or_else(|| ApiError::internal("no document accepted"))?;
+    // Detached: a client hanging up must not cancel a transaction between
+    // taking a number and recording it.
+    let issuer = state.issuer.clone();
+    let answer = issuer
+        .detached(async move {
+            let answer = accept_keyed(&state, &caller, vec![input], vec![keyed], false).await;
+            drop(db_turn);
+            answer
+        })
+        .await
+        .map_err(ApiError::internal)??
+        .pop()
+        .ok_or_else(|| ApiError::internal("no document accepted"))?;
     Ok(accepted_response(
         StatusCode::ACCEPTED,
         answer.body,
@@ -482,13 +484,15 @@ pub async fn create_batch(
     let turn = state.batch_turns.acquire(caller.id()).await;
     let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
-    let answers = tokio::spawn(async move {
-        let answers = accept_keyed(&state, &caller, inputs, keys, true).await;
-        drop((turn, db_turn));
-        answers
-    })
-    .await
-    .map_err(ApiError::internal)??;
+    let issuer = state.issuer.clone();
+    let answers = issuer
+        .detached(async move {
+            let answers = accept_keyed(&state, &caller, inputs, keys, true).await;
+            drop((turn, db_turn));
+            answers
+        })
+        .await
+        .map_err(ApiError::internal)??;
     let documents = answers
         .into_iter()
         .map(|Answer { body, replayed }| {

@@ -15,7 +15,8 @@ use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
 use super::problem::{ApiError, Problem};
 use crate::auth::Caller;
 use crate::idempotency;
-use crate::issuance::{Issued, MAX_COUNT};
+use crate::issuance::{Issued, MAX_COUNT, Want};
+use crate::ledger::Via;
 use crate::sequence::{ProjectCode, TypeCode};
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -153,24 +154,27 @@ pub async fn issue_ids(
     let Some(key) = key else {
         // The hot path: numbers are popped and recorded inside the shared
         // batch, so a client hanging up cannot leave one half-taken.
+        let placement = state.issuer.place(&input.project, &input.doc_type).await?;
         let issued = state
-            .leases
-            .issue(&input.project, &input.doc_type, input.count)
+            .issuer
+            .issue(placement, Want::Ids { count: input.count })
             .await?;
         return Ok(axum::Json(answer(&input, &issued)).into_response());
     };
     // A keyed request holds a connection for its transaction.
     let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
-    // In a task of its own: a client hanging up must not cancel the
-    // transaction between taking numbers and recording them.
-    tokio::spawn(async move {
-        let answer = issue_once(state, caller, key, input).await;
-        drop(db_turn);
-        answer
-    })
-    .await
-    .map_err(ApiError::internal)?
+    // Detached: a client hanging up must not cancel the transaction
+    // between taking numbers and recording them.
+    let issuer = state.issuer.clone();
+    issuer
+        .detached(async move {
+            let answer = issue_once(state, caller, key, input).await;
+            drop(db_turn);
+            answer
+        })
+        .await
+        .map_err(ApiError::internal)?
 }
 
 fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {
@@ -209,7 +213,9 @@ async fn issue_once(
         200,
         false,
         async |tx, _| {
-            let issued = issuer.issue_in(tx, placement, input.count).await?;
+            let issued = issuer
+                .issue_in(tx, &placement, input.count, Via::Ids)
+                .await?;
             Ok(vec![Answer {
                 body: serde_json::to_value(answer(&input, &issued)).map_err(ApiError::internal)?,
                 replayed: false,

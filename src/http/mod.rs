@@ -53,7 +53,6 @@ pub const SMALL_BODY_LIMIT: usize = 64 * 1024;
 pub struct AppInner {
     pub auth: Arc<Authenticator>,
     pub issuer: Arc<Issuer>,
-    pub leases: Arc<crate::lease::Leases>,
     pub documents: Documents,
     pub reconciler: Arc<Reconciler>,
     pub sequences: Arc<SequenceStore>,

@@ -273,17 +273,6 @@ impl TestEnv {
     }
 
     pub async fn spawn_with(&self, clock: Arc<dyn Clock>, pool: PoolSettings) -> TestApp {
-        self.spawn_with_lease_clock(clock, pool, Arc::new(SystemClock))
-            .await
-    }
-
-    /// The same, leases measuring the rate by `lease_clock`.
-    pub async fn spawn_with_lease_clock(
-        &self,
-        clock: Arc<dyn Clock>,
-        pool: PoolSettings,
-        lease_clock: Arc<dyn Clock>,
-    ) -> TestApp {
         init_test_logging();
         let config = self.config();
         let reconcile = Some(ReconcileSettings {
@@ -298,7 +287,6 @@ impl TestEnv {
                 pool,
                 reconcile,
                 leases: None,
-                lease_clock,
             },
         )
         .await

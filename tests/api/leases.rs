@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use idpool::clock::{ManualClock, SystemClock};
+use idpool::clock::ManualClock;
 use idpool::pool::PoolSettings;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -81,14 +81,8 @@ async fn held(client: &reqwest::Client, base: &str) -> f64 {
 #[tokio::test]
 async fn lease_size_follows_the_rate_on_the_injected_clock() {
     let env = TestEnv::new();
-    let rate_clock = Arc::new(ManualClock::new(Utc::now()));
-    let app = env
-        .spawn_with_lease_clock(
-            Arc::new(SystemClock),
-            PoolSettings::default(),
-            rate_clock.clone(),
-        )
-        .await;
+    let clock = Arc::new(ManualClock::new(Utc::now()));
+    let app = env.spawn_with(clock.clone(), PoolSettings::default()).await;
     app.define("RATE", "1", json!({"format": "{seq}", "pool_size": 1000}))
         .await;
     let mut issued = Vec::new();
@@ -96,7 +90,7 @@ async fn lease_size_follows_the_rate_on_the_injected_clock() {
     // One request a second: a lease would be the request itself, so each
     // is recorded on its own, in strict order.
     for _ in 0..20 {
-        rate_clock.advance(chrono::Duration::seconds(1));
+        clock.advance(chrono::Duration::seconds(1));
         issued.extend(app.issue("RATE", "1", 1).await.1);
     }
     assert!(ledger_rows(&app.db, "RATE", "lease").await.is_empty());
@@ -105,7 +99,7 @@ async fn lease_size_follows_the_rate_on_the_injected_clock() {
 
     // 200 a second: leases of about 50 ms of it (10 numbers).
     for _ in 0..150 {
-        rate_clock.advance(chrono::Duration::milliseconds(5));
+        clock.advance(chrono::Duration::milliseconds(5));
         issued.extend(app.issue("RATE", "1", 1).await.1);
     }
     // The widest lease of each phase: the rate builds up over its first
@@ -122,7 +116,7 @@ async fn lease_size_follows_the_rate_on_the_injected_clock() {
 
     // 4,000 a second: leases of about 200.
     for _ in 0..1000 {
-        rate_clock.advance(chrono::Duration::microseconds(250));
+        clock.advance(chrono::Duration::microseconds(250));
         issued.extend(app.issue("RATE", "1", 1).await.1);
     }
     let fast: Vec<(i64, i64)> = ledger_rows(&app.db, "RATE", "lease")
@@ -138,7 +132,7 @@ async fn lease_size_follows_the_rate_on_the_injected_clock() {
 
     // Quiet again: the idle lease goes back to the pool, and the next
     // request, recorded on its own, gets its first number.
-    rate_clock.advance(chrono::Duration::seconds(10));
+    clock.advance(chrono::Duration::seconds(10));
     let leased = numbers_of(&ledger_rows(&app.db, "RATE", "lease").await);
     app.wait_for_metric_above(
         "idpool_lease_numbers_returned_total",
@@ -146,7 +140,7 @@ async fn lease_size_follows_the_rate_on_the_injected_clock() {
         Duration::from_secs(5),
     )
     .await;
-    app.state.leases.returns_written().await;
+    app.state.issuer.lease_returns_written().await;
     let handed = handed_out(&app.db, "RATE").await;
     let unused: BTreeSet<i64> = leased.difference(&handed).copied().collect();
     assert!(!unused.is_empty());
@@ -176,11 +170,9 @@ async fn lease_size_follows_the_rate_on_the_injected_clock() {
 #[tokio::test]
 async fn documents_on_a_busy_sequence_carry_leased_numbers_and_never_reuse_a_refused_one() {
     let env = TestEnv::new();
-    // The rate clock stands still: every request adds to the rate.
-    let rate_clock = Arc::new(ManualClock::new(Utc::now()));
-    let app = env
-        .spawn_with_lease_clock(Arc::new(SystemClock), PoolSettings::default(), rate_clock)
-        .await;
+    // The clock stands still: every request adds to the rate.
+    let clock = Arc::new(ManualClock::new(Utc::now()));
+    let app = env.spawn_with(clock.clone(), PoolSettings::default()).await;
     // Another project prints the same IDs; its documents take SAME-1..=60.
     // (A PUT refuses that now; a definition saved before the check still
     // can, so PP's is written as such a one was.)
@@ -274,6 +266,17 @@ async fn documents_on_a_busy_sequence_carry_leased_numbers_and_never_reuse_a_ref
         "no refused document had a leased number"
     );
     assert!(poisoned.iter().all(|s| *s <= 60), "{poisoned:?}");
+    // The clock moves on: the leases, idle now, go back to the pool.
+    clock.advance(chrono::Duration::seconds(2));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while held(&app.client, &app.address).await > 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "leases not given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await; // polling, with a deadline
+    }
+    app.state.issuer.lease_returns_written().await;
     app.settle_and_reconcile().await;
     let gaps = reasons(&app, "PP").await;
     for seq in &poisoned {
@@ -302,12 +305,10 @@ async fn documents_on_a_busy_sequence_carry_leased_numbers_and_never_reuse_a_ref
 async fn redis_stopped_mid_lease_serves_the_lease_then_groups_the_fallback() {
     let mut redis = RedisServer::start();
     let env = TestEnv::new().with_redis(&redis.url());
-    // The rate clock stands still: every request adds to the rate, so the
+    // The clock stands still: every request adds to the rate, so the
     // sequence is busy from the first few requests on.
-    let rate_clock = Arc::new(ManualClock::new(Utc::now()));
-    let app = env
-        .spawn_with_lease_clock(Arc::new(SystemClock), PoolSettings::default(), rate_clock)
-        .await;
+    let clock = Arc::new(ManualClock::new(Utc::now()));
+    let app = env.spawn_with(clock, PoolSettings::default()).await;
     app.define("RDS", "1", json!({"format": "{seq}", "pool_size": 1000}))
         .await;
     let mut issued = Vec::new();

@@ -1,0 +1,192 @@
+//! The first step of the path: numbers from this instance's lease memory.
+//! The lease store (`crate::lease`) says what a holder has and when a
+//! lease is due; this takes leases (through the shared commit), records
+//! handouts and writes documents on leased numbers.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::oneshot;
+
+use super::handouts::HandoutFailed;
+use super::pipeline::Demand;
+use super::{IssueError, Issuer};
+use crate::lease::{Holder, Order, Progress};
+use crate::ledger::outbox::{Attachment, OutboxRow};
+use crate::ledger::{LeaseReport, LedgerError, Via};
+use crate::numbers::SeqRange;
+use crate::pool::{DiscardCause, Placement};
+
+type LeaseHolder = Holder<Arc<Placement>>;
+
+/// What the lease gave a request.
+pub(super) enum FromLease {
+    /// Everything, handed out (the handout is written).
+    All(Vec<i64>),
+    /// Part or none: the numbers taken (not handed out yet) and their
+    /// holder (none when leases are off).
+    Part(Option<Arc<LeaseHolder>>, Vec<i64>),
+}
+
+impl Issuer {
+    fn holder(&self, placement: &Arc<Placement>) -> Arc<LeaseHolder> {
+        let sequence = &placement.sequence;
+        let key = (
+            sequence.id,
+            sequence.version,
+            placement.period.key().to_owned(),
+        );
+        self.leases.holder(key, || placement.clone())
+    }
+
+    /// Takes what the lease has toward `count` numbers, waiting for a
+    /// lease on its way. All of them when the lease could give them.
+    pub(super) async fn ids_from_lease(
+        self: &Arc<Self>,
+        placement: &Arc<Placement>,
+        count: usize,
+    ) -> Result<FromLease, IssueError> {
+        if !self.leases.enabled() {
+            return Ok(FromLease::Part(None, Vec::new()));
+        }
+        let holder = self.holder(placement);
+        let mut got = Vec::with_capacity(count);
+        if self.take_from_lease(&holder, count, &mut got).await {
+            let seqs = self.hand_out(&holder, got).await?;
+            return Ok(FromLease::All(seqs));
+        }
+        Ok(FromLease::Part(Some(holder), got))
+    }
+
+    /// Moves leased numbers into `got` until it holds `count`, waiting for
+    /// a lease on its way; false when no lease is coming.
+    async fn take_from_lease(
+        self: &Arc<Self>,
+        holder: &Arc<LeaseHolder>,
+        count: usize,
+        got: &mut Vec<i64>,
+    ) -> bool {
+        let pool_size = holder.pool.sequence.definition.pool_size as usize;
+        let (progress, order) = self.leases.take(holder, count, pool_size, got, true);
+        if let Some(order) = order {
+            self.order(order);
+        }
+        match progress {
+            Progress::Complete => true,
+            Progress::Alone => false,
+            Progress::Waiting => {
+                self.leases
+                    .fill(holder, count, pool_size, got, |order| self.order(order))
+                    .await
+            }
+        }
+    }
+
+    /// Takes a lease in a task of its own, through the shared commit.
+    fn order(self: &Arc<Self>, order: Order<Arc<Placement>>) {
+        let issuer = self.clone();
+        self.tasks.spawn(async move {
+            let Order { holder, size } = order;
+            let leased = issuer.shared(&holder.pool, size, Via::Lease).await;
+            if let Err(e) = &leased {
+                tracing::debug!(error = %e, size, "lease not taken; requests are served on their own");
+            }
+            issuer.leases.arrived(&holder, leased.ok());
+        });
+    }
+
+    /// Records `seqs` as handed out; they are the caller's once that
+    /// committed. Numbers whose handout surely was not written go back to
+    /// the lease.
+    pub(super) async fn hand_out(
+        &self,
+        holder: &LeaseHolder,
+        seqs: Vec<i64>,
+    ) -> Result<Vec<i64>, IssueError> {
+        if seqs.is_empty() {
+            return Ok(seqs);
+        }
+        self.leases.served(seqs.len());
+        let written = self.handouts.send(LeaseReport {
+            sequence_id: holder.pool.sequence.id,
+            period: holder.pool.period.key().to_owned(),
+            seqs: seqs.clone(),
+        });
+        self.handout_written(holder, seqs, written).await
+    }
+
+    async fn handout_written(
+        &self,
+        holder: &LeaseHolder,
+        seqs: Vec<i64>,
+        written: oneshot::Receiver<Result<(), HandoutFailed>>,
+    ) -> Result<Vec<i64>, IssueError> {
+        let outcome = written
+            .await
+            .unwrap_or(Err(HandoutFailed::Unknown(LedgerError::Closed)));
+        match outcome {
+            Ok(()) => Ok(seqs),
+            Err(failed @ HandoutFailed::NotWritten(_)) => {
+                self.leases.put_back(holder, seqs);
+                Err(IssueError::Ledger(failed.error()))
+            }
+            Err(failed) => Err(IssueError::Ledger(failed.error())),
+        }
+    }
+
+    /// A document on a number of this instance's lease, its outbox row
+    /// written in the shared commit (the lease's ledger record covers the
+    /// number); None when no lease serves the sequence now.
+    pub(super) async fn document_on_lease(
+        self: &Arc<Self>,
+        placement: &Arc<Placement>,
+        attachment: &Arc<Attachment>,
+    ) -> Option<Result<(OutboxRow, DateTime<Utc>), IssueError>> {
+        if !self.leases.enabled() {
+            return None;
+        }
+        let holder = self.holder(placement);
+        let mut got = Vec::with_capacity(1);
+        if !self.take_from_lease(&holder, 1, &mut got).await {
+            return None;
+        }
+        let seq = got.pop()?;
+        self.leases.served(1);
+        let demand = Demand::LeasedDocument {
+            attachment: attachment.clone(),
+        };
+        let written = self
+            .pipeline
+            .record(placement.clone(), demand, vec![seq])
+            .await
+            .and_then(|served| served.document.ok_or(LedgerError::Closed));
+        Some(match written {
+            Ok(document) => Ok(document),
+            Err(e) => {
+                self.not_written(&holder, seq, e.numbers_reusable()).await;
+                Err(e.into())
+            }
+        })
+    }
+
+    /// A leased number whose document was not written. When the database
+    /// surely rolled the write back and the number itself is not at fault,
+    /// it goes back to the lease; otherwise (the outcome is unknown, or the
+    /// ID it prints is taken) it is recorded as discarded, never handed out
+    /// again.
+    async fn not_written(&self, holder: &LeaseHolder, seq: i64, reusable: bool) {
+        if reusable {
+            self.leases.put_back(holder, vec![seq]);
+            return;
+        }
+        let placement = &holder.pool;
+        self.pools
+            .record_discard(
+                &placement.sequence,
+                placement.period.key(),
+                &[SeqRange::single(seq)],
+                DiscardCause::DocumentNotWritten,
+            )
+            .await;
+    }
+}

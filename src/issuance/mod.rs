@@ -1,0 +1,381 @@
+//! Issuing: the one path from a caller to a number.
+//!
+//! Every caller that needs numbers (`POST /ids`, documents single, keyed,
+//! attached or batched, the import) comes through [`Issuer::issue`] (the
+//! shared path) or [`Issuer::issue_in`] (inside the caller's transaction).
+//! Inside, one fixed order: this instance's lease memory (`leased`), then
+//! the shared pop-and-commit (`pipeline`), then the wait for a refill, then
+//! the counter of record (`obtain`). Numbers are recorded in the ledger
+//! before anything leaves. Work that must outlive a caller who hangs up is
+//! detached in one place, [`Issuer::detached`], on the one task tracker.
+
+mod handouts;
+mod leased;
+mod obtain;
+mod pipeline;
+mod returns;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+use tokio_util::task::TaskTracker;
+
+use crate::clock::Clock;
+use crate::counter::Counter;
+use crate::lease::{LeaseSettings, Leases};
+use crate::ledger::outbox::{Attachment, OutboxRow};
+use crate::ledger::{LedgerError, Via};
+use crate::pool::{Placement, PoolService};
+use crate::sequence::{LayoutRangeError, MAX_ID_LEN, ProjectCode, TypeCode};
+use crate::sequence_store::{SequenceStore, StoreError};
+use crate::stats::Stats;
+
+use obtain::LedgerTarget;
+use pipeline::{Demand, Pipeline};
+
+/// Most numbers one request may take (SPEC).
+pub const MAX_COUNT: usize = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum IssueError {
+    #[error(
+        "sequence {project}/{doc_type} has no {count} numbers left in period {period:?} (max {max})"
+    )]
+    Exhausted {
+        project: String,
+        doc_type: String,
+        period: String,
+        count: usize,
+        max: i64,
+    },
+    #[error(transparent)]
+    Layout(#[from] LayoutRangeError),
+    #[error(
+        "IDs of {project}/{doc_type} would now be up to {length} characters long; the limit is \
+         {MAX_ID_LEN} (its format prints longer than it did when it was defined)"
+    )]
+    IdTooLong {
+        project: String,
+        doc_type: String,
+        length: usize,
+    },
+    #[error("the definition of {project}/{doc_type} changed while this request ran; send it again")]
+    DefinitionChanged { project: String, doc_type: String },
+    #[error(
+        "Postgres failed over; its counters are being checked against the pools before \
+         numbers are taken from it again; send the request again"
+    )]
+    PostgresMoved,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error("counter: {0}")]
+    Counter(#[from] sqlx::Error),
+    /// The task that finished the request in the background panicked or
+    /// was cancelled at shutdown.
+    #[error("the task serving this request stopped: {0}")]
+    Interrupted(#[from] tokio::task::JoinError),
+}
+
+/// What a caller asks of the issuer.
+pub enum Want {
+    /// `count` numbers, for `POST /ids`.
+    Ids { count: usize },
+    /// One number carrying a document's outbox row, written with it.
+    Document { attachment: Arc<Attachment> },
+}
+
+/// Numbers issued to one caller, ascending, and the document written on
+/// the number when one was asked for.
+pub struct Issued {
+    pub placement: Arc<Placement>,
+    pub seqs: Vec<i64>,
+    pub document: Option<(OutboxRow, DateTime<Utc>)>,
+}
+
+impl Issued {
+    pub fn ids(&self) -> Vec<String> {
+        self.seqs
+            .iter()
+            .map(|&s| self.placement.shape.id(s))
+            .collect()
+    }
+
+    pub fn numbers(&self) -> Vec<i64> {
+        self.seqs
+            .iter()
+            .map(|&s| self.placement.shape.number(s))
+            .collect()
+    }
+}
+
+/// What the issuer is made of.
+pub struct IssuerParts {
+    pub sequences: Arc<SequenceStore>,
+    pub pools: Arc<PoolService>,
+    pub clock: Arc<dyn Clock>,
+    pub stats: Arc<Stats>,
+    pub db: PgPool,
+    pub leases: LeaseSettings,
+    /// The one tracker every task of the issuer is spawned on.
+    pub tasks: TaskTracker,
+}
+
+pub struct Issuer {
+    pipeline: Pipeline,
+    sequences: Arc<SequenceStore>,
+    pools: Arc<PoolService>,
+    counter: Arc<Counter>,
+    leases: Leases<Arc<Placement>>,
+    handouts: handouts::Handouts,
+    clock: Arc<dyn Clock>,
+    stats: Arc<Stats>,
+    db: PgPool,
+    tasks: TaskTracker,
+}
+
+impl Issuer {
+    /// The issuer; [`Issuer::report_leases`] must run for leases to be
+    /// given back.
+    pub fn new(parts: IssuerParts) -> Arc<Self> {
+        let IssuerParts {
+            sequences,
+            pools,
+            clock,
+            stats,
+            db,
+            leases,
+            tasks,
+        } = parts;
+        Arc::new(Self {
+            pipeline: Pipeline::spawn(db.clone(), pools.clone(), stats.clone(), &tasks),
+            handouts: handouts::Handouts::spawn(db.clone(), &tasks),
+            leases: Leases::new(clock.clone(), leases, stats.clone()),
+            counter: pools.counter().clone(),
+            sequences,
+            pools,
+            clock,
+            stats,
+            db,
+            tasks,
+        })
+    }
+
+    pub fn sequences(&self) -> &Arc<SequenceStore> {
+        &self.sequences
+    }
+
+    /// The sequence (created with defaults on first use), its current
+    /// period and pool, and the shape of IDs issued now.
+    pub async fn place(
+        &self,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
+    ) -> Result<Arc<Placement>, IssueError> {
+        let sequence = self.sequences.get_or_create(project, doc_type).await?;
+        let at = self.clock.now();
+        let period = sequence.definition.period_at(at);
+        let shape = sequence
+            .definition
+            .shape(project.as_str(), doc_type.as_str(), &period, at)?;
+        // Every ID of this request is at most this long.
+        let length = sequence.definition.longest_id(&shape);
+        if length > MAX_ID_LEN {
+            return Err(IssueError::IdTooLong {
+                project: project.to_string(),
+                doc_type: doc_type.to_string(),
+                length,
+            });
+        }
+        let pool = self.pools.pool_ref(sequence.clone(), period.clone());
+        Ok(Arc::new(Placement {
+            sequence,
+            period,
+            pool,
+            shape,
+            at,
+        }))
+    }
+
+    /// The one entry of the shared path: `want` served from `placement`,
+    /// recorded in the ledger (with the document, if one is asked for)
+    /// before this returns. Runs detached: a caller that goes away cannot
+    /// leave a number taken but unrecorded.
+    pub async fn issue(
+        self: &Arc<Self>,
+        placement: Arc<Placement>,
+        want: Want,
+    ) -> Result<Issued, IssueError> {
+        let issuer = self.clone();
+        self.detached(async move { issuer.serve(placement, want).await })
+            .await?
+    }
+
+    /// `count` numbers recorded in the caller's transaction as received
+    /// `via` (an idempotent request stores its answer in the same commit,
+    /// a batch its documents). The placement is made before the
+    /// transaction begins, so the request never holds one pooled
+    /// connection while waiting for another. The caller runs the
+    /// transaction [`Issuer::detached`].
+    pub async fn issue_in(
+        &self,
+        conn: &mut PgConnection,
+        placement: &Arc<Placement>,
+        count: usize,
+        via: Via,
+    ) -> Result<Issued, IssueError> {
+        let seqs = self
+            .issue_with(placement, count, LedgerTarget::Transaction(conn, via))
+            .await?;
+        Ok(Issued {
+            placement: placement.clone(),
+            seqs,
+            document: None,
+        })
+    }
+
+    /// Runs `work` to its end whether or not its caller still waits: the
+    /// one place where the issuing path leaves the client's task.
+    pub async fn detached<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> Result<T, tokio::task::JoinError> {
+        self.tasks.spawn(work).await
+    }
+
+    async fn serve(
+        self: Arc<Self>,
+        placement: Arc<Placement>,
+        want: Want,
+    ) -> Result<Issued, IssueError> {
+        match want {
+            Want::Ids { count } => {
+                let seqs = self.ids(&placement, count).await?;
+                Ok(Issued {
+                    placement,
+                    seqs,
+                    document: None,
+                })
+            }
+            Want::Document { attachment } => {
+                let (row, created_at) = self.document(&placement, attachment).await?;
+                Ok(Issued {
+                    placement,
+                    seqs: vec![row.seq],
+                    document: Some((row, created_at)),
+                })
+            }
+        }
+    }
+
+    /// `count` numbers: what the lease holds first, the rest through the
+    /// shared commit (pool, refill, counter).
+    async fn ids(
+        self: &Arc<Self>,
+        placement: &Arc<Placement>,
+        count: usize,
+    ) -> Result<Vec<i64>, IssueError> {
+        let (holder, got) = match self.ids_from_lease(placement, count).await? {
+            leased::FromLease::All(seqs) => return Ok(seqs),
+            leased::FromLease::Part(holder, got) => (holder, got),
+        };
+        let more = match self.shared(placement, count - got.len(), Via::Ids).await {
+            Ok(more) => more,
+            Err(e) => {
+                if let Some(holder) = holder {
+                    self.leases.put_back(&holder, got);
+                }
+                return Err(e);
+            }
+        };
+        let mut seqs = match holder {
+            Some(holder) => self.hand_out(&holder, got).await?,
+            None => got,
+        };
+        seqs.extend(more);
+        seqs.sort_unstable();
+        Ok(seqs)
+    }
+
+    /// One document on a new number: on this instance's lease when the
+    /// sequence is busy, else through the shared commit, else (the pool
+    /// could not give one at once) after a refill or from the counter.
+    async fn document(
+        self: &Arc<Self>,
+        placement: &Arc<Placement>,
+        attachment: Arc<Attachment>,
+    ) -> Result<(OutboxRow, DateTime<Utc>), IssueError> {
+        if let Some(written) = self.document_on_lease(placement, &attachment).await {
+            return written;
+        }
+        let demand = Demand::Document {
+            attachment: attachment.clone(),
+        };
+        let served = self.pipeline.submit(placement.clone(), demand).await?;
+        if let Some(document) = served.document {
+            return Ok(document);
+        }
+        if !served.refused.is_empty() {
+            self.refused(&placement.pool, served.refused.len()).await;
+        }
+        loop {
+            let seqs = self
+                .obtain(&placement.pool, 1, obtain::Db::Pool(&self.db))
+                .await?;
+            let demand = Demand::Document {
+                attachment: attachment.clone(),
+            };
+            let served = self
+                .pipeline
+                .record(placement.clone(), demand, seqs)
+                .await?;
+            if let Some(document) = served.document {
+                return Ok(document);
+            }
+            self.refused(&placement.pool, served.refused.len().max(1))
+                .await;
+        }
+    }
+
+    /// `count` numbers of `placement`'s pool recorded in the shared commit
+    /// as received `via`: popped in the shared batch, and what it could not
+    /// give after a refill or from the counter. Ascending.
+    async fn shared(
+        &self,
+        placement: &Arc<Placement>,
+        count: usize,
+        via: Via,
+    ) -> Result<Vec<i64>, IssueError> {
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let served = self
+            .pipeline
+            .submit(placement.clone(), demand(via, count))
+            .await?;
+        let mut seqs = served.issued;
+        if !served.refused.is_empty() {
+            self.refused(&placement.pool, served.refused.len()).await;
+        }
+        if seqs.len() < count {
+            // The pool ran short, was stale, or Redis is down.
+            let more = self
+                .issue_with(placement, count - seqs.len(), LedgerTarget::Shared(via))
+                .await?;
+            seqs.extend(more);
+            seqs.sort_unstable();
+        }
+        Ok(seqs)
+    }
+}
+
+/// What a request for `count` numbers received `via` asks of the pipeline.
+fn demand(via: Via, count: usize) -> Demand {
+    match via {
+        Via::Lease => Demand::Lease { count },
+        Via::Ids | Via::Document => Demand::Ids { count },
+    }
+}

@@ -1,0 +1,207 @@
+//! Numbers the shared batch could not give: from the pool after a
+//! refill, or straight from the counter, recorded in the shared commit or
+//! the caller's transaction; numbers the ledger refuses are replaced.
+
+use std::sync::Arc;
+
+use sqlx::{PgConnection, PgPool};
+
+use super::{IssueError, Issuer, demand};
+use crate::counter::Reserved;
+use crate::ledger::{self, Via};
+use crate::numbers;
+use crate::pool::{Placement, PoolRef};
+
+impl Issuer {
+    /// Obtains numbers and records them in `ledger`, replacing any the
+    /// ledger refuses until `count` are issued.
+    pub(super) async fn issue_with(
+        &self,
+        placement: &Arc<Placement>,
+        count: usize,
+        mut ledger: LedgerTarget<'_>,
+    ) -> Result<Vec<i64>, IssueError> {
+        let pool = &placement.pool;
+        let (sequence_id, period) = (placement.sequence.id, placement.period.key());
+        let mut issued = Vec::with_capacity(count);
+        let mut pending = self.obtain(pool, count, ledger.db(&self.db)).await?;
+        loop {
+            let refused = match &mut ledger {
+                LedgerTarget::Shared(via) => {
+                    self.pipeline
+                        .record(
+                            placement.clone(),
+                            demand(*via, pending.len()),
+                            pending.clone(),
+                        )
+                        .await?
+                        .refused
+                }
+                LedgerTarget::Transaction(conn, via) => {
+                    ledger::record_in(conn, &self.stats, sequence_id, period, &pending, *via)
+                        .await?
+                }
+            };
+            let accepted = numbers::without(pending, &refused);
+            issued.extend(accepted);
+            if refused.is_empty() {
+                break;
+            }
+            self.refused(pool, refused.len()).await;
+            pending = self
+                .obtain(pool, count - issued.len(), ledger.db(&self.db))
+                .await?;
+        }
+        issued.sort_unstable();
+        Ok(issued)
+    }
+
+    /// `count` numbers of the pool's period, not yet issued: popped from the
+    /// pool, and reserved straight from the counter for whatever the pool
+    /// cannot give (Redis down, or still short after waiting for a refill),
+    /// through `db`. Ascending.
+    pub(super) async fn obtain(
+        &self,
+        pool: &PoolRef,
+        count: usize,
+        mut db: Db<'_>,
+    ) -> Result<Vec<i64>, IssueError> {
+        let mut seqs = match self.pools.take(pool, count).await {
+            Ok(seqs) => seqs,
+            Err(e) => {
+                tracing::debug!(error = %e, "pool unavailable, taking numbers from postgres");
+                Vec::new()
+            }
+        };
+        self.stats.ids_from_pool.inc_by(seqs.len() as u64);
+        while seqs.len() < count {
+            let missing = count - seqs.len();
+            let reserved = self.reserve_direct(&mut db, pool, missing as i64).await;
+            match reserved {
+                Ok(Reserved::Got(range)) => {
+                    self.stats.ids_direct.inc_by(missing as u64);
+                    seqs.extend(range.iter());
+                }
+                Ok(Reserved::Stale) => {
+                    self.give_back(pool, &seqs).await;
+                    self.sequences.forget(&pool.sequence);
+                    return Err(IssueError::DefinitionChanged {
+                        project: pool.sequence.project.to_string(),
+                        doc_type: pool.sequence.doc_type.to_string(),
+                    });
+                }
+                Ok(Reserved::Unfenced) => {
+                    self.give_back(pool, &seqs).await;
+                    return Err(IssueError::PostgresMoved);
+                }
+                Ok(Reserved::Exhausted) => {
+                    // The counter is spent, but a refill may have moved its
+                    // last numbers into the pool.
+                    let more = self.pools.take(pool, missing).await.unwrap_or_default();
+                    if more.is_empty() {
+                        self.give_back(pool, &seqs).await;
+                        return Err(self.exhausted(pool, count));
+                    }
+                    self.stats.ids_from_pool.inc_by(more.len() as u64);
+                    seqs.extend(more);
+                }
+                Err(e) => {
+                    self.give_back(pool, &seqs).await;
+                    return Err(e.into());
+                }
+            }
+        }
+        seqs.sort_unstable();
+        Ok(seqs)
+    }
+
+    async fn reserve_direct(
+        &self,
+        db: &mut Db<'_>,
+        pool: &PoolRef,
+        n: i64,
+    ) -> Result<Reserved<numbers::SeqRange>, sqlx::Error> {
+        let (sequence, period) = (&pool.sequence, &pool.period);
+        match db {
+            Db::Transaction(conn) => self.counter.reserve_direct(conn, sequence, period, n).await,
+            Db::Pool(pool) => {
+                let mut conn = pool.acquire().await?;
+                self.counter
+                    .reserve_direct(&mut conn, sequence, period, n)
+                    .await
+            }
+        }
+    }
+
+    /// The ledger refused numbers as issued before: the pool handed out a
+    /// stale list. Nothing more is taken from it.
+    pub(super) async fn refused(&self, pool: &PoolRef, how_many: usize) {
+        self.stats.stale_numbers_rejected.inc_by(how_many as u64);
+        tracing::warn!(
+            project = %pool.sequence.project, doc_type = %pool.sequence.doc_type,
+            period = pool.period.key(), refused = how_many,
+            "pool handed out numbers that were already issued; discarding the pool"
+        );
+        self.pools
+            .invalidate(pool, crate::pool::DiscardCause::StaleList)
+            .await;
+    }
+
+    fn exhausted(&self, pool: &PoolRef, count: usize) -> IssueError {
+        IssueError::Exhausted {
+            project: pool.sequence.project.to_string(),
+            doc_type: pool.sequence.doc_type.to_string(),
+            period: pool.period.key().to_owned(),
+            count,
+            max: pool.sequence.definition.max_seq(),
+        }
+    }
+
+    /// Returns unissued numbers to the head of their pool, in order, so a
+    /// refused request near `max` does not burn them.
+    async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) {
+        if seqs.is_empty() {
+            return;
+        }
+        if let Err(e) = self.pools.give_back(pool, seqs).await {
+            tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
+            let ranges = numbers::runs(seqs);
+            self.pools
+                .record_discard(
+                    &pool.sequence,
+                    pool.period.key(),
+                    &ranges,
+                    crate::pool::DiscardCause::GiveBackFailed,
+                )
+                .await;
+        }
+    }
+}
+
+/// Where numbers of the slower path are recorded.
+pub(super) enum LedgerTarget<'a> {
+    /// The pipeline's write stage: one statement and commit for concurrent
+    /// requests.
+    Shared(Via),
+    /// The caller's transaction.
+    Transaction(&'a mut PgConnection, Via),
+}
+
+impl LedgerTarget<'_> {
+    /// Where numbers straight from the counter are reserved: inside the
+    /// caller's transaction if it has one (never a second connection).
+    fn db<'s>(&'s mut self, pool: &'s PgPool) -> Db<'s> {
+        match self {
+            LedgerTarget::Shared(_) => Db::Pool(pool),
+            LedgerTarget::Transaction(conn, _) => Db::Transaction(conn),
+        }
+    }
+}
+
+/// The connection a request works through.
+pub(super) enum Db<'a> {
+    /// Takes a connection for each statement.
+    Pool(&'a PgPool),
+    /// The request's own transaction.
+    Transaction(&'a mut PgConnection),
+}

@@ -1,0 +1,125 @@
+//! The lease reporter: gives back what leases no longer need (idle, too
+//! old, or everything at a clean stop) to the head of their pools, off the
+//! ledger first, so the next caller gets them and no gap is left.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::Issuer;
+use crate::lease::Returned;
+use crate::ledger::{self, LeaseReport};
+use crate::numbers::runs;
+use crate::pool::{DiscardCause, Placement};
+
+/// Longest a clean stop waits for leases being taken to arrive.
+const FETCHES_AT_STOP: Duration = Duration::from_secs(2);
+
+/// Longest [`Issuer::lease_returns_written`] waits.
+const RETURNS_WAIT: Duration = Duration::from_secs(5);
+
+impl Issuer {
+    /// Every `report_every` gives back idle leases and writes the returns;
+    /// at `stop` (once the server has drained: no request takes numbers
+    /// any more) gives back every lease before it returns.
+    pub async fn report_leases(self: Arc<Self>, stop: CancellationToken) {
+        let mut returns = self.leases.pending_returns().await;
+        let mut tick = tokio::time::interval(self.leases.settings().report_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let stopping = tokio::select! {
+                _ = stop.cancelled() => true,
+                _ = tick.tick() => false,
+            };
+            self.leases.sweep(stopping);
+            if stopping {
+                // Leases still being taken arrive (and are given back)
+                // before the last write, within a bound.
+                let _ = tokio::time::timeout(FETCHES_AT_STOP, self.leases.fetches_done()).await;
+                self.leases.sweep(true);
+            }
+            let mut returned = Vec::new();
+            while let Ok(one) = returns.try_recv() {
+                returned.push(one);
+            }
+            let written = returned.len();
+            for (placement, report) in merge_per_pool(returned) {
+                self.give_back_lease(&placement, &report).await;
+            }
+            self.leases.returns_written(written);
+            if stopping {
+                tracing::info!("leases given back");
+                return;
+            }
+        }
+    }
+
+    /// Waits (up to 5 s) until every lease given back so far is back in
+    /// its pool.
+    pub async fn lease_returns_written(&self) {
+        let _ = tokio::time::timeout(RETURNS_WAIT, self.leases.all_returns_written()).await;
+    }
+
+    /// Numbers a lease did not hand out go back to the head of their pool
+    /// (off the ledger first). Where that cannot be done they are recorded
+    /// as discarded.
+    async fn give_back_lease(&self, placement: &Placement, unused: &LeaseReport) {
+        let released = match self.db.acquire().await {
+            Ok(mut conn) => ledger::release_lease(&mut conn, unused).await,
+            Err(e) => Err(e),
+        };
+        let cause = match released {
+            Ok(()) => match self.pools.give_back(&placement.pool, &unused.seqs).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "unused lease numbers not pushed back to the pool");
+                    DiscardCause::GiveBackFailed
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "unused lease numbers stay recorded as leased");
+                DiscardCause::LeaseReturned
+            }
+        };
+        self.pools
+            .record_discard(
+                &placement.sequence,
+                &unused.period,
+                &runs(&unused.seqs),
+                cause,
+            )
+            .await;
+    }
+}
+
+/// The numbers returned to each pool, in one ascending report per pool.
+/// Each give-back pushes to the head of the pool, so two given back apart
+/// would put the later one's (a lease that arrived at a clean stop, say)
+/// in front of lower numbers.
+fn merge_per_pool(returned: Vec<Returned<Arc<Placement>>>) -> Vec<(Arc<Placement>, LeaseReport)> {
+    let mut merged: Vec<(Arc<Placement>, LeaseReport)> = Vec::new();
+    for Returned {
+        pool: placement,
+        seqs,
+    } in returned
+    {
+        match merged.iter_mut().find(|(p, _)| {
+            p.pool.keys.pool == placement.pool.keys.pool && p.sequence.id == placement.sequence.id
+        }) {
+            Some((_, into)) => into.seqs.extend(seqs),
+            None => {
+                let report = LeaseReport {
+                    sequence_id: placement.sequence.id,
+                    period: placement.period.key().to_owned(),
+                    seqs,
+                };
+                merged.push((placement, report));
+            }
+        }
+    }
+    for (_, report) in &mut merged {
+        report.seqs.sort_unstable();
+    }
+    merged
+}

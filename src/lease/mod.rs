@@ -1,0 +1,416 @@
+//! Leases: numbers an instance holds in memory to serve `POST /ids` and
+//! documents without a Redis call or a commit of their own.
+//!
+//! An instance takes numbers from a pool in runs sized to about 50 ms of
+//! the sequence's traffic on it ([`rate`]), recorded in the issuance ledger
+//! as leased to it before any of them is handed out. Requests then take
+//! numbers from memory. The next lease is asked for while a quarter of the
+//! current one is left, so a request waits only when a lease runs dry
+//! faster than a commit. At low rates a lease would be the request itself,
+//! so the request is served on its own (strict order, one commit each).
+//!
+//! This module is the store only: which numbers each holder has, when a
+//! new lease is due, and which numbers go back (idle, too old, or at a
+//! stop). It does no I/O: taking a lease, recording handouts and giving
+//! numbers back are the issuer's (`issuance::leased`), which consults it.
+//! Every time decision reads the one injected clock.
+
+pub mod rate;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{Notify, mpsc};
+
+use crate::clock::Clock;
+use crate::stats::Stats;
+
+pub use rate::{MIN_LEASE, Rate, lease_size};
+
+#[derive(Debug, Clone)]
+pub struct LeaseSettings {
+    /// Off: every request is recorded on its own (`IDPOOL_LEASES=off`).
+    pub enabled: bool,
+    /// How much of a sequence's traffic one lease carries.
+    pub traffic: Duration,
+    /// A lease no request has taken a number from for this long is given
+    /// back.
+    pub max_idle: Duration,
+    /// A lease not used up this long after it was taken is given back even
+    /// while requests still use it, so a live instance never holds numbers
+    /// long enough for reconciliation to judge them (its settle time is
+    /// never below the request timeout, at least a second).
+    pub max_age: Duration,
+    /// How often idle leases are looked for and returns written.
+    pub report_every: Duration,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            traffic: Duration::from_millis(50),
+            max_idle: Duration::from_millis(500),
+            max_age: Duration::from_secs(1),
+            report_every: Duration::from_millis(20),
+        }
+    }
+}
+
+/// The leased numbers of one pool (sequence version and period) on this
+/// instance. `P` is the caller's handle on that pool, handed back with
+/// every lease order and return.
+pub struct Holder<P> {
+    pub pool: P,
+    state: Mutex<State>,
+    /// Woken when a lease arrives or fails.
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    /// Leased, not handed out yet; ascending.
+    numbers: VecDeque<i64>,
+    fetching: bool,
+    /// Failed lease attempts so far: a waiter that sees this grow stops
+    /// waiting and is served on its own.
+    failures: u64,
+    last_size: usize,
+    leased_at: Option<DateTime<Utc>>,
+    /// When a sweep last found fewer numbers left than the sweep before
+    /// (a request took some), and how many it found: measured by the
+    /// sweep, so requests read the clock only for the rate.
+    used_at: Option<DateTime<Utc>>,
+    left_at_sweep: usize,
+    rate: Rate,
+    /// The instance is stopping: nothing more is leased or handed out.
+    closed: bool,
+}
+
+impl<P> Holder<P> {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A holder's key: sequence id, definition version, period key.
+pub type HolderKey = (i64, i32, String);
+
+/// Where a request stands after taking what a lease had.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    Complete,
+    /// A lease is on its way.
+    Waiting,
+    /// No lease is coming: the rest is served for this request alone.
+    Alone,
+}
+
+/// A lease to take now, of `size` numbers; whoever gets one must answer
+/// it with [`Leases::arrived`].
+pub struct Order<P> {
+    pub holder: Arc<Holder<P>>,
+    pub size: usize,
+}
+
+/// Numbers a holder gives back: not handed out, to go back to their pool.
+pub struct Returned<P> {
+    pub pool: P,
+    pub seqs: Vec<i64>,
+}
+
+pub struct Leases<P> {
+    clock: Arc<dyn Clock>,
+    settings: LeaseSettings,
+    holders: Mutex<HashMap<HolderKey, Arc<Holder<P>>>>,
+    returns: mpsc::UnboundedSender<Returned<P>>,
+    /// Held by the one reporter while it runs (a restarted one takes it
+    /// over).
+    pending_returns: tokio::sync::Mutex<mpsc::UnboundedReceiver<Returned<P>>>,
+    /// Leases being taken, and a wake-up when one arrives.
+    fetches: AtomicUsize,
+    fetched: Notify,
+    /// Returns not written yet, and a wake-up when some are.
+    unwritten: AtomicUsize,
+    written: Notify,
+    stats: Arc<Stats>,
+}
+
+impl<P: Clone> Leases<P> {
+    pub fn new(clock: Arc<dyn Clock>, settings: LeaseSettings, stats: Arc<Stats>) -> Self {
+        let (returns, pending_returns) = mpsc::unbounded_channel();
+        Self {
+            clock,
+            settings,
+            holders: Mutex::new(HashMap::new()),
+            returns,
+            pending_returns: tokio::sync::Mutex::new(pending_returns),
+            fetches: AtomicUsize::new(0),
+            fetched: Notify::new(),
+            unwritten: AtomicUsize::new(0),
+            written: Notify::new(),
+            stats,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.settings.enabled
+    }
+
+    pub fn settings(&self) -> &LeaseSettings {
+        &self.settings
+    }
+
+    /// The holder of `key`, made with `pool` on first use.
+    pub fn holder(&self, key: HolderKey, pool: impl FnOnce() -> P) -> Arc<Holder<P>> {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        holders
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(Holder {
+                    pool: pool(),
+                    state: Mutex::new(State::default()),
+                    changed: Notify::new(),
+                })
+            })
+            .clone()
+    }
+
+    /// Moves leased numbers into `got` until it holds `count`, and orders
+    /// the next lease when a quarter of the last one is left (or none is,
+    /// and the rate asks for one). `first_visit` counts the request in the
+    /// rate. The order, if any, must be taken and answered.
+    pub fn take(
+        &self,
+        holder: &Arc<Holder<P>>,
+        count: usize,
+        pool_size: usize,
+        got: &mut Vec<i64>,
+        first_visit: bool,
+    ) -> (Progress, Option<Order<P>>) {
+        let now = self.clock.now();
+        let mut state = holder.state();
+        if first_visit {
+            state.rate.add(count, now);
+        }
+        if state.closed {
+            return (Progress::Alone, None);
+        }
+        let take = (count - got.len()).min(state.numbers.len());
+        got.extend(state.numbers.drain(..take));
+        let missing = count - got.len();
+        let low = state.numbers.len() * 4 <= state.last_size;
+        if !state.fetching && (missing > 0 || low) {
+            let rate = state.rate.per_second(now);
+            if let Some(size) = lease_size(rate, self.settings.traffic, missing, pool_size) {
+                state.fetching = true;
+                state.last_size = size;
+                drop(state);
+                self.fetches.fetch_add(1, Ordering::AcqRel);
+                let order = Order {
+                    holder: holder.clone(),
+                    size,
+                };
+                let progress = if missing == 0 {
+                    Progress::Complete
+                } else {
+                    Progress::Waiting
+                };
+                return (progress, Some(order));
+            }
+        }
+        let progress = if missing == 0 {
+            Progress::Complete
+        } else if state.fetching {
+            Progress::Waiting
+        } else {
+            Progress::Alone
+        };
+        (progress, None)
+    }
+
+    /// Waits for leases until `count` numbers are in `got`, handing every
+    /// lease order met on the way to `order`. False when no lease is
+    /// coming (the rate asks for none, or taking one failed: the caller
+    /// finds out why on its own).
+    pub async fn fill(
+        &self,
+        holder: &Arc<Holder<P>>,
+        count: usize,
+        pool_size: usize,
+        got: &mut Vec<i64>,
+        mut order: impl FnMut(Order<P>),
+    ) -> bool {
+        loop {
+            let changed = holder.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the state is read, so a lease arriving in
+            // between still wakes this request.
+            changed.as_mut().enable();
+            let failures = holder.state().failures;
+            let (progress, next) = self.take(holder, count, pool_size, got, false);
+            if let Some(next) = next {
+                order(next);
+            }
+            match progress {
+                Progress::Complete => return true,
+                Progress::Alone => return false,
+                Progress::Waiting => {}
+            }
+            changed.await;
+            if holder.state().failures != failures {
+                return false;
+            }
+        }
+    }
+
+    /// The answer to an [`Order`]: the numbers leased (recorded in the
+    /// ledger as this instance's), or None when none were.
+    pub fn arrived(&self, holder: &Holder<P>, leased: Option<Vec<i64>>) {
+        let mut state = holder.state();
+        state.fetching = false;
+        match leased {
+            Some(seqs) => {
+                self.stats.leases_taken.inc();
+                self.stats.lease_numbers.inc_by(seqs.len() as u64);
+                if state.closed {
+                    drop(state);
+                    self.give_back(holder, seqs);
+                } else {
+                    state.numbers.extend(seqs);
+                    state.numbers.make_contiguous().sort_unstable();
+                    state.leased_at = Some(self.clock.now());
+                    drop(state);
+                }
+            }
+            None => {
+                state.failures += 1;
+                drop(state);
+            }
+        }
+        holder.changed.notify_waiters();
+        self.fetches.fetch_sub(1, Ordering::AcqRel);
+        self.fetched.notify_waiters();
+    }
+
+    /// Counts numbers handed out of a lease.
+    pub fn served(&self, how_many: usize) {
+        self.stats.lease_numbers_served.inc_by(how_many as u64);
+    }
+
+    /// Numbers taken from a lease but not handed out after all go back
+    /// into it (or to their pool if the instance is stopping).
+    pub fn put_back(&self, holder: &Holder<P>, seqs: Vec<i64>) {
+        if seqs.is_empty() {
+            return;
+        }
+        let mut state = holder.state();
+        if state.closed {
+            drop(state);
+            self.give_back(holder, seqs);
+            return;
+        }
+        state.numbers.extend(seqs);
+        state.numbers.make_contiguous().sort_unstable();
+    }
+
+    fn give_back(&self, holder: &Holder<P>, seqs: Vec<i64>) {
+        if seqs.is_empty() {
+            return;
+        }
+        self.stats.lease_numbers_returned.inc_by(seqs.len() as u64);
+        self.unwritten.fetch_add(1, Ordering::AcqRel);
+        let _ = self.returns.send(Returned {
+            pool: holder.pool.clone(),
+            seqs,
+        });
+    }
+
+    /// Gives back what leases idle longer than `max_idle`, or taken longer
+    /// than `max_age` ago, still hold (all of it when `everything`, at a
+    /// clean stop, after which nothing more is leased), and forgets
+    /// holders no request uses any more.
+    pub fn sweep(&self, everything: bool) {
+        let now = self.clock.now();
+        let since =
+            |at: Option<DateTime<Utc>>| at.map(|at| (now - at).to_std().unwrap_or_default());
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        let mut unused = Vec::new();
+        for (key, holder) in holders.iter() {
+            let mut state = holder.state();
+            if everything {
+                state.closed = true;
+            }
+            let left = state.numbers.len();
+            if left < state.left_at_sweep {
+                state.used_at = Some(now);
+            }
+            state.left_at_sweep = left;
+            let idle = since(state.used_at.max(state.leased_at))
+                .is_none_or(|idle| idle >= self.settings.max_idle);
+            let old = since(state.leased_at).is_none_or(|age| age >= self.settings.max_age);
+            if (everything || ((idle || old) && !state.fetching)) && !state.numbers.is_empty() {
+                let seqs: Vec<i64> = state.numbers.drain(..).collect();
+                state.left_at_sweep = 0;
+                drop(state);
+                self.give_back(holder, seqs);
+                continue;
+            }
+            // A holder keeps the sequence's rate: forgotten only once no
+            // request uses it and the rate has faded.
+            if idle
+                && !state.fetching
+                && state.numbers.is_empty()
+                && state.rate.per_second(now) < 1.0
+                && Arc::strong_count(holder) == 1
+            {
+                unused.push(key.clone());
+            }
+        }
+        for key in unused {
+            holders.remove(&key);
+        }
+    }
+
+    /// Until every lease ordered so far has arrived (or failed).
+    pub async fn fetches_done(&self) {
+        loop {
+            let fetched = self.fetched.notified();
+            tokio::pin!(fetched);
+            fetched.as_mut().enable();
+            if self.fetches.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            fetched.await;
+        }
+    }
+
+    /// The returns waiting to be written; the reporter holds the guard.
+    pub async fn pending_returns(
+        &self,
+    ) -> tokio::sync::MutexGuard<'_, mpsc::UnboundedReceiver<Returned<P>>> {
+        self.pending_returns.lock().await
+    }
+
+    /// The reporter wrote `how_many` returns.
+    pub fn returns_written(&self, how_many: usize) {
+        self.unwritten.fetch_sub(how_many, Ordering::AcqRel);
+        self.written.notify_waiters();
+    }
+
+    /// Until every return given back so far is written.
+    pub async fn all_returns_written(&self) {
+        loop {
+            let written = self.written.notified();
+            tokio::pin!(written);
+            written.as_mut().enable();
+            if self.unwritten.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            written.await;
+        }
+    }
+}
