@@ -1,18 +1,18 @@
-//! The hot path of `POST /ids` and `POST /documents`: concurrent requests
-//! are served together, in two stages that overlap.
+//! The shared pop-and-commit of the issuing path: concurrent requests are
+//! served together, in two stages that overlap.
 //!
-//! The pop stage takes every request waiting, pops each pool once for all
-//! of them (one Redis call per pool) and hands the numbers on. The write
+//! A request's pop joins every other request waiting for one (the pool's
+//! one pop batcher: one Redis call per pool for all of them). The write
 //! stage records everything handed to it since its last write (ledger rows
 //! and documents' outbox rows) in one statement and commit, and only then
 //! answers. So while one batch waits for its commit, the next one is
 //! already being popped, and a commit serves every request that arrived
 //! meanwhile.
 //!
-//! Both stages run in tasks of their own, so a client that hangs up cannot
-//! leave a number popped but unrecorded. Whatever a batch cannot finish (a
-//! pool that ran short, Redis down, a stale number) is left to the caller's
-//! slower path in `issuance`.
+//! Callers are detached from their clients (`Issuer::issue`), so a client
+//! that hangs up cannot leave a number popped but unrecorded. Whatever a
+//! batch cannot finish (a pool that ran short, Redis down, a stale number)
+//! is left to the caller's slower path (`issuance::obtain`).
 
 use std::sync::Arc;
 
@@ -26,7 +26,7 @@ use crate::batch::Batcher;
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{self, LedgerError, LedgerWrite, Recorded, Via};
 use crate::numbers::without;
-use crate::pool::{Placement, PoolService, pop_shared};
+use crate::pool::{Placement, PoolService};
 use crate::stats::Stats;
 
 /// What a request wants from a batch.
@@ -83,7 +83,8 @@ struct Popped {
 
 #[derive(Clone)]
 pub struct Pipeline {
-    jobs: Batcher<Job>,
+    pools: Arc<PoolService>,
+    stats: Arc<Stats>,
     writes: Batcher<Vec<Popped>>,
 }
 
@@ -108,35 +109,36 @@ impl Pipeline {
             4096,
             move |batches: Vec<Vec<Popped>>| writer.clone().write(batches),
         );
-        // One pop at a time: everyone who arrives meanwhile shares the next
-        // call, and numbers leave each pool in the order requests came.
-        let to_writer = writes.clone();
-        let jobs = Batcher::spawn(tasks, "pool pops for requests", 4096, move |batch| {
-            pop(pools.clone(), stats.clone(), to_writer.clone(), batch)
-        });
-        Self { jobs, writes }
+        Self {
+            pools,
+            stats,
+            writes,
+        }
     }
 
+    /// Pops what `demand` needs in the shared pop and records it in the
+    /// next shared commit. Nothing is recorded (and nothing issued) when
+    /// the pool gave nothing at once: the caller takes the slower path.
     pub async fn submit(
         &self,
         placement: Arc<Placement>,
         demand: Demand,
     ) -> Result<Served, LedgerError> {
-        let (reply, answer) = oneshot::channel();
-        self.jobs
-            .submit(Job {
-                placement,
-                demand,
-                reply,
-            })
+        let seqs = self
+            .pools
+            .pop_once(&placement.pool, demand.numbers())
             .await
-            .map_err(|_| LedgerError::Closed)?;
-        answer.await.map_err(|_| LedgerError::Closed)?
+            .unwrap_or_default();
+        self.stats.ids_from_pool.inc_by(seqs.len() as u64);
+        if seqs.is_empty() {
+            return Ok(Served::default());
+        }
+        self.record(placement, demand, seqs).await
     }
 
-    /// Records numbers the caller obtained itself (the slower paths: after
-    /// a refill, or straight from the counter) in the write stage's next
-    /// shared commit.
+    /// Records numbers the caller holds (popped, leased, or obtained on
+    /// the slower paths: after a refill, or straight from the counter) in
+    /// the write stage's next shared commit.
     pub async fn record(
         &self,
         placement: Arc<Placement>,
@@ -154,53 +156,6 @@ impl Pipeline {
             .await
             .map_err(|_| LedgerError::Closed)?;
         answer.await.map_err(|_| LedgerError::Closed)?
-    }
-}
-
-/// The pop stage: one pop per pool for everyone waiting on it.
-async fn pop(
-    pools: Arc<PoolService>,
-    stats: Arc<Stats>,
-    writes: Batcher<Vec<Popped>>,
-    batch: Vec<Job>,
-) {
-    stats.pipeline_pop_batch.observe(batch.len() as f64);
-    let popped = pop_shared(
-        batch,
-        |job| &job.placement.pool.keys,
-        |job| job.demand.numbers(),
-        |job, need| {
-            let (pools, pool) = (pools.clone(), job.placement.pool.clone());
-            async move {
-                let seqs = pools.pop_now(&pool, need).await?;
-                Ok(crate::pool::Popped {
-                    seqs,
-                    ..Default::default()
-                })
-            }
-        },
-    )
-    .await;
-    let mut popped_jobs = Vec::new();
-    for (job, popped) in popped {
-        let seqs = popped.map(|p| p.seqs).unwrap_or_default();
-        stats.ids_from_pool.inc_by(seqs.len() as u64);
-        if seqs.is_empty() {
-            // Nothing to record: the caller takes the slower path.
-            let _ = job.reply.send(Ok(Served::default()));
-        } else {
-            popped_jobs.push(Popped { job, seqs });
-        }
-    }
-    if popped_jobs.is_empty() {
-        return;
-    }
-    if let Err(closed) = writes.submit(popped_jobs).await {
-        // Shutting down: popped numbers that were never recorded stay
-        // unissued (reconciliation reports them as lost).
-        for popped in closed.0 {
-            let _ = popped.job.reply.send(Err(LedgerError::Closed));
-        }
     }
 }
 

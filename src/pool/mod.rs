@@ -135,9 +135,9 @@ impl PoolService {
         clock: Arc<dyn Clock>,
         tasks: &TaskTracker,
     ) -> Arc<Self> {
-        let pop_link = redis.clone();
-        let pops = Batcher::spawn(tasks, "pool pops", 1024, move |batch| {
-            pop_batch(pop_link.clone(), batch)
+        let (pop_link, pop_stats) = (redis.clone(), stats.clone());
+        let pops = Batcher::spawn(tasks, "pool pops", 4096, move |batch| {
+            pop_batch(pop_link.clone(), pop_stats.clone(), batch)
         });
         Arc::new(Self {
             refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
@@ -256,16 +256,17 @@ impl PoolService {
         Ok(seqs)
     }
 
-    /// One pop straight to Redis, for a caller that already batches. A pool
-    /// that runs low is refilled in the background; one that came up short
-    /// is left to the callers' `take` for the rest, whose refill brings
-    /// what they lack along with the pool's own depth.
-    pub async fn pop_now(
+    /// One pop, shared with every request waiting for one (a Redis call
+    /// per pool for all of them). A pool that runs low is refilled in the
+    /// background; one that came up short is left to the callers' `take`
+    /// for the rest, whose refill brings what they lack along with the
+    /// pool's own depth.
+    pub async fn pop_once(
         self: &Arc<Self>,
         pool: &PoolRef,
         count: usize,
     ) -> Result<Vec<i64>, RedisFailure> {
-        let popped = self.redis.pop(&pool.keys, count).await?;
+        let popped = self.pop(pool, count).await?;
         if popped.seqs.len() == count {
             self.refill_if_low(pool, &popped);
         }
@@ -891,8 +892,10 @@ impl Drop for InFlightRefill<'_> {
     }
 }
 
-/// One pop per pool for the whole batch, answers in arrival order.
-async fn pop_batch(redis: Arc<RedisLink>, batch: Vec<PopRequest>) {
+/// One pop per pool for the whole batch, answers in arrival order: the
+/// one place where concurrent requests' pops are joined.
+async fn pop_batch(redis: Arc<RedisLink>, stats: Arc<Stats>, batch: Vec<PopRequest>) {
+    stats.pipeline_pop_batch.observe(batch.len() as f64);
     let popped = pop_shared(
         batch,
         |request| &request.keys,
