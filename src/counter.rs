@@ -122,6 +122,31 @@ impl Counter {
         &self.refill_db
     }
 
+    /// Records numbers that left a pool without being issued, with why
+    /// (`pool_discards.cause`), on the refills' connections.
+    pub async fn record_discards(
+        &self,
+        sequence_id: i64,
+        period: &str,
+        ranges: &[SeqRange],
+        cause: &str,
+    ) -> Result<(), sqlx::Error> {
+        let starts: Vec<i64> = ranges.iter().map(|r| r.start).collect();
+        let ends: Vec<i64> = ranges.iter().map(|r| r.end).collect();
+        sqlx::query(
+            "INSERT INTO pool_discards (sequence_id, period, seqs, cause) \
+             SELECT $1, $2, int8range(s, e), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(s, e)",
+        )
+        .bind(sequence_id)
+        .bind(period)
+        .bind(cause)
+        .bind(&starts)
+        .bind(&ends)
+        .execute(&self.refill_db)
+        .await?;
+        Ok(())
+    }
+
     pub fn instance_id(&self) -> &str {
         &self.instance_id
     }

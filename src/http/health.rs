@@ -85,9 +85,8 @@ async fn probe(state: &AppState) -> (StatusCode, Readiness) {
     } else {
         Dependency::Down
     };
-    let redis_link = state.pools.redis();
-    let pools_in_use = redis_link.is_up();
-    let redis = if pools_in_use || redis_link.ping().await.is_ok() {
+    let pools_in_use = state.pools.in_use();
+    let redis = if state.pools.redis_answers().await {
         Dependency::Up
     } else {
         Dependency::Down
@@ -136,7 +135,7 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> impl 
     let text = state
         .probes
         .metrics
-        .get(|| async { Bytes::from(state.stats.render(state.pools.redis().is_up())) })
+        .get(|| async { Bytes::from(state.stats.render(state.pools.in_use())) })
         .await;
     ([(header::CONTENT_TYPE, content_type)], text)
 }

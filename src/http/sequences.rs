@@ -193,21 +193,11 @@ async fn live_figures(
     let now = state.clock.now();
     let period = sequence.definition.period_at(now);
     let pool = state.pools.pool_ref(sequence.clone(), period.clone());
-    let pool_depth = if state.pools.redis().is_up() {
-        state.pools.redis().depth(&pool.keys).await.ok()
-    } else {
-        None
-    };
-    let (last_seq, refills): (Option<i64>, i64) = sqlx::query_as(
-        "SELECT (SELECT upper(seqs) - 1 FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 \
-                 ORDER BY lower(seqs) DESC LIMIT 1), \
-                (SELECT count(*) FROM blocks WHERE sequence_id = $1 AND purpose = 'pool')",
-    )
-    .bind(sequence.id)
-    .bind(period.key())
-    .fetch_one(&state.db)
-    .await
-    .map_err(db_error)?;
+    let pool_depth = state.pools.depth(&pool).await;
+    let (last_seq, refills) =
+        crate::ledger::last_issued_and_refills(&state.db, sequence.id, period.key())
+            .await
+            .map_err(db_error)?;
     let gaps = crate::gaps::open_numbers(&state.db, sequence.id)
         .await
         .map_err(db_error)?;

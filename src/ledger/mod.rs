@@ -549,6 +549,24 @@ pub async fn issued_via_ids(
 }
 
 /// Numbers of one sequence period a lease handed to callers, or gave back.
+/// The highest number of `period` recorded as issued, and how many pool
+/// refills the sequence has had (a sequence's live figures).
+pub async fn last_issued_and_refills(
+    db: &sqlx::PgPool,
+    sequence_id: i64,
+    period: &str,
+) -> Result<(Option<i64>, i64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT (SELECT upper(seqs) - 1 FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 \
+                 ORDER BY lower(seqs) DESC LIMIT 1), \
+                (SELECT count(*) FROM blocks WHERE sequence_id = $1 AND purpose = 'pool')",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .fetch_one(db)
+    .await
+}
+
 #[derive(Debug, Clone)]
 pub struct LeaseReport {
     pub sequence_id: i64,

@@ -1,4 +1,9 @@
-//! Why numbers left a pool without being issued (`pool_discards.cause`).
+//! Numbers that left a pool without being issued: why (`pool_discards.cause`),
+//! and the pool operations that discard them.
+
+use super::{PoolKeys, PoolRef, PoolService, RedisFailure};
+use crate::numbers::SeqRange;
+use crate::sequence::Sequence;
 
 /// The word stored in `pool_discards.cause` and logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::Type, strum::IntoStaticStr, strum::Display)]
@@ -31,12 +36,125 @@ pub enum DiscardCause {
     DocumentNotWritten,
 }
 
+impl PoolService {
+    pub async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) -> Result<(), RedisFailure> {
+        let mut sorted = seqs.to_vec();
+        sorted.sort_unstable();
+        self.redis.give_back(&pool.keys, &sorted).await
+    }
+
+    /// Empties a pool whose list cannot be trusted and records its numbers.
+    pub async fn invalidate(&self, pool: &PoolRef, cause: DiscardCause) {
+        match self.redis.discard(&pool.keys, false).await {
+            Ok(ranges) => {
+                self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
+                    .await
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, pool = %pool.keys.pool, "could not invalidate pool")
+            }
+        }
+    }
+
+    pub async fn record_discard(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+        ranges: &[SeqRange],
+        cause: DiscardCause,
+    ) {
+        if ranges.is_empty() {
+            return;
+        }
+        let numbers: i64 = ranges.iter().map(SeqRange::len).sum();
+        self.stats.pool_numbers_discarded.inc_by(numbers as u64);
+        let written = self
+            .counter
+            .record_discards(sequence.id, period, ranges, cause.into())
+            .await;
+        match written {
+            Ok(_) => tracing::info!(
+                project = %sequence.project, doc_type = %sequence.doc_type, period,
+                numbers, %cause, "pool numbers discarded"
+            ),
+            Err(e) => tracing::error!(
+                error = %e, project = %sequence.project, doc_type = %sequence.doc_type, period,
+                numbers, %cause, "could not record discarded pool numbers"
+            ),
+        }
+    }
+
+    /// Empties every period's pool of `sequence` (its definition changed).
+    pub async fn discard_sequence_pools(&self, sequence: &Sequence, cause: DiscardCause) {
+        let pools = match self.pools_of(sequence).await {
+            Ok(pools) => pools,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list pools to discard; they stay until the next reconnect check");
+                return;
+            }
+        };
+        for (keys, period) in pools {
+            match self.redis.discard(&keys, false).await {
+                Ok(ranges) => self.record_discard(sequence, &period, &ranges, cause).await,
+                Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not discard pool"),
+            }
+        }
+    }
+
+    /// Removes numbers above `max` from every pool of `sequence` (its `max`
+    /// was lowered) and records them.
+    pub async fn trim_sequence_pools(&self, sequence: &Sequence) {
+        let max = sequence.definition.max_seq();
+        let pools = match self.pools_of(sequence).await {
+            Ok(pools) => pools,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list pools to trim; numbers above max are dropped when popped");
+                return;
+            }
+        };
+        for (keys, period) in pools {
+            match self.redis.trim_above(&keys, max).await {
+                Ok(ranges) => {
+                    self.record_discard(sequence, &period, &ranges, DiscardCause::AboveMax)
+                        .await
+                }
+                Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not trim pool"),
+            }
+        }
+    }
+
+    /// The pools Redis holds for `sequence`, each with its period.
+    pub(super) async fn pools_of(
+        &self,
+        sequence: &Sequence,
+    ) -> Result<Vec<(PoolKeys, String)>, RedisFailure> {
+        let listed = self
+            .redis
+            .pool_keys(Some((
+                sequence.project.as_str(),
+                sequence.doc_type.as_str(),
+            )))
+            .await?;
+        Ok(listed
+            .iter()
+            .filter_map(|key| {
+                let (project, doc_type, period) =
+                    PoolKeys::parse_pool_key(self.redis.prefix(), key)?;
+                Some((
+                    self.redis.keys(project, doc_type, period),
+                    period.to_owned(),
+                ))
+            })
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::DiscardCause;
 
     #[test]
-    fn causes_keep_the_words_already_stored() {
+    pub(super) fn causes_keep_the_words_already_stored() {
         assert_eq!(DiscardCause::AboveMax.to_string(), "above_max");
         assert_eq!(
             DiscardCause::PostgresBehindRedis.to_string(),
