@@ -212,19 +212,18 @@ impl Parts {
             config.db_limits().for_background(),
         )
         .await?;
-        let reconciler = Arc::new(Reconciler {
-            db: background_db,
-            redis: pools.redis().clone(),
-            pools: pools.clone(),
-            sequences: sequences.clone(),
-            clock: overrides.clock.clone(),
-            stats: stats.clone(),
-            settings: overrides
+        let reconciler = Arc::new(Reconciler::new(
+            background_db,
+            pools.clone(),
+            sequences.clone(),
+            overrides.clock.clone(),
+            stats.clone(),
+            overrides
                 .reconcile
                 .clone()
                 .unwrap_or_else(|| config.reconcile_settings()),
-            instance_id: instance_id.clone(),
-        });
+            instance_id.clone(),
+        ));
         Ok(Self {
             db,
             stats,

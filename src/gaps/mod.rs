@@ -3,6 +3,7 @@
 
 pub mod classify;
 pub mod reconcile;
+mod store;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

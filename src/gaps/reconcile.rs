@@ -19,18 +19,14 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
-use super::classify::{self, Evidence, Judged, OpenGap, Reason};
+use super::classify::{self, Judged, OpenGap, Reason};
+use super::store::{self, ActivePeriod, FetchedEvidence, fetch_evidence, open_gaps_near};
 use crate::clock::Clock;
-use crate::ledger::Via;
-use crate::ledger::outbox::DocumentStatus;
-use crate::numbers::{SeqRange, merge, runs};
-use crate::pool::{PoolService, RedisLink};
+use crate::numbers::{SeqRange, runs};
+use crate::pool::PoolService;
 use crate::sequence::Sequence;
 use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
-
-/// Advisory lock key: one reconciliation at a time across instances.
-const LOCK_KEY: i64 = 0x1d_9001_9a95;
 
 #[derive(Debug, Clone)]
 pub struct ReconcileSettings {
@@ -85,31 +81,13 @@ fn reason_counts(counts: &BTreeMap<Reason, i64>) -> String {
 }
 
 pub struct Reconciler {
-    pub db: PgPool,
-    pub redis: Arc<RedisLink>,
-    pub pools: Arc<PoolService>,
-    pub sequences: Arc<SequenceStore>,
-    pub clock: Arc<dyn Clock>,
-    pub stats: Arc<Stats>,
-    pub settings: ReconcileSettings,
-    pub instance_id: String,
-}
-
-struct ActivePeriod {
-    sequence_id: i64,
-    period: String,
-    next_seq: i64,
-    checkpoint: i64,
-    pool_closed: bool,
-}
-
-/// One run as recorded in `reconcile_runs`.
-struct Run {
-    id: i64,
-    /// When it started, by the database's clock.
-    now: DateTime<Utc>,
-    /// When the last finished run started.
-    previous: Option<DateTime<Utc>>,
+    db: PgPool,
+    pools: Arc<PoolService>,
+    sequences: Arc<SequenceStore>,
+    clock: Arc<dyn Clock>,
+    stats: Arc<Stats>,
+    settings: ReconcileSettings,
+    instance_id: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +101,28 @@ pub enum ReconcileError {
 }
 
 impl Reconciler {
+    /// The reconciler, working on `db` (connections of its own, so a run
+    /// never waits behind requests).
+    pub fn new(
+        db: PgPool,
+        pools: Arc<PoolService>,
+        sequences: Arc<SequenceStore>,
+        clock: Arc<dyn Clock>,
+        stats: Arc<Stats>,
+        settings: ReconcileSettings,
+        instance_id: String,
+    ) -> Self {
+        Self {
+            db,
+            pools,
+            sequences,
+            clock,
+            stats,
+            settings,
+            instance_id,
+        }
+    }
+
     /// Runs every `interval` until `stop`.
     pub async fn run_periodically(self: Arc<Self>, stop: CancellationToken) {
         loop {
@@ -141,10 +141,7 @@ impl Reconciler {
         let started = Instant::now();
         // Advisory locks belong to a session: take and release it on one connection.
         let mut conn = self.db.acquire().await?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(LOCK_KEY)
-            .fetch_one(&mut *conn)
-            .await?;
+        let locked = store::try_lock(&mut conn).await?;
         if !locked {
             return Ok(Summary {
                 skipped: true,
@@ -152,10 +149,7 @@ impl Reconciler {
             });
         }
         let result = self.run_locked(&mut conn).await;
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(LOCK_KEY)
-            .execute(&mut *conn)
-            .await;
+        store::unlock(&mut conn).await;
         let mut summary = result?;
         summary.duration_ms = started.elapsed().as_millis() as u64;
         self.stats.reconcile_runs.inc();
@@ -178,12 +172,7 @@ impl Reconciler {
     }
 
     async fn record_open_gaps(&self) {
-        let rows: Result<Vec<(Reason, i64)>, _> = sqlx::query_as(
-            "SELECT reason, sum(to_seq - from_seq + 1)::bigint FROM id_gaps WHERE resolved_at IS NULL GROUP BY reason",
-        )
-        .fetch_all(&self.db)
-        .await;
-        if let Ok(rows) = rows {
+        if let Ok(rows) = store::open_gap_totals(&self.db).await {
             let open: Vec<(&'static str, i64)> =
                 rows.iter().map(|(r, n)| (r.as_str(), *n)).collect();
             self.stats.set_gaps_open(&open);
@@ -191,15 +180,15 @@ impl Reconciler {
     }
 
     async fn run_locked(&self, conn: &mut PgConnection) -> Result<Summary, ReconcileError> {
-        let run = self.start_run(conn).await?;
+        let run = store::start_run(conn, &self.instance_id).await?;
         let mut summary = Summary {
-            redis_available: self.redis.is_up(),
+            redis_available: self.pools.in_use(),
             ..Default::default()
         };
         let mut sequences: HashMap<i64, Arc<Sequence>> = HashMap::new();
         // Periods with numbers not judged yet: observe them, then judge
         // what has settled.
-        for period in &self.active_periods(conn).await? {
+        for period in &store::active_periods(conn).await? {
             let Some(sequence) = self.sequence(&mut sequences, period.sequence_id).await? else {
                 continue;
             };
@@ -229,35 +218,8 @@ impl Reconciler {
                     .await?;
             }
         }
-        sqlx::query(
-            "UPDATE reconcile_runs SET finished_at = clock_timestamp(), summary = $2 WHERE id = $1",
-        )
-        .bind(run.id)
-        .bind(serde_json::to_value(&summary).unwrap_or_default())
-        .execute(&mut *conn)
-        .await?;
+        store::finish_run(conn, run.id, &summary).await?;
         Ok(summary)
-    }
-
-    /// Records the run's start, by the database's clock, and finds when
-    /// the last finished run started.
-    async fn start_run(&self, conn: &mut PgConnection) -> Result<Run, sqlx::Error> {
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&mut *conn)
-            .await?;
-        let previous: Option<DateTime<Utc>> = sqlx::query_scalar(
-            "SELECT started_at FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
-        )
-        .fetch_optional(&mut *conn)
-        .await?;
-        let id: i64 = sqlx::query_scalar(
-            "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
-        )
-        .bind(&self.instance_id)
-        .bind(now)
-        .fetch_one(&mut *conn)
-        .await?;
-        Ok(Run { id, now, previous })
     }
 
     /// Judges the numbers of `period` below its newest mark that is older
@@ -275,16 +237,7 @@ impl Reconciler {
         // Numbers can go back to a pool after leaving it (what a lease did
         // not hand out goes back to the head), so the newest mark, which
         // sees them in the pool again, caps the settled one.
-        let (settled, newest): (Option<i64>, Option<i64>) = sqlx::query_as(
-            "SELECT max(bound) FILTER (WHERE observed_at <= $3), \
-                    (array_agg(bound ORDER BY observed_at DESC))[1] \
-             FROM reconcile_marks WHERE sequence_id = $1 AND period = $2",
-        )
-        .bind(period.sequence_id)
-        .bind(&period.period)
-        .bind(settled_before)
-        .fetch_one(&mut *conn)
-        .await?;
+        let (settled, newest) = store::marks(conn, period, settled_before).await?;
         let bound = settled.map(|b| newest.map_or(b, |n| b.min(n)));
         let Some(bound) = bound.filter(|b| *b > period.checkpoint) else {
             return Ok(());
@@ -292,26 +245,7 @@ impl Reconciler {
         let window = SeqRange::new(period.checkpoint, bound);
         self.rejudge(conn, sequence, &period.period, &[window], now, summary)
             .await?;
-        sqlx::query(
-            "INSERT INTO reconcile_periods (sequence_id, period, checkpoint) VALUES ($1, $2, $3) \
-             ON CONFLICT (sequence_id, period) DO UPDATE SET checkpoint = EXCLUDED.checkpoint",
-        )
-        .bind(period.sequence_id)
-        .bind(&period.period)
-        .bind(bound)
-        .execute(&mut *conn)
-        .await?;
-        // Marks older than the one just used will never be needed again.
-        sqlx::query(
-            "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at < \
-             (SELECT max(observed_at) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 \
-              AND observed_at <= $3)",
-        )
-        .bind(period.sequence_id)
-        .bind(&period.period)
-        .bind(settled_before)
-        .execute(&mut *conn)
-        .await?;
+        store::move_checkpoint(conn, period, bound, settled_before).await?;
         Ok(())
     }
 
@@ -330,44 +264,6 @@ impl Reconciler {
         Ok(sequence)
     }
 
-    async fn active_periods(
-        &self,
-        conn: &mut PgConnection,
-    ) -> Result<Vec<ActivePeriod>, sqlx::Error> {
-        #[derive(sqlx::FromRow)]
-        struct Row {
-            sequence_id: i64,
-            period: String,
-            next_seq: i64,
-            checkpoint: Option<i64>,
-            pool_closed_at: Option<DateTime<Utc>>,
-            first_block: Option<i64>,
-        }
-        let rows: Vec<Row> = sqlx::query_as(
-            "SELECT c.sequence_id, c.period, c.next_seq, r.checkpoint, r.pool_closed_at, \
-                    CASE WHEN r.checkpoint IS NULL THEN \
-                        (SELECT min(lower(b.seqs)) FROM blocks b WHERE b.sequence_id = c.sequence_id AND b.period = c.period) \
-                    END AS first_block \
-             FROM counters c LEFT JOIN reconcile_periods r USING (sequence_id, period) \
-             WHERE r.checkpoint IS NULL OR r.checkpoint < c.next_seq OR r.pool_closed_at IS NULL \
-             ORDER BY c.sequence_id, c.period",
-        )
-        .fetch_all(&mut *conn)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|row| {
-                Some(ActivePeriod {
-                    sequence_id: row.sequence_id,
-                    period: row.period,
-                    next_seq: row.next_seq,
-                    checkpoint: row.checkpoint.or(row.first_block)?,
-                    pool_closed: row.pool_closed_at.is_some(),
-                })
-            })
-            .collect())
-    }
-
     /// Notes a mark for the period: every number below the counter read at
     /// the start of this run, and below the pool's head now, has left both.
     /// An ended period's pool is discarded first (once), so its mark covers
@@ -380,63 +276,24 @@ impl Reconciler {
         now: DateTime<Utc>,
     ) -> Result<bool, ReconcileError> {
         let current = sequence.definition.period_at(self.clock.now());
-        let keys = self.redis.keys(
-            sequence.project.as_str(),
-            sequence.doc_type.as_str(),
-            &period.period,
-        );
         let ended =
             current.key() != period.period && self.ended_long_enough(sequence, &period.period);
         let mut closed = false;
         let bound = if period.pool_closed {
             period.next_seq
         } else if ended {
-            let ranges = self.redis.discard(&keys, false).await?;
-            self.pools
-                .record_discard(
-                    sequence,
-                    &period.period,
-                    &ranges,
-                    crate::pool::DiscardCause::PeriodEnded,
-                )
-                .await;
-            sqlx::query(
-                "INSERT INTO reconcile_periods (sequence_id, period, checkpoint, pool_closed_at) \
-                 VALUES ($1, $2, $3, now()) \
-                 ON CONFLICT (sequence_id, period) DO UPDATE SET pool_closed_at = now()",
-            )
-            .bind(period.sequence_id)
-            .bind(&period.period)
-            .bind(period.checkpoint)
-            .execute(&mut *conn)
-            .await?;
+            self.pools.close_period(sequence, &period.period).await?;
             closed = true;
             // Nothing can leave this period any more: all of it is settled
             // once the settle time has passed.
-            let next: i64 = sqlx::query_scalar(
-                "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2",
-            )
-            .bind(period.sequence_id)
-            .bind(&period.period)
-            .fetch_one(&mut *conn)
-            .await?;
-            next
+            store::close_pool(conn, period).await?
         } else {
-            match self.redis.head(&keys).await? {
+            match self.pools.head(sequence, &period.period).await? {
                 Some(head) => head.min(period.next_seq),
                 None => period.next_seq,
             }
         };
-        sqlx::query(
-            "INSERT INTO reconcile_marks (sequence_id, period, observed_at, bound) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(period.sequence_id)
-        .bind(&period.period)
-        .bind(now)
-        .bind(bound)
-        .execute(&mut *conn)
-        .await?;
+        store::add_mark(conn, period, now, bound).await?;
         Ok(closed)
     }
 
@@ -447,21 +304,11 @@ impl Reconciler {
         let Some(named) = definition.reset.period_named(definition.timezone, period) else {
             return false;
         };
-        let Some(start) = named.starts_at() else {
+        let Some(end) = named.ends_at() else {
             return false;
         };
-        // The first instant that falls in a later period ends this one.
-        let mut probe = start;
-        let step = chrono::Duration::hours(6);
-        let now = self.clock.now();
-        while probe <= now {
-            if definition.period_at(probe).key() != period {
-                let settle = chrono::Duration::from_std(self.settings.settle).unwrap_or_default();
-                return now - probe > settle;
-            }
-            probe += step;
-        }
-        false
+        let settle = chrono::Duration::from_std(self.settings.settle).unwrap_or_default();
+        self.clock.now() - end > settle
     }
 
     /// Numbers already judged whose document, ledger record or discard
@@ -471,53 +318,7 @@ impl Reconciler {
         conn: &mut PgConnection,
         since: DateTime<Utc>,
     ) -> Result<BTreeMap<(i64, String), Vec<i64>>, sqlx::Error> {
-        // Only changes that contradict the gap list: a document whose status
-        // disagrees with it, a ledger record or discard of a number judged
-        // never issued (a late write, a late discard record).
-        let rows: Vec<(i64, String, i64, i64)> = sqlx::query_as(
-            "SELECT o.sequence_id, o.period, o.seq, o.seq + 1 FROM id_outbox o \
-               JOIN reconcile_periods r ON r.sequence_id = o.sequence_id AND r.period = o.period \
-              WHERE o.status_changed_at > $1 AND o.seq < r.checkpoint \
-                AND CASE o.status::text \
-                      WHEN $2 THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
-                          AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = $3 \
-                          AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
-                      WHEN $4 THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
-                          AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = $5 \
-                          AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
-                      ELSE EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
-                          AND g.period = o.period AND g.resolved_at IS NULL \
-                          AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
-                    END \
-             UNION ALL \
-             SELECT l.sequence_id, l.period, greatest(lower(l.seqs), g.from_seq), least(upper(l.seqs), g.to_seq + 1) \
-               FROM issuance_ledger l JOIN id_gaps g ON g.sequence_id = l.sequence_id AND g.period = l.period \
-                AND g.resolved_at IS NULL AND g.reason IN ($6, $7) \
-                AND int8range(g.from_seq, g.to_seq, '[]') && l.seqs \
-              WHERE l.issued_at > $1 \
-             UNION ALL \
-             SELECT d.sequence_id, d.period, greatest(lower(d.seqs), g.from_seq), least(upper(d.seqs), g.to_seq + 1) \
-               FROM pool_discards d JOIN id_gaps g ON g.sequence_id = d.sequence_id AND g.period = d.period \
-                AND g.resolved_at IS NULL AND g.reason IN ($6, $8) \
-                AND int8range(g.from_seq, g.to_seq, '[]') && d.seqs \
-              WHERE d.discarded_at > $1 \
-             UNION ALL \
-             SELECT h.sequence_id, h.period, greatest(lower(h.seqs), g.from_seq), least(upper(h.seqs), g.to_seq + 1) \
-               FROM lease_handouts h JOIN id_gaps g ON g.sequence_id = h.sequence_id AND g.period = h.period \
-                AND g.resolved_at IS NULL AND g.reason = $8 \
-                AND int8range(g.from_seq, g.to_seq, '[]') && h.seqs \
-              WHERE h.reported_at > $1",
-        )
-        .bind(since)
-        .bind(DocumentStatus::DeadLetter)
-        .bind(Reason::OutboxDlq)
-        .bind(DocumentStatus::Abandoned)
-        .bind(Reason::Abandoned)
-        .bind(Reason::UntrackedLoss)
-        .bind(Reason::PoolDiscarded)
-        .bind(Reason::LeaseLost)
-        .fetch_all(&mut *conn)
-        .await?;
+        let rows = store::contradicting_changes(conn, since).await?;
         let mut changed: BTreeMap<(i64, String), Vec<i64>> = BTreeMap::new();
         for (sequence_id, period, start, end) in rows {
             changed
@@ -568,11 +369,7 @@ impl Reconciler {
             *summary.gaps_resolved.entry(*reason).or_default() += n;
         }
         if !plan.resolve.is_empty() {
-            sqlx::query("UPDATE id_gaps SET resolved_at = $2 WHERE id = ANY($1)")
-                .bind(&plan.resolve)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
+            store::resolve_gaps(&mut tx, &plan.resolve, now).await?;
         }
         if !plan.insert.is_empty() {
             let mut labels = Labels::new(sequence, period, &evidence, &existing, now);
@@ -582,236 +379,18 @@ impl Reconciler {
                 from_ids.push(labels.id(&mut tx, piece.range.start).await?);
                 to_ids.push(labels.id(&mut tx, piece.range.last()).await?);
             }
-            let starts: Vec<i64> = plan.insert.iter().map(|p| p.range.start).collect();
-            let lasts: Vec<i64> = plan.insert.iter().map(|p| p.range.last()).collect();
-            let reasons: Vec<&str> = plan.insert.iter().map(|p| p.reason.as_str()).collect();
-            let detected: Vec<DateTime<Utc>> = plan.insert.iter().map(|p| p.detected_at).collect();
-            sqlx::query(
-                "INSERT INTO id_gaps (sequence_id, period, from_seq, to_seq, from_id, to_id, reason, detected_at) \
-                 SELECT $1, $2, f, t, fi, ti, r, d \
-                 FROM UNNEST($3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::timestamptz[]) \
-                      AS u(f, t, fi, ti, r, d)",
+            store::insert_gaps(
+                &mut tx,
+                sequence.id,
+                period,
+                &plan.insert,
+                &from_ids,
+                &to_ids,
             )
-            .bind(sequence.id)
-            .bind(period)
-            .bind(&starts)
-            .bind(&lasts)
-            .bind(&from_ids)
-            .bind(&to_ids)
-            .bind(&reasons)
-            .bind(&detected)
-            .execute(&mut *tx)
             .await?;
         }
         tx.commit().await
     }
-}
-
-/// Evidence for some windows, plus what is needed to print IDs.
-struct FetchedEvidence {
-    ranges: Evidence,
-    /// (range, reserved_at) of blocks, (range, issued_at) of ledger rows.
-    block_times: Vec<(SeqRange, DateTime<Utc>)>,
-    issue_times: Vec<(SeqRange, DateTime<Utc>)>,
-    document_ids: HashMap<i64, String>,
-    rows_read: i64,
-}
-
-/// The tables that hold runs of a period's numbers and nothing the
-/// judgement needs besides them.
-#[derive(Clone, Copy)]
-enum RunsTable {
-    LeaseHandouts,
-    PoolDiscards,
-}
-
-impl RunsTable {
-    fn name(self) -> &'static str {
-        match self {
-            Self::LeaseHandouts => "lease_handouts",
-            Self::PoolDiscards => "pool_discards",
-        }
-    }
-}
-
-/// The runs of `table` that overlap the windows `[los[i], his[i])`.
-async fn overlapping_runs(
-    conn: &mut PgConnection,
-    table: RunsTable,
-    sequence_id: i64,
-    period: &str,
-    los: &[i64],
-    his: &[i64],
-) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-    // The table name is one of ours, never caller input.
-    let query = format!(
-        "SELECT DISTINCT lower(t.seqs), upper(t.seqs) \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN {} t ON t.sequence_id = $1 AND t.period = $2 AND t.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
-        table.name()
-    );
-    sqlx::query_as(sqlx::AssertSqlSafe(query))
-        .bind(sequence_id)
-        .bind(period)
-        .bind(los)
-        .bind(his)
-        .fetch_all(&mut *conn)
-        .await
-}
-
-async fn fetch_evidence(
-    conn: &mut PgConnection,
-    sequence_id: i64,
-    period: &str,
-    windows: &[SeqRange],
-) -> Result<FetchedEvidence, sqlx::Error> {
-    let los: Vec<i64> = windows.iter().map(|w| w.start).collect();
-    let his: Vec<i64> = windows.iter().map(|w| w.end).collect();
-    let blocks: Vec<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT DISTINCT lower(b.seqs), upper(b.seqs), b.reserved_at \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN blocks b ON b.sequence_id = $1 AND b.period = $2 AND b.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
-    .await?;
-    let ledger: Vec<(i64, i64, DateTime<Utc>, bool)> = sqlx::query_as(
-        "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .bind(Via::Lease.as_str())
-    .fetch_all(&mut *conn)
-    .await?;
-    let handouts = overlapping_runs(
-        conn,
-        RunsTable::LeaseHandouts,
-        sequence_id,
-        period,
-        &los,
-        &his,
-    )
-    .await?;
-    let documents: Vec<(i64, DocumentStatus, String)> = sqlx::query_as(
-        "SELECT DISTINCT o.seq, o.status::text, o.document_id \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
-         ORDER BY 1",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
-    .await?;
-    let discards = overlapping_runs(
-        conn,
-        RunsTable::PoolDiscards,
-        sequence_id,
-        period,
-        &los,
-        &his,
-    )
-    .await?;
-    let rows_read =
-        (blocks.len() + ledger.len() + handouts.len() + documents.len() + discards.len()) as i64;
-    let ledger_part = |lease: bool| -> Vec<(i64, i64)> {
-        ledger
-            .iter()
-            .filter(|(_, _, _, leased)| *leased == lease)
-            .map(|(s, e, _, _)| (*s, *e))
-            .collect()
-    };
-    let seq_ranges = |rows: &[(i64, i64)]| -> Vec<SeqRange> {
-        let numbers: Vec<SeqRange> = rows.iter().map(|(s, e)| SeqRange::new(*s, *e)).collect();
-        merge(numbers)
-    };
-    let statuses = documents
-        .iter()
-        .map(|(seq, status, _)| (*seq, *status))
-        .collect();
-    Ok(FetchedEvidence {
-        ranges: Evidence {
-            taken: seq_ranges(&blocks.iter().map(|(s, e, _)| (*s, *e)).collect::<Vec<_>>()),
-            issued: seq_ranges(&ledger_part(false)),
-            leased: seq_ranges(&ledger_part(true)),
-            handed_out: seq_ranges(&handouts),
-            documents: statuses,
-            discarded: seq_ranges(&discards),
-        },
-        block_times: blocks
-            .iter()
-            .map(|(s, e, t)| (SeqRange::new(*s, *e), *t))
-            .collect(),
-        issue_times: ledger
-            .iter()
-            .map(|(s, e, t, _)| (SeqRange::new(*s, *e), *t))
-            .collect(),
-        document_ids: documents
-            .into_iter()
-            .map(|(seq, _, id)| (seq, id))
-            .collect(),
-        rows_read,
-    })
-}
-
-/// Open gaps overlapping or touching the windows, with their printed IDs.
-async fn open_gaps_near(
-    conn: &mut PgConnection,
-    sequence_id: i64,
-    period: &str,
-    windows: &[SeqRange],
-) -> Result<Vec<(OpenGap, String, String)>, sqlx::Error> {
-    let los: Vec<i64> = windows.iter().map(|w| w.start - 1).collect();
-    let his: Vec<i64> = windows.iter().map(|w| w.end).collect();
-    #[derive(sqlx::FromRow)]
-    struct Row {
-        id: i64,
-        from_seq: i64,
-        to_seq: i64,
-        reason: Reason,
-        detected_at: DateTime<Utc>,
-        from_id: String,
-        to_id: String,
-    }
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT DISTINCT g.id, g.from_seq, g.to_seq, g.reason, g.detected_at, g.from_id, g.to_id \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN id_gaps g ON g.sequence_id = $1 AND g.period = $2 AND g.resolved_at IS NULL \
-          AND int8range(g.from_seq, g.to_seq, '[]') && int8range(w.lo, w.hi, '[]') \
-         ORDER BY 2",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|row| {
-            (
-                OpenGap {
-                    row_id: row.id,
-                    range: SeqRange::new(row.from_seq, row.to_seq + 1),
-                    reason: row.reason,
-                    detected_at: row.detected_at,
-                },
-                row.from_id,
-                row.to_id,
-            )
-        })
-        .collect())
 }
 
 /// Prints the ID of a number as its holder saw it: the document's ID, or
@@ -865,16 +444,7 @@ impl<'a> Labels<'a> {
             Some(at) => Some(at),
             None => {
                 // Outside the windows (a split of an older gap): ask.
-                sqlx::query_scalar(
-                    "SELECT coalesce( \
-                        (SELECT issued_at FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 AND seqs @> $3::bigint), \
-                        (SELECT reserved_at FROM blocks WHERE sequence_id = $1 AND period = $2 AND seqs @> $3::bigint))",
-                )
-                .bind(self.sequence.id)
-                .bind(self.period)
-                .bind(seq)
-                .fetch_one(&mut *conn)
-                .await?
+                store::issue_time(conn, self.sequence.id, self.period, seq).await?
             }
         };
         let definition = &self.sequence.definition;

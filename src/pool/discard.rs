@@ -149,6 +149,41 @@ impl PoolService {
     }
 }
 
+impl PoolService {
+    /// Empties the pool of `sequence` in the period named `period` (the
+    /// period ended) and records its numbers.
+    pub async fn close_period(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+    ) -> Result<(), RedisFailure> {
+        let keys = self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period,
+        );
+        let ranges = self.redis.discard(&keys, false).await?;
+        self.record_discard(sequence, period, &ranges, DiscardCause::PeriodEnded)
+            .await;
+        Ok(())
+    }
+
+    /// The lowest number the pool of `sequence` in `period` holds; None
+    /// when it is empty.
+    pub async fn head(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+    ) -> Result<Option<i64>, RedisFailure> {
+        let keys = self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period,
+        );
+        self.redis.head(&keys).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::DiscardCause;

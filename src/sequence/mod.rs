@@ -244,9 +244,8 @@ impl Definition {
         let Some(start) = period.starts_at() else {
             return recorded;
         };
-        let end = self
-            .reset
-            .next_start(self.timezone, period)
+        let end = period
+            .ends_at()
             .map(|next| next - chrono::Duration::microseconds(1))
             .unwrap_or(recorded);
         recorded.clamp(start, end.max(start))

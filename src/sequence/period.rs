@@ -44,9 +44,22 @@ impl Reset {
             Reset::Monthly => local.with_day(1).unwrap_or(local),
             Reset::Yearly => NaiveDate::from_ymd_opt(local.year(), 1, 1).unwrap_or(local),
         };
+        self.period(tz, self.key_of(first_day), first_day)
+    }
+
+    /// The period of this reset that starts on `first_day`, named `key`.
+    fn period(self, tz: Tz, key: String, first_day: NaiveDate) -> Period {
+        let starts_at = start_of_day(tz, first_day);
+        let next = match self {
+            Reset::Never => None,
+            Reset::Daily => first_day.succ_opt(),
+            Reset::Monthly => first_day.checked_add_months(chrono::Months::new(1)),
+            Reset::Yearly => first_day.checked_add_months(chrono::Months::new(12)),
+        };
         Period {
-            key: self.key_of(first_day),
-            starts_at: Some(start_of_day(tz, first_day)),
+            key,
+            starts_at: Some(starts_at),
+            ends_at: next.map(|day| start_of_day(tz, day)),
         }
     }
 
@@ -58,22 +71,7 @@ impl Reset {
             Reset::Monthly => NaiveDate::parse_from_str(&format!("{key}01"), "%Y%m%d").ok()?,
             Reset::Yearly => NaiveDate::parse_from_str(&format!("{key}0101"), "%Y%m%d").ok()?,
         };
-        (self.key_of(first_day) == key).then(|| Period {
-            key: key.to_owned(),
-            starts_at: Some(start_of_day(tz, first_day)),
-        })
-    }
-
-    /// When the period after `period` starts; `None` for `never`.
-    pub fn next_start(self, tz: Tz, period: &Period) -> Option<DateTime<Utc>> {
-        let start = period.starts_at()?.with_timezone(&tz).date_naive();
-        let next = match self {
-            Reset::Never => return None,
-            Reset::Daily => start.succ_opt()?,
-            Reset::Monthly => start.checked_add_months(chrono::Months::new(1))?,
-            Reset::Yearly => start.checked_add_months(chrono::Months::new(12))?,
-        };
-        Some(start_of_day(tz, next))
+        (self.key_of(first_day) == key).then(|| self.period(tz, key.to_owned(), first_day))
     }
 
     fn key_of(self, day: NaiveDate) -> String {
@@ -124,6 +122,8 @@ pub fn start_of_day(tz: Tz, day: NaiveDate) -> DateTime<Utc> {
 pub struct Period {
     key: String,
     starts_at: Option<DateTime<Utc>>,
+    /// Where the next period starts; `None` for `never`.
+    ends_at: Option<DateTime<Utc>>,
 }
 
 impl Period {
@@ -131,6 +131,7 @@ impl Period {
         Self {
             key: String::new(),
             starts_at: None,
+            ends_at: None,
         }
     }
 
@@ -142,6 +143,12 @@ impl Period {
     pub fn starts_at(&self) -> Option<DateTime<Utc>> {
         self.starts_at
     }
+
+    /// The first instant past the period (the next one's start); `None`
+    /// for sequences that never reset.
+    pub fn ends_at(&self) -> Option<DateTime<Utc>> {
+        self.ends_at
+    }
 }
 
 #[cfg(test)]
@@ -150,6 +157,25 @@ mod tests {
 
     fn at(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_period_ends_where_the_next_one_starts_in_its_own_time_zone() {
+        let berlin: Tz = "Europe/Berlin".parse().unwrap();
+        // The day the clocks go back is 25 hours long.
+        let day = Reset::Daily.period_at(berlin, at("2026-10-25T12:00:00Z"));
+        assert_eq!(day.starts_at(), Some(at("2026-10-24T22:00:00Z")));
+        assert_eq!(day.ends_at(), Some(at("2026-10-25T23:00:00Z")));
+        let month = Reset::Monthly.period_named(berlin, "202612").unwrap();
+        assert_eq!(month.ends_at(), Some(at("2026-12-31T23:00:00Z")));
+        let year = Reset::Yearly.period_at(Tz::UTC, at("2020-03-01T00:00:00Z"));
+        assert_eq!(year.ends_at(), Some(at("2021-01-01T00:00:00Z")));
+        assert_eq!(
+            Reset::Never
+                .period_at(Tz::UTC, at("2026-01-01T00:00:00Z"))
+                .ends_at(),
+            None
+        );
     }
 
     #[test]

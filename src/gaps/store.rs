@@ -1,0 +1,555 @@
+//! The SQL of reconciliation: runs, marks, checkpoints, the evidence of a
+//! period's numbers and the gap rows. The judgement is in `reconcile` and
+//! `classify`; nothing here decides.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use super::classify::{Evidence, GapPiece, OpenGap, Reason};
+use super::reconcile::Summary;
+use crate::ledger::Via;
+use crate::ledger::outbox::DocumentStatus;
+use crate::numbers::{SeqRange, merge};
+
+pub(super) struct ActivePeriod {
+    pub(super) sequence_id: i64,
+    pub(super) period: String,
+    pub(super) next_seq: i64,
+    pub(super) checkpoint: i64,
+    pub(super) pool_closed: bool,
+}
+
+/// One run as recorded in `reconcile_runs`.
+pub(super) struct Run {
+    pub(super) id: i64,
+    /// When it started, by the database's clock.
+    pub(super) now: DateTime<Utc>,
+    /// When the last finished run started.
+    pub(super) previous: Option<DateTime<Utc>>,
+}
+
+/// Advisory lock key: one reconciliation at a time across instances.
+const LOCK_KEY: i64 = 0x1d_9001_9a95;
+
+/// Takes the reconciliation lock on this session, without waiting.
+pub(super) async fn try_lock(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(LOCK_KEY)
+        .fetch_one(&mut *conn)
+        .await
+}
+
+/// Releases the lock (a failure leaves it to the session's end).
+pub(super) async fn unlock(conn: &mut PgConnection) {
+    let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(LOCK_KEY)
+        .execute(&mut *conn)
+        .await;
+}
+
+/// Numbers in open gaps, per reason.
+pub(super) async fn open_gap_totals(db: &PgPool) -> Result<Vec<(Reason, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT reason, sum(to_seq - from_seq + 1)::bigint FROM id_gaps WHERE resolved_at IS NULL GROUP BY reason",
+    )
+    .fetch_all(db)
+    .await
+}
+
+/// Records the run's start, by the database's clock, and finds when the
+/// last finished run started.
+pub(super) async fn start_run(
+    conn: &mut PgConnection,
+    instance_id: &str,
+) -> Result<Run, sqlx::Error> {
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&mut *conn)
+        .await?;
+    let previous: Option<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT started_at FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
+    )
+    .bind(instance_id)
+    .bind(now)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(Run { id, now, previous })
+}
+
+pub(super) async fn finish_run(
+    conn: &mut PgConnection,
+    id: i64,
+    summary: &Summary,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE reconcile_runs SET finished_at = clock_timestamp(), summary = $2 WHERE id = $1",
+    )
+    .bind(id)
+    .bind(serde_json::to_value(summary).unwrap_or_default())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// The highest mark of `period` observed by `settled_before`, and its
+/// newest mark.
+pub(super) async fn marks(
+    conn: &mut PgConnection,
+    period: &ActivePeriod,
+    settled_before: DateTime<Utc>,
+) -> Result<(Option<i64>, Option<i64>), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT max(bound) FILTER (WHERE observed_at <= $3), \
+                (array_agg(bound ORDER BY observed_at DESC))[1] \
+         FROM reconcile_marks WHERE sequence_id = $1 AND period = $2",
+    )
+    .bind(period.sequence_id)
+    .bind(&period.period)
+    .bind(settled_before)
+    .fetch_one(&mut *conn)
+    .await
+}
+
+/// Moves `period`'s checkpoint to `bound` and drops the marks older than
+/// the one that settled it (never needed again).
+pub(super) async fn move_checkpoint(
+    conn: &mut PgConnection,
+    period: &ActivePeriod,
+    bound: i64,
+    settled_before: DateTime<Utc>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO reconcile_periods (sequence_id, period, checkpoint) VALUES ($1, $2, $3) \
+         ON CONFLICT (sequence_id, period) DO UPDATE SET checkpoint = EXCLUDED.checkpoint",
+    )
+    .bind(period.sequence_id)
+    .bind(&period.period)
+    .bind(bound)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at < \
+         (SELECT max(observed_at) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 \
+          AND observed_at <= $3)",
+    )
+    .bind(period.sequence_id)
+    .bind(&period.period)
+    .bind(settled_before)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+pub(super) async fn active_periods(
+    conn: &mut PgConnection,
+) -> Result<Vec<ActivePeriod>, sqlx::Error> {
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        sequence_id: i64,
+        period: String,
+        next_seq: i64,
+        checkpoint: Option<i64>,
+        pool_closed_at: Option<DateTime<Utc>>,
+        first_block: Option<i64>,
+    }
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT c.sequence_id, c.period, c.next_seq, r.checkpoint, r.pool_closed_at, \
+                CASE WHEN r.checkpoint IS NULL THEN \
+                    (SELECT min(lower(b.seqs)) FROM blocks b WHERE b.sequence_id = c.sequence_id AND b.period = c.period) \
+                END AS first_block \
+         FROM counters c LEFT JOIN reconcile_periods r USING (sequence_id, period) \
+         WHERE r.checkpoint IS NULL OR r.checkpoint < c.next_seq OR r.pool_closed_at IS NULL \
+         ORDER BY c.sequence_id, c.period",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|row| {
+            Some(ActivePeriod {
+                sequence_id: row.sequence_id,
+                period: row.period,
+                next_seq: row.next_seq,
+                checkpoint: row.checkpoint.or(row.first_block)?,
+                pool_closed: row.pool_closed_at.is_some(),
+            })
+        })
+        .collect())
+}
+
+/// Notes that `period`'s pool was closed (its numbers discarded); the
+/// counter's next number, below which everything has left.
+pub(super) async fn close_pool(
+    conn: &mut PgConnection,
+    period: &ActivePeriod,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO reconcile_periods (sequence_id, period, checkpoint, pool_closed_at) \
+         VALUES ($1, $2, $3, now()) \
+         ON CONFLICT (sequence_id, period) DO UPDATE SET pool_closed_at = now()",
+    )
+    .bind(period.sequence_id)
+    .bind(&period.period)
+    .bind(period.checkpoint)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query_scalar("SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2")
+        .bind(period.sequence_id)
+        .bind(&period.period)
+        .fetch_one(&mut *conn)
+        .await
+}
+
+/// Every number of `period` below `bound` had left the counter and the
+/// pool at `now`.
+pub(super) async fn add_mark(
+    conn: &mut PgConnection,
+    period: &ActivePeriod,
+    now: DateTime<Utc>,
+    bound: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO reconcile_marks (sequence_id, period, observed_at, bound) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(period.sequence_id)
+    .bind(&period.period)
+    .bind(now)
+    .bind(bound)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Ranges `[start, end)` of numbers whose document, ledger record, discard
+/// or handout changed since `since` in a way the open gaps contradict: a
+/// document whose status disagrees with them, a ledger record or discard
+/// of a number judged never issued (a late write, a late discard record).
+pub(super) async fn contradicting_changes(
+    conn: &mut PgConnection,
+    since: DateTime<Utc>,
+) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT o.sequence_id, o.period, o.seq, o.seq + 1 FROM id_outbox o \
+           JOIN reconcile_periods r ON r.sequence_id = o.sequence_id AND r.period = o.period \
+          WHERE o.status_changed_at > $1 AND o.seq < r.checkpoint \
+            AND CASE o.status::text \
+                  WHEN $2 THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
+                      AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = $3 \
+                      AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
+                  WHEN $4 THEN NOT EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
+                      AND g.period = o.period AND g.resolved_at IS NULL AND g.reason = $5 \
+                      AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
+                  ELSE EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
+                      AND g.period = o.period AND g.resolved_at IS NULL \
+                      AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
+                END \
+         UNION ALL \
+         SELECT l.sequence_id, l.period, greatest(lower(l.seqs), g.from_seq), least(upper(l.seqs), g.to_seq + 1) \
+           FROM issuance_ledger l JOIN id_gaps g ON g.sequence_id = l.sequence_id AND g.period = l.period \
+            AND g.resolved_at IS NULL AND g.reason IN ($6, $7) \
+            AND int8range(g.from_seq, g.to_seq, '[]') && l.seqs \
+          WHERE l.issued_at > $1 \
+         UNION ALL \
+         SELECT d.sequence_id, d.period, greatest(lower(d.seqs), g.from_seq), least(upper(d.seqs), g.to_seq + 1) \
+           FROM pool_discards d JOIN id_gaps g ON g.sequence_id = d.sequence_id AND g.period = d.period \
+            AND g.resolved_at IS NULL AND g.reason IN ($6, $8) \
+            AND int8range(g.from_seq, g.to_seq, '[]') && d.seqs \
+          WHERE d.discarded_at > $1 \
+         UNION ALL \
+         SELECT h.sequence_id, h.period, greatest(lower(h.seqs), g.from_seq), least(upper(h.seqs), g.to_seq + 1) \
+           FROM lease_handouts h JOIN id_gaps g ON g.sequence_id = h.sequence_id AND g.period = h.period \
+            AND g.resolved_at IS NULL AND g.reason = $8 \
+            AND int8range(g.from_seq, g.to_seq, '[]') && h.seqs \
+          WHERE h.reported_at > $1",
+    )
+    .bind(since)
+    .bind(DocumentStatus::DeadLetter)
+    .bind(Reason::OutboxDlq)
+    .bind(DocumentStatus::Abandoned)
+    .bind(Reason::Abandoned)
+    .bind(Reason::UntrackedLoss)
+    .bind(Reason::PoolDiscarded)
+    .bind(Reason::LeaseLost)
+    .fetch_all(&mut *conn)
+    .await
+}
+
+pub(super) async fn resolve_gaps(
+    conn: &mut PgConnection,
+    ids: &[i64],
+    now: DateTime<Utc>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE id_gaps SET resolved_at = $2 WHERE id = ANY($1)")
+        .bind(ids)
+        .bind(now)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Inserts new gaps, `from_ids[i]` and `to_ids[i]` printing the ends of
+/// `pieces[i]`.
+pub(super) async fn insert_gaps(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    period: &str,
+    pieces: &[GapPiece],
+    from_ids: &[String],
+    to_ids: &[String],
+) -> Result<(), sqlx::Error> {
+    let starts: Vec<i64> = pieces.iter().map(|p| p.range.start).collect();
+    let lasts: Vec<i64> = pieces.iter().map(|p| p.range.last()).collect();
+    let reasons: Vec<&str> = pieces.iter().map(|p| p.reason.as_str()).collect();
+    let detected: Vec<DateTime<Utc>> = pieces.iter().map(|p| p.detected_at).collect();
+    sqlx::query(
+        "INSERT INTO id_gaps (sequence_id, period, from_seq, to_seq, from_id, to_id, reason, detected_at) \
+         SELECT $1, $2, f, t, fi, ti, r, d \
+         FROM UNNEST($3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::timestamptz[]) \
+              AS u(f, t, fi, ti, r, d)",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(&starts)
+    .bind(&lasts)
+    .bind(from_ids)
+    .bind(to_ids)
+    .bind(&reasons)
+    .bind(&detected)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// When `seq` was issued, or else reserved from the counter; None when
+/// nothing records either.
+pub(super) async fn issue_time(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    period: &str,
+    seq: i64,
+) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT coalesce( \
+            (SELECT issued_at FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 AND seqs @> $3::bigint), \
+            (SELECT reserved_at FROM blocks WHERE sequence_id = $1 AND period = $2 AND seqs @> $3::bigint))",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(seq)
+    .fetch_one(&mut *conn)
+    .await
+}
+
+/// Evidence for some windows, plus what is needed to print IDs.
+pub(super) struct FetchedEvidence {
+    pub(super) ranges: Evidence,
+    /// (range, reserved_at) of blocks, (range, issued_at) of ledger rows.
+    pub(super) block_times: Vec<(SeqRange, DateTime<Utc>)>,
+    pub(super) issue_times: Vec<(SeqRange, DateTime<Utc>)>,
+    pub(super) document_ids: HashMap<i64, String>,
+    pub(super) rows_read: i64,
+}
+
+/// The tables that hold runs of a period's numbers and nothing the
+/// judgement needs besides them.
+#[derive(Clone, Copy)]
+pub(super) enum RunsTable {
+    LeaseHandouts,
+    PoolDiscards,
+}
+
+impl RunsTable {
+    fn name(self) -> &'static str {
+        match self {
+            Self::LeaseHandouts => "lease_handouts",
+            Self::PoolDiscards => "pool_discards",
+        }
+    }
+}
+
+/// The runs of `table` that overlap the windows `[los[i], his[i])`.
+pub(super) async fn overlapping_runs(
+    conn: &mut PgConnection,
+    table: RunsTable,
+    sequence_id: i64,
+    period: &str,
+    los: &[i64],
+    his: &[i64],
+) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+    // The table name is one of ours, never caller input.
+    let query = format!(
+        "SELECT DISTINCT lower(t.seqs), upper(t.seqs) \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN {} t ON t.sequence_id = $1 AND t.period = $2 AND t.seqs && int8range(w.lo, w.hi) \
+         ORDER BY 1",
+        table.name()
+    );
+    sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .bind(sequence_id)
+        .bind(period)
+        .bind(los)
+        .bind(his)
+        .fetch_all(&mut *conn)
+        .await
+}
+
+pub(super) async fn fetch_evidence(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    period: &str,
+    windows: &[SeqRange],
+) -> Result<FetchedEvidence, sqlx::Error> {
+    let los: Vec<i64> = windows.iter().map(|w| w.start).collect();
+    let his: Vec<i64> = windows.iter().map(|w| w.end).collect();
+    let blocks: Vec<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT DISTINCT lower(b.seqs), upper(b.seqs), b.reserved_at \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN blocks b ON b.sequence_id = $1 AND b.period = $2 AND b.seqs && int8range(w.lo, w.hi) \
+         ORDER BY 1",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(&los)
+    .bind(&his)
+    .fetch_all(&mut *conn)
+    .await?;
+    let ledger: Vec<(i64, i64, DateTime<Utc>, bool)> = sqlx::query_as(
+        "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
+         ORDER BY 1",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(&los)
+    .bind(&his)
+    .bind(Via::Lease.as_str())
+    .fetch_all(&mut *conn)
+    .await?;
+    let handouts = overlapping_runs(
+        conn,
+        RunsTable::LeaseHandouts,
+        sequence_id,
+        period,
+        &los,
+        &his,
+    )
+    .await?;
+    let documents: Vec<(i64, DocumentStatus, String)> = sqlx::query_as(
+        "SELECT DISTINCT o.seq, o.status::text, o.document_id \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
+         ORDER BY 1",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(&los)
+    .bind(&his)
+    .fetch_all(&mut *conn)
+    .await?;
+    let discards = overlapping_runs(
+        conn,
+        RunsTable::PoolDiscards,
+        sequence_id,
+        period,
+        &los,
+        &his,
+    )
+    .await?;
+    let rows_read =
+        (blocks.len() + ledger.len() + handouts.len() + documents.len() + discards.len()) as i64;
+    let ledger_part = |lease: bool| -> Vec<(i64, i64)> {
+        ledger
+            .iter()
+            .filter(|(_, _, _, leased)| *leased == lease)
+            .map(|(s, e, _, _)| (*s, *e))
+            .collect()
+    };
+    let seq_ranges = |rows: &[(i64, i64)]| -> Vec<SeqRange> {
+        let numbers: Vec<SeqRange> = rows.iter().map(|(s, e)| SeqRange::new(*s, *e)).collect();
+        merge(numbers)
+    };
+    let statuses = documents
+        .iter()
+        .map(|(seq, status, _)| (*seq, *status))
+        .collect();
+    Ok(FetchedEvidence {
+        ranges: Evidence {
+            taken: seq_ranges(&blocks.iter().map(|(s, e, _)| (*s, *e)).collect::<Vec<_>>()),
+            issued: seq_ranges(&ledger_part(false)),
+            leased: seq_ranges(&ledger_part(true)),
+            handed_out: seq_ranges(&handouts),
+            documents: statuses,
+            discarded: seq_ranges(&discards),
+        },
+        block_times: blocks
+            .iter()
+            .map(|(s, e, t)| (SeqRange::new(*s, *e), *t))
+            .collect(),
+        issue_times: ledger
+            .iter()
+            .map(|(s, e, t, _)| (SeqRange::new(*s, *e), *t))
+            .collect(),
+        document_ids: documents
+            .into_iter()
+            .map(|(seq, _, id)| (seq, id))
+            .collect(),
+        rows_read,
+    })
+}
+
+/// Open gaps overlapping or touching the windows, with their printed IDs.
+pub(super) async fn open_gaps_near(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    period: &str,
+    windows: &[SeqRange],
+) -> Result<Vec<(OpenGap, String, String)>, sqlx::Error> {
+    let los: Vec<i64> = windows.iter().map(|w| w.start - 1).collect();
+    let his: Vec<i64> = windows.iter().map(|w| w.end).collect();
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        id: i64,
+        from_seq: i64,
+        to_seq: i64,
+        reason: Reason,
+        detected_at: DateTime<Utc>,
+        from_id: String,
+        to_id: String,
+    }
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT DISTINCT g.id, g.from_seq, g.to_seq, g.reason, g.detected_at, g.from_id, g.to_id \
+         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+         JOIN id_gaps g ON g.sequence_id = $1 AND g.period = $2 AND g.resolved_at IS NULL \
+          AND int8range(g.from_seq, g.to_seq, '[]') && int8range(w.lo, w.hi, '[]') \
+         ORDER BY 2",
+    )
+    .bind(sequence_id)
+    .bind(period)
+    .bind(&los)
+    .bind(&his)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            (
+                OpenGap {
+                    row_id: row.id,
+                    range: SeqRange::new(row.from_seq, row.to_seq + 1),
+                    reason: row.reason,
+                    detected_at: row.detected_at,
+                },
+                row.from_id,
+                row.to_id,
+            )
+        })
+        .collect())
+}
