@@ -10,9 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
-use utoipa::ToSchema;
 
 use crate::issuance::{IssueError, Issuer, Want};
 use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
@@ -51,17 +49,13 @@ impl DocumentInput {
     }
 }
 
-/// The answer to an accepted document (202).
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct AcceptedDocument {
-    #[schema(example = "PROJ-9012-1001")]
+/// A document accepted: written to the outbox with its ID.
+#[derive(Debug, Clone)]
+pub struct Accepted {
     pub id: String,
-    #[schema(example = "PROJ")]
     pub project: String,
-    #[serde(rename = "type")]
-    #[schema(example = "9012")]
     pub doc_type: String,
-    #[schema(example = 1001)]
+    /// The number its ID prints.
     pub seq: i64,
     pub status: DocumentStatus,
     pub created_at: DateTime<Utc>,
@@ -137,8 +131,8 @@ pub struct Documents {
 /// The placement of each (project, type) of a batch.
 pub type Placements = HashMap<(String, String), Arc<Placement>>;
 
-fn accepted(row: &OutboxRow, created_at: DateTime<Utc>) -> AcceptedDocument {
-    AcceptedDocument {
+fn accepted(row: &OutboxRow, created_at: DateTime<Utc>) -> Accepted {
+    Accepted {
         id: row.document_id.clone(),
         project: row.project.clone(),
         doc_type: row.doc_type.clone(),
@@ -152,10 +146,7 @@ impl Documents {
     /// Accepts one document with a new number through the shared writer:
     /// its ledger record and outbox row commit together with those of
     /// concurrent requests.
-    pub async fn accept(
-        &self,
-        input: Arc<DocumentInput>,
-    ) -> Result<AcceptedDocument, DocumentError> {
+    pub async fn accept(&self, input: Arc<DocumentInput>) -> Result<Accepted, DocumentError> {
         let placement = self.issuer.place(&input.project, &input.doc_type).await?;
         let attachment = Arc::new(input.attachment());
         let issued = self
@@ -213,8 +204,8 @@ impl Documents {
         conn: &mut PgConnection,
         inputs: &[DocumentInput],
         placements: &Placements,
-    ) -> Result<Vec<(AcceptedDocument, bool)>, BatchError> {
-        let mut answers: Vec<Option<(AcceptedDocument, bool)>> = vec![None; inputs.len()];
+    ) -> Result<Vec<(Accepted, bool)>, BatchError> {
+        let mut answers: Vec<Option<(Accepted, bool)>> = vec![None; inputs.len()];
         for (index, known) in known_sources(conn, inputs).await? {
             answers[index] = Some((known, true));
         }
@@ -241,7 +232,7 @@ impl Documents {
         conn: &mut PgConnection,
         inputs: &[DocumentInput],
         placements: &Placements,
-    ) -> Result<Vec<AcceptedDocument>, BatchError> {
+    ) -> Result<Vec<Accepted>, BatchError> {
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
@@ -311,7 +302,7 @@ type PlacedRow = (i64, String, OutboxRow);
 async fn known_sources(
     conn: &mut PgConnection,
     inputs: &[DocumentInput],
-) -> Result<Vec<(usize, AcceptedDocument)>, BatchError> {
+) -> Result<Vec<(usize, Accepted)>, BatchError> {
     let mut first_of: HashMap<(&str, &str, &str), usize> = HashMap::new();
     for (index, input) in inputs.iter().enumerate() {
         let Some(source_id) = input.source_id.as_deref() else {
@@ -350,7 +341,7 @@ async fn known_sources(
 async fn write_rows(
     conn: &mut PgConnection,
     rows: &[PlacedRow],
-) -> Result<Vec<AcceptedDocument>, BatchError> {
+) -> Result<Vec<Accepted>, BatchError> {
     let ids: Vec<&str> = rows
         .iter()
         .map(|(_, _, r)| r.document_id.as_str())

@@ -37,8 +37,8 @@ pub struct KnownSource {
 }
 
 impl KnownSource {
-    pub fn accepted(self) -> crate::documents::AcceptedDocument {
-        crate::documents::AcceptedDocument {
+    pub fn accepted(self) -> crate::documents::Accepted {
+        crate::documents::Accepted {
             id: self.id,
             project: self.project,
             doc_type: self.doc_type,

@@ -17,7 +17,6 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use utoipa::ToSchema;
 
 use super::classify::{self, Judged, OpenGap, Reason};
 use super::store::{self, ActivePeriod, FetchedEvidence, fetch_evidence, open_gaps_near};
@@ -50,7 +49,7 @@ impl Default for ReconcileSettings {
 }
 
 /// What one run did.
-#[derive(Debug, Default, Clone, Serialize, ToSchema)]
+#[derive(Debug, Default, Clone, Serialize)]
 pub struct Summary {
     /// Another instance was running reconciliation; this run did nothing.
     pub skipped: bool,
@@ -62,9 +61,7 @@ pub struct Summary {
     pub numbers_checked: i64,
     /// Rows read from blocks, ledger, outbox, discards and gaps.
     pub rows_read: i64,
-    #[schema(value_type = HashMap<String, i64>)]
     pub gaps_added: BTreeMap<Reason, i64>,
-    #[schema(value_type = HashMap<String, i64>)]
     pub gaps_resolved: BTreeMap<Reason, i64>,
     /// Pools of ended periods emptied (their numbers become pool_discarded).
     pub pools_closed: usize,

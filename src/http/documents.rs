@@ -21,8 +21,10 @@ use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentView};
-use crate::documents::{AcceptedDocument, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES};
+use crate::documents::{Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES};
 use crate::idempotency;
+use crate::ledger::outbox::DocumentStatus;
+use chrono::{DateTime, Utc};
 
 /// Largest single-document body: the metadata limit plus room for the rest.
 pub const DOCUMENT_BODY_LIMIT: usize = MAX_METADATA_BYTES + 16 * 1024;
@@ -398,8 +400,37 @@ fn check_source_id(source_id: &str) -> Result<Arc<str>, ApiError> {
     Ok(Arc::from(source_id))
 }
 
-fn to_value(document: &AcceptedDocument) -> Result<Value, ApiError> {
-    serde_json::to_value(document).map_err(ApiError::internal)
+fn to_value(document: &Accepted) -> Result<Value, ApiError> {
+    serde_json::to_value(AcceptedDocument::from(document)).map_err(ApiError::internal)
+}
+
+/// The answer to an accepted document (202).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AcceptedDocument {
+    #[schema(example = "PROJ-9012-1001")]
+    pub id: String,
+    #[schema(example = "PROJ")]
+    pub project: String,
+    #[serde(rename = "type")]
+    #[schema(example = "9012")]
+    pub doc_type: String,
+    #[schema(example = 1001)]
+    pub seq: i64,
+    pub status: DocumentStatus,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<&Accepted> for AcceptedDocument {
+    fn from(accepted: &Accepted) -> Self {
+        Self {
+            id: accepted.id.clone(),
+            project: accepted.project.clone(),
+            doc_type: accepted.doc_type.clone(),
+            seq: accepted.seq,
+            status: accepted.status,
+            created_at: accepted.created_at,
+        }
+    }
 }
 
 /// Accept up to 1,000 documents in one transaction.

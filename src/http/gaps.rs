@@ -1,5 +1,7 @@
 //! `GET /api/v1/ids/gaps` and `POST /api/v1/ids/gaps/reconcile`.
 
+use std::collections::BTreeMap;
+
 use axum::extract::State;
 use axum::http::{HeaderValue, header};
 use serde::{Deserialize, Serialize};
@@ -14,7 +16,7 @@ use super::ids::parse_codes;
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
-use crate::gaps::reconcile::{ReconcileError, Summary};
+use crate::gaps::reconcile::{self, ReconcileError};
 use crate::gaps::{self, Gap, GapQuery, Reason};
 use crate::sequence::Sequence;
 
@@ -229,5 +231,49 @@ pub async fn reconcile_now(
         )
         .with_header(header::RETRY_AFTER, HeaderValue::from_static("5")));
     }
-    Ok(axum::Json(summary))
+    Ok(axum::Json(Summary::from(summary)))
+}
+
+/// What one reconciliation run did (the answer of `POST /api/v1/ids/gaps/reconcile`).
+#[derive(Debug, Default, Clone, Serialize, ToSchema)]
+pub struct Summary {
+    /// Another instance was running reconciliation; this run did nothing.
+    pub skipped: bool,
+    /// False when Redis could not be read: pools were not observed, so no
+    /// new numbers were judged (numbers waiting on a pool wait for the next run).
+    pub redis_available: bool,
+    pub periods_scanned: usize,
+    /// Numbers judged (new ones past the checkpoints, and re-judged ones).
+    pub numbers_checked: i64,
+    /// Rows read from blocks, ledger, outbox, discards and gaps.
+    pub rows_read: i64,
+    #[schema(value_type = std::collections::HashMap<String, i64>)]
+    pub gaps_added: BTreeMap<&'static str, i64>,
+    #[schema(value_type = std::collections::HashMap<String, i64>)]
+    pub gaps_resolved: BTreeMap<&'static str, i64>,
+    /// Pools of ended periods emptied (their numbers become pool_discarded).
+    pub pools_closed: usize,
+    pub duration_ms: u64,
+}
+
+impl From<reconcile::Summary> for Summary {
+    fn from(run: reconcile::Summary) -> Self {
+        let words = |counts: BTreeMap<Reason, i64>| {
+            counts
+                .into_iter()
+                .map(|(reason, n)| (reason.as_str(), n))
+                .collect()
+        };
+        Self {
+            skipped: run.skipped,
+            redis_available: run.redis_available,
+            periods_scanned: run.periods_scanned,
+            numbers_checked: run.numbers_checked,
+            rows_read: run.rows_read,
+            gaps_added: words(run.gaps_added),
+            gaps_resolved: words(run.gaps_resolved),
+            pools_closed: run.pools_closed,
+            duration_ms: run.duration_ms,
+        }
+    }
 }
