@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
@@ -522,147 +522,8 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(base / 2 + jitter)
 }
 
-/// A progress bar on a terminal; a line every few seconds otherwise.
-struct Progress {
-    bar: Option<indicatif::ProgressBar>,
-    bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    started: Instant,
-    last_line: std::sync::Mutex<Instant>,
-}
-
-impl Progress {
-    fn new(total_bytes: Option<u64>) -> Self {
-        use std::io::IsTerminal;
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = match total_bytes {
-                Some(total) => indicatif::ProgressBar::new(total),
-                None => indicatif::ProgressBar::new_spinner(),
-            };
-            let style = indicatif::ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {wide_bar} {percent}% ETA {eta} {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar
-        });
-        Self {
-            bar,
-            bytes: Default::default(),
-            started: Instant::now(),
-            last_line: std::sync::Mutex::new(Instant::now()),
-        }
-    }
-
-    fn bytes_handle(&self) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
-        self.bytes.clone()
-    }
-
-    fn rate(&self, report: &Report) -> f64 {
-        (report.imported + report.rejected) as f64 / self.started.elapsed().as_secs_f64().max(0.001)
-    }
-
-    fn update(&self, report: &Report) {
-        let rate = self.rate(report);
-        match &self.bar {
-            Some(bar) => {
-                bar.set_position(self.bytes.load(std::sync::atomic::Ordering::Relaxed));
-                bar.set_message(format!(
-                    "{} documents ({} replayed), {} rejected, {rate:.0}/s",
-                    report.imported, report.replayed, report.rejected
-                ));
-            }
-            None => {
-                let mut last = self.last_line.lock().unwrap_or_else(|e| e.into_inner());
-                if last.elapsed() >= Duration::from_secs(5) {
-                    *last = Instant::now();
-                    eprintln!(
-                        "idpool import: {} documents ({} replayed), {} rejected, {rate:.0}/s",
-                        report.imported, report.replayed, report.rejected
-                    );
-                }
-            }
-        }
-    }
-
-    fn finish(&self, report: &Report) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
-        eprintln!(
-            "idpool import: done in {:.1} s: {} documents ({} replayed), {} rejected, {:.0}/s",
-            self.started.elapsed().as_secs_f64(),
-            report.imported,
-            report.replayed,
-            report.rejected,
-            self.rate(report)
-        );
-    }
-}
+mod progress;
+use progress::Progress;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_item_carries_its_source_id_as_json() {
-        let settings = Settings {
-            file: "-".into(),
-            project: ProjectCode::parse("PROJ").unwrap(),
-            doc_type: TypeCode::parse("9012").unwrap(),
-            url: String::new(),
-            key: None,
-            batch: 1,
-            concurrency: 1,
-            out: None,
-        };
-        let body = document_body(&settings, "a\"b\\c", r#"{"x":1}"#);
-        let item: Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(item["source_id"], "a\"b\\c");
-        assert_eq!(item["project"], "PROJ");
-        assert_eq!(item["metadata"]["x"], 1);
-    }
-
-    #[test]
-    fn a_refusal_naming_an_item_rejects_that_item_alone() {
-        let conflict = reqwest::StatusCode::CONFLICT;
-        let named = r#"{"code": "document_id_taken", "index": 3}"#;
-        assert_eq!(item_at_fault(conflict, named, 10), Some(3));
-        assert_eq!(item_at_fault(conflict, named, 3), None);
-        let whole = r#"{"code": "source_id_in_use"}"#;
-        assert_eq!(item_at_fault(conflict, whole, 10), None);
-        assert_eq!(
-            item_at_fault(reqwest::StatusCode::TOO_MANY_REQUESTS, named, 10),
-            None
-        );
-        let unavailable = r#"{"code": "unavailable", "index": 3}"#;
-        assert_eq!(
-            item_at_fault(reqwest::StatusCode::SERVICE_UNAVAILABLE, unavailable, 10),
-            None
-        );
-    }
-
-    #[test]
-    fn lines_are_read_or_rejected_with_a_reason() {
-        assert_eq!(
-            json_document(r#"{"source_id": "a-1", "metadata": {"x": 1}}"#).ok(),
-            Some(("a-1".into(), r#"{"x": 1}"#.into()))
-        );
-        assert_eq!(
-            json_document(r#"{"source_id": 42}"#).ok(),
-            Some(("42".into(), "{}".into()))
-        );
-        assert!(json_document(r#"{"metadata": {}}"#).is_err());
-        assert!(json_document(r#"{"source_id": ""}"#).is_err());
-        assert!(json_document(r#"{"source_id": "a", "metadata": [1]}"#).is_err());
-        assert!(json_document("not json").is_err());
-    }
-
-    #[test]
-    fn rejects_sit_beside_the_mapping() {
-        assert_eq!(
-            rejects_path(Some(Path::new("/tmp/out/map.jsonl"))),
-            PathBuf::from("/tmp/out/map.rejects.jsonl")
-        );
-        assert_eq!(rejects_path(None), PathBuf::from("import.rejects.jsonl"));
-    }
-}
+mod tests;

@@ -8,6 +8,7 @@
 //! the numbers themselves are generated inside Redis by the push script.
 
 mod discard;
+mod lists;
 mod placement;
 mod redis;
 mod refill;
@@ -27,8 +28,9 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
 
 pub use self::discard::DiscardCause;
+pub use self::lists::{Popped, Pushed};
 pub use self::placement::Placement;
-pub use self::redis::{PoolKeys, Popped, Pushed, RedisFailure, RedisLink, RedisSettings};
+pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
 pub use self::refill::RefillOutcome;
 pub use self::watch::{ResyncError, Resynced};
 use crate::batch::Batcher;

@@ -12,21 +12,6 @@ use tokio::sync::Notify;
 
 use super::scripts;
 
-/// Most numbers one push script appends: about 2 ms of Redis, which every
-/// other pool waits for.
-pub const PUSH_PART: i64 = 8_192;
-
-/// What became of a block pushed to its pool.
-pub enum Pushed {
-    /// All of it is in the pool, now this deep.
-    All(i64),
-    /// The refill lock expired; the numbers from this range on are not in
-    /// the pool.
-    LockLost(SeqRange),
-    /// Redis failed; the numbers from this range on may not be in the pool.
-    Failed(RedisFailure, SeqRange),
-}
-use crate::numbers::SeqRange;
 use crate::stats::Stats;
 
 /// The keys of one sequence period's pool. They share the hash tag
@@ -40,7 +25,7 @@ pub struct PoolKeys {
 
 impl PoolKeys {
     /// A key of the same slot, new each time, for a pool being emptied.
-    fn drain_key(&self) -> String {
+    pub(super) fn drain_key(&self) -> String {
         let tag = self.pool.strip_suffix(":pool").unwrap_or(&self.pool);
         format!("{tag}:drain:{:016x}", rand::random::<u64>())
     }
@@ -93,38 +78,22 @@ pub enum RedisFailure {
     ForeignPrefix { prefix: String, owner: String },
 }
 
-/// What one pop returned.
-#[derive(Debug, Clone, Default)]
-pub struct Popped {
-    pub seqs: Vec<i64>,
-    pub depth: i64,
-    pub target: i64,
-}
-
-/// Depth, target and last refill time seen right after taking the lock.
-#[derive(Debug, Clone, Copy)]
-pub struct LockedPool {
-    pub depth: i64,
-    pub target: i64,
-    pub refilled_at_ms: i64,
-}
-
-struct Scripts {
-    pop: Script,
-    acquire: Script,
-    push: Script,
-    release: Script,
-    discard: Script,
-    trim_above: Script,
-    drain: Script,
-    claim_prefix: Script,
+pub(super) struct Scripts {
+    pub(super) pop: Script,
+    pub(super) acquire: Script,
+    pub(super) push: Script,
+    pub(super) release: Script,
+    pub(super) discard: Script,
+    pub(super) trim_above: Script,
+    pub(super) drain: Script,
+    pub(super) claim_prefix: Script,
 }
 
 pub struct RedisLink {
-    clients: Pool,
+    pub(super) clients: Pool,
     prefix: String,
-    options: Options,
-    scripts: Scripts,
+    pub(super) options: Options,
+    pub(super) scripts: Scripts,
     up: AtomicBool,
     /// Bumped by every failure, so a resync that overlapped one does not
     /// declare Redis healthy.
@@ -133,7 +102,7 @@ pub struct RedisLink {
     /// stays unreachable (a TLS or password mistake shows here).
     last_failure: std::sync::Mutex<String>,
     wake: Notify,
-    stats: Arc<Stats>,
+    pub(super) stats: Arc<Stats>,
 }
 
 pub struct RedisSettings {
@@ -292,7 +261,7 @@ impl RedisLink {
         let _ = self.clients.quit().await;
     }
 
-    async fn eval(
+    pub(super) async fn eval(
         &self,
         script: &Script,
         keys: Vec<String>,
@@ -312,7 +281,7 @@ impl RedisLink {
     }
 
     /// Runs `f` and trips the circuit when Redis fails.
-    async fn guarded<T>(
+    pub(super) async fn guarded<T>(
         &self,
         f: impl Future<Output = Result<T, RedisFailure>>,
     ) -> Result<T, RedisFailure> {
@@ -321,250 +290,6 @@ impl RedisLink {
             self.trip(&e.to_string());
         }
         result
-    }
-
-    pub async fn pop(&self, keys: &PoolKeys, count: usize) -> Result<Popped, RedisFailure> {
-        if !self.is_up() {
-            return Err(RedisFailure::Open);
-        }
-        self.stats.pool_pops.inc();
-        self.guarded(async {
-            let reply = self
-                .eval(
-                    &self.scripts.pop,
-                    vec![keys.pool.clone(), keys.meta.clone()],
-                    vec![count.to_string()],
-                )
-                .await?;
-            let mut parts = array(reply)?.into_iter();
-            let seqs = match parts.next() {
-                Some(Value::Array(values)) => {
-                    values.into_iter().filter_map(|v| integer(&v)).collect()
-                }
-                Some(Value::Null) | None => Vec::new(),
-                Some(other) => return Err(RedisFailure::Reply(format!("pop list: {other:?}"))),
-            };
-            let depth = parts.next().as_ref().and_then(integer).unwrap_or(0);
-            let target = parts.next().as_ref().and_then(integer).unwrap_or(0);
-            Ok(Popped {
-                seqs,
-                depth,
-                target,
-            })
-        })
-        .await
-    }
-
-    /// Takes the pool's refill lock; `None` when another holder has it.
-    pub async fn acquire(
-        &self,
-        keys: &PoolKeys,
-        token: &str,
-        ttl: Duration,
-    ) -> Result<Option<LockedPool>, RedisFailure> {
-        self.guarded(async {
-            let reply = self
-                .eval(
-                    &self.scripts.acquire,
-                    vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
-                    vec![token.to_owned(), ttl.as_millis().to_string()],
-                )
-                .await?;
-            if matches!(reply, Value::Null | Value::Boolean(false)) {
-                return Ok(None);
-            }
-            let parts = array(reply)?;
-            let get = |i: usize| parts.get(i).and_then(integer).unwrap_or(0);
-            Ok(Some(LockedPool {
-                depth: get(0),
-                target: get(1),
-                refilled_at_ms: get(2),
-            }))
-        })
-        .await
-    }
-
-    /// Appends `block` and releases the lock. The block goes in parts of at
-    /// most [`PUSH_PART`] numbers, one script each, so other pools' pops run
-    /// between them; what a lost lock or a failure left out is reported.
-    pub async fn push(
-        &self,
-        keys: &PoolKeys,
-        token: &str,
-        block: SeqRange,
-        target: i64,
-        now_ms: i64,
-    ) -> Pushed {
-        let mut start = block.start;
-        loop {
-            let end = start.saturating_add(PUSH_PART).min(block.end);
-            let last = end >= block.end;
-            let part = self
-                .guarded(async {
-                    let reply = self
-                        .eval(
-                            &self.scripts.push,
-                            vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
-                            vec![
-                                token.to_owned(),
-                                start.to_string(),
-                                end.to_string(),
-                                target.to_string(),
-                                now_ms.to_string(),
-                                if last { "1" } else { "0" }.to_owned(),
-                            ],
-                        )
-                        .await?;
-                    integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))
-                })
-                .await;
-            let rest = SeqRange {
-                start,
-                end: block.end,
-            };
-            match part {
-                Err(e) => return Pushed::Failed(e, rest),
-                Ok(depth) if depth < 0 => return Pushed::LockLost(rest),
-                Ok(depth) if last => return Pushed::All(depth),
-                Ok(_) => start = end,
-            }
-        }
-    }
-
-    pub async fn release(&self, keys: &PoolKeys, token: &str) -> Result<(), RedisFailure> {
-        self.guarded(async {
-            self.eval(
-                &self.scripts.release,
-                vec![keys.lock.clone()],
-                vec![token.to_owned()],
-            )
-            .await
-            .map(|_| ())
-        })
-        .await
-    }
-
-    /// Empties the pool (with `keep_if_filled_here`, only if the server
-    /// holding it did not fill it: a restart, a promoted replica), returning
-    /// the numbers it held. The pool is emptied in one step; its numbers are
-    /// then read back in parts of [`PUSH_PART`], so that no script holds
-    /// Redis for long. Parts a failure left unread are logged and expire.
-    pub async fn discard(
-        &self,
-        keys: &PoolKeys,
-        keep_if_filled_here: bool,
-    ) -> Result<Vec<SeqRange>, RedisFailure> {
-        let mode = if keep_if_filled_here {
-            "foreign"
-        } else {
-            "all"
-        };
-        let drain = keys.drain_key();
-        let moved = self
-            .guarded(async {
-                let reply = self
-                    .eval(
-                        &self.scripts.discard,
-                        vec![keys.pool.clone(), keys.meta.clone(), drain.clone()],
-                        vec![mode.to_owned()],
-                    )
-                    .await?;
-                Ok(integer(&reply) == Some(1))
-            })
-            .await?;
-        let mut ranges: Vec<SeqRange> = Vec::new();
-        if !moved {
-            return Ok(ranges);
-        }
-        loop {
-            let part = self
-                .guarded(async {
-                    let reply = self
-                        .eval(
-                            &self.scripts.drain,
-                            vec![drain.clone()],
-                            vec![PUSH_PART.to_string()],
-                        )
-                        .await?;
-                    counted_runs(reply)
-                })
-                .await;
-            match part {
-                Ok((left, runs)) => {
-                    merge_runs(&mut ranges, runs);
-                    if left <= 0 {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, pool = %keys.pool, drained = ?ranges,
-                        "emptied pool only partly read back; the rest goes unrecorded");
-                    break;
-                }
-            }
-        }
-        Ok(ranges)
-    }
-
-    /// Removes the numbers above `max` and returns them, [`PUSH_PART`] at
-    /// a time.
-    pub async fn trim_above(
-        &self,
-        keys: &PoolKeys,
-        max: i64,
-    ) -> Result<Vec<SeqRange>, RedisFailure> {
-        let mut ranges: Vec<SeqRange> = Vec::new();
-        loop {
-            let (more, runs) = self
-                .guarded(async {
-                    let reply = self
-                        .eval(
-                            &self.scripts.trim_above,
-                            vec![keys.pool.clone()],
-                            vec![max.to_string(), PUSH_PART.to_string()],
-                        )
-                        .await?;
-                    counted_runs(reply)
-                })
-                .await?;
-            merge_runs(&mut ranges, runs);
-            if more == 0 {
-                return Ok(ranges);
-            }
-        }
-    }
-
-    /// Puts numbers back at the head of the pool, lowest first.
-    pub async fn give_back(&self, keys: &PoolKeys, seqs: &[i64]) -> Result<(), RedisFailure> {
-        if !self.is_up() {
-            return Err(RedisFailure::Open);
-        }
-        let mut descending: Vec<String> = seqs.iter().map(i64::to_string).collect();
-        descending.reverse();
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            let _: i64 = client.lpush(keys.pool.as_str(), descending).await?;
-            Ok(())
-        })
-        .await
-    }
-
-    /// The lowest number waiting in the pool, if any.
-    pub async fn head(&self, keys: &PoolKeys) -> Result<Option<i64>, RedisFailure> {
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            let head: Option<String> = client.lindex(keys.pool.as_str(), 0).await?;
-            Ok(head.and_then(|h| h.parse().ok()))
-        })
-        .await
-    }
-
-    pub async fn depth(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            Ok(client.llen(keys.pool.as_str()).await?)
-        })
-        .await
     }
 
     /// Direct access for operations and tests (push a stale list, flush).
@@ -588,16 +313,6 @@ impl RedisLink {
         let client = self.clients.next().with_options(&self.options);
         let _: Value = client.ping(None).await?;
         Ok(())
-    }
-
-    /// The highest block end ever pushed into the pool; 0 when none.
-    pub async fn max_end(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            let value: Option<String> = client.hget(keys.meta.as_str(), "max_end").await?;
-            Ok(value.and_then(|v| v.parse().ok()).unwrap_or(0))
-        })
-        .await
     }
 
     /// Waits up to `limit` for the pools to be in use; whether they are.
@@ -671,76 +386,5 @@ impl RedisLink {
     }
 }
 
-fn array(value: Value) -> Result<Vec<Value>, RedisFailure> {
-    match value {
-        Value::Array(values) => Ok(values),
-        Value::Null => Ok(Vec::new()),
-        other => Err(RedisFailure::Reply(format!(
-            "expected an array, got {other:?}"
-        ))),
-    }
-}
-
-/// A script's `{count, {first, last, first, last, ...}}` answer.
-fn counted_runs(reply: Value) -> Result<(i64, Vec<SeqRange>), RedisFailure> {
-    let mut parts = array(reply)?.into_iter();
-    let count = parts
-        .next()
-        .as_ref()
-        .and_then(integer)
-        .ok_or_else(|| RedisFailure::Reply("expected a count".into()))?;
-    let bounds: Vec<i64> = match parts.next() {
-        Some(runs) => array(runs)?.iter().filter_map(integer).collect(),
-        None => Vec::new(),
-    };
-    Ok((
-        count,
-        bounds
-            .chunks_exact(2)
-            .map(|pair| SeqRange::new(pair[0], pair[1] + 1))
-            .collect(),
-    ))
-}
-
-/// Adds `runs` to `ranges`, joining a run that continues the one before.
-fn merge_runs(ranges: &mut Vec<SeqRange>, runs: Vec<SeqRange>) {
-    for run in runs {
-        match ranges.last_mut() {
-            Some(last) if last.end == run.start => last.end = run.end,
-            Some(last) if run.end == last.start => last.start = run.start,
-            _ => ranges.push(run),
-        }
-    }
-}
-
-fn integer(value: &Value) -> Option<i64> {
-    match value {
-        Value::Integer(i) => Some(*i),
-        Value::String(s) => s.parse().ok(),
-        Value::Bytes(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        Value::Double(d) if d.fract() == 0.0 => Some(*d as i64),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pool_keys_share_one_hash_tag_and_parse_back() {
-        let keys = PoolKeys::new("idpool", "PROJ", "9012", "20261122");
-        assert_eq!(keys.pool, "idpool:{PROJ:9012:20261122}:pool");
-        assert_eq!(keys.lock, "idpool:{PROJ:9012:20261122}:lock");
-        assert_eq!(
-            PoolKeys::parse_pool_key("idpool", &keys.pool),
-            Some(("PROJ", "9012", "20261122"))
-        );
-        let never = PoolKeys::new("t1", "P", "T", "");
-        assert_eq!(
-            PoolKeys::parse_pool_key("t1", &never.pool),
-            Some(("P", "T", ""))
-        );
-        assert_eq!(PoolKeys::parse_pool_key("other", &never.pool), None);
-    }
-}
+mod tests;

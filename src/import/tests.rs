@@ -1,0 +1,64 @@
+use super::*;
+
+#[test]
+fn an_item_carries_its_source_id_as_json() {
+    let settings = Settings {
+        file: "-".into(),
+        project: ProjectCode::parse("PROJ").unwrap(),
+        doc_type: TypeCode::parse("9012").unwrap(),
+        url: String::new(),
+        key: None,
+        batch: 1,
+        concurrency: 1,
+        out: None,
+    };
+    let body = document_body(&settings, "a\"b\\c", r#"{"x":1}"#);
+    let item: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(item["source_id"], "a\"b\\c");
+    assert_eq!(item["project"], "PROJ");
+    assert_eq!(item["metadata"]["x"], 1);
+}
+
+#[test]
+fn a_refusal_naming_an_item_rejects_that_item_alone() {
+    let conflict = reqwest::StatusCode::CONFLICT;
+    let named = r#"{"code": "document_id_taken", "index": 3}"#;
+    assert_eq!(item_at_fault(conflict, named, 10), Some(3));
+    assert_eq!(item_at_fault(conflict, named, 3), None);
+    let whole = r#"{"code": "source_id_in_use"}"#;
+    assert_eq!(item_at_fault(conflict, whole, 10), None);
+    assert_eq!(
+        item_at_fault(reqwest::StatusCode::TOO_MANY_REQUESTS, named, 10),
+        None
+    );
+    let unavailable = r#"{"code": "unavailable", "index": 3}"#;
+    assert_eq!(
+        item_at_fault(reqwest::StatusCode::SERVICE_UNAVAILABLE, unavailable, 10),
+        None
+    );
+}
+
+#[test]
+fn lines_are_read_or_rejected_with_a_reason() {
+    assert_eq!(
+        json_document(r#"{"source_id": "a-1", "metadata": {"x": 1}}"#).ok(),
+        Some(("a-1".into(), r#"{"x": 1}"#.into()))
+    );
+    assert_eq!(
+        json_document(r#"{"source_id": 42}"#).ok(),
+        Some(("42".into(), "{}".into()))
+    );
+    assert!(json_document(r#"{"metadata": {}}"#).is_err());
+    assert!(json_document(r#"{"source_id": ""}"#).is_err());
+    assert!(json_document(r#"{"source_id": "a", "metadata": [1]}"#).is_err());
+    assert!(json_document("not json").is_err());
+}
+
+#[test]
+fn rejects_sit_beside_the_mapping() {
+    assert_eq!(
+        rejects_path(Some(Path::new("/tmp/out/map.jsonl"))),
+        PathBuf::from("/tmp/out/map.rejects.jsonl")
+    );
+    assert_eq!(rejects_path(None), PathBuf::from("import.rejects.jsonl"));
+}
