@@ -8,6 +8,7 @@
 //! The table's exclusion constraint refuses any number issued before; such a
 //! number (a stale pool list) is reported back so the caller takes another.
 
+mod leases;
 pub mod outbox;
 
 use std::collections::{HashMap, HashSet};
@@ -21,6 +22,8 @@ use crate::log_limit::Repeated;
 use crate::numbers::{SeqRange, runs, subtract};
 use crate::stats::Stats;
 use outbox::OutboxRow;
+
+pub use leases::{LeaseReport, record_handouts, release_lease};
 
 /// Who received numbers: `POST /ids`, `POST /documents`, or this
 /// instance's lease (handed out from memory, reported later).
@@ -565,103 +568,4 @@ pub async fn last_issued_and_refills(
     .bind(period)
     .fetch_one(db)
     .await
-}
-
-#[derive(Debug, Clone)]
-pub struct LeaseReport {
-    pub sequence_id: i64,
-    pub period: String,
-    pub seqs: Vec<i64>,
-}
-
-/// Takes numbers a lease did not hand out off the ledger, so they can go
-/// back to their pool: each lease row holding some is replaced by what is
-/// left of it, in one transaction. Before they are pushed back, so no pool
-/// ever offers a number the ledger calls issued.
-#[tracing::instrument(skip_all, level = "debug")]
-pub async fn release_lease(
-    conn: &mut PgConnection,
-    unused: &LeaseReport,
-) -> Result<(), sqlx::Error> {
-    let released = runs(&unused.seqs);
-    let (Some(first), Some(last)) = (released.first(), released.last()) else {
-        return Ok(());
-    };
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let rows: Vec<(i64, i64)> = sqlx::query_as(
-        "DELETE FROM issuance_ledger \
-         WHERE sequence_id = $1 AND period = $2 AND via = $3 AND seqs && int8range($4, $5) \
-         RETURNING lower(seqs), upper(seqs)",
-    )
-    .bind(unused.sequence_id)
-    .bind(&unused.period)
-    .bind(Via::Lease.as_str())
-    .bind(first.start)
-    .bind(last.end)
-    .fetch_all(&mut *tx)
-    .await?;
-    let (mut starts, mut ends) = (Vec::new(), Vec::new());
-    for (start, end) in rows {
-        for kept in subtract(SeqRange::new(start, end), &released) {
-            starts.push(kept.start);
-            ends.push(kept.end);
-        }
-    }
-    sqlx::query(
-        "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
-         SELECT $1, $2, int8range(a, b), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(a, b)",
-    )
-    .bind(unused.sequence_id)
-    .bind(&unused.period)
-    .bind(Via::Lease.as_str())
-    .bind(&starts)
-    .bind(&ends)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await
-}
-
-/// Records the handouts in one statement (one row per run of consecutive
-/// numbers of a period).
-#[tracing::instrument(skip_all, level = "debug")]
-pub async fn record_handouts(
-    conn: &mut PgConnection,
-    handouts: &[LeaseReport],
-) -> Result<(), sqlx::Error> {
-    let mut sequence_ids = Vec::new();
-    let mut periods: Vec<&str> = Vec::new();
-    let mut starts = Vec::new();
-    let mut ends = Vec::new();
-    let mut by_period: HashMap<(i64, &str), Vec<i64>> = HashMap::new();
-    for report in handouts {
-        by_period
-            .entry((report.sequence_id, report.period.as_str()))
-            .or_default()
-            .extend(&report.seqs);
-    }
-    for ((sequence_id, period), mut seqs) in by_period {
-        seqs.sort_unstable();
-        seqs.dedup();
-        for range in runs(&seqs) {
-            sequence_ids.push(sequence_id);
-            periods.push(period);
-            starts.push(range.start);
-            ends.push(range.end);
-        }
-    }
-    if starts.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "INSERT INTO lease_handouts (sequence_id, period, seqs) \
-         SELECT s, p, int8range(a, b) \
-         FROM UNNEST($1::bigint[], $2::text[], $3::bigint[], $4::bigint[]) AS t(s, p, a, b)",
-    )
-    .bind(&sequence_ids)
-    .bind(&periods)
-    .bind(&starts)
-    .bind(&ends)
-    .execute(conn)
-    .await?;
-    Ok(())
 }
