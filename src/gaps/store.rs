@@ -400,109 +400,154 @@ pub(super) async fn overlapping_runs(
         .await
 }
 
+/// Rows of one period whose numbers fall in some windows `[los[i], his[i])`.
+struct Windows<'a> {
+    sequence_id: i64,
+    period: &'a str,
+    los: Vec<i64>,
+    his: Vec<i64>,
+}
+
+type Blocks = Vec<(i64, i64, DateTime<Utc>)>;
+/// (start, end, issued_at, leased).
+type LedgerRows = Vec<(i64, i64, DateTime<Utc>, bool)>;
+type Documents = Vec<(i64, DocumentStatus, String)>;
+
+impl Windows<'_> {
+    async fn blocks(&self, conn: &mut PgConnection) -> Result<Blocks, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT DISTINCT lower(b.seqs), upper(b.seqs), b.reserved_at \
+             FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+             JOIN blocks b ON b.sequence_id = $1 AND b.period = $2 AND b.seqs && int8range(w.lo, w.hi) \
+             ORDER BY 1",
+        )
+        .bind(self.sequence_id)
+        .bind(self.period)
+        .bind(&self.los)
+        .bind(&self.his)
+        .fetch_all(&mut *conn)
+        .await
+    }
+
+    async fn ledger(&self, conn: &mut PgConnection) -> Result<LedgerRows, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
+             FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+             JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
+             ORDER BY 1",
+        )
+        .bind(self.sequence_id)
+        .bind(self.period)
+        .bind(&self.los)
+        .bind(&self.his)
+        .bind(Via::Lease.as_str())
+        .fetch_all(&mut *conn)
+        .await
+    }
+
+    async fn documents(&self, conn: &mut PgConnection) -> Result<Documents, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT DISTINCT o.seq, o.status::text, o.document_id \
+             FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
+             JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
+             ORDER BY 1",
+        )
+        .bind(self.sequence_id)
+        .bind(self.period)
+        .bind(&self.los)
+        .bind(&self.his)
+        .fetch_all(&mut *conn)
+        .await
+    }
+
+    async fn runs(
+        &self,
+        conn: &mut PgConnection,
+        table: RunsTable,
+    ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+        overlapping_runs(
+            conn,
+            table,
+            self.sequence_id,
+            self.period,
+            &self.los,
+            &self.his,
+        )
+        .await
+    }
+}
+
+/// Everything that says what became of the numbers in `windows`.
 pub(super) async fn fetch_evidence(
     conn: &mut PgConnection,
     sequence_id: i64,
     period: &str,
     windows: &[SeqRange],
 ) -> Result<FetchedEvidence, sqlx::Error> {
-    let los: Vec<i64> = windows.iter().map(|w| w.start).collect();
-    let his: Vec<i64> = windows.iter().map(|w| w.end).collect();
-    let blocks: Vec<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT DISTINCT lower(b.seqs), upper(b.seqs), b.reserved_at \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN blocks b ON b.sequence_id = $1 AND b.period = $2 AND b.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
-    .await?;
-    let ledger: Vec<(i64, i64, DateTime<Utc>, bool)> = sqlx::query_as(
-        "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
-         ORDER BY 1",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .bind(Via::Lease.as_str())
-    .fetch_all(&mut *conn)
-    .await?;
-    let handouts = overlapping_runs(
-        conn,
-        RunsTable::LeaseHandouts,
+    let windows = Windows {
         sequence_id,
         period,
-        &los,
-        &his,
-    )
-    .await?;
-    let documents: Vec<(i64, DocumentStatus, String)> = sqlx::query_as(
-        "SELECT DISTINCT o.seq, o.status::text, o.document_id \
-         FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
-         JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
-         ORDER BY 1",
-    )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
-    .fetch_all(&mut *conn)
-    .await?;
-    let discards = overlapping_runs(
-        conn,
-        RunsTable::PoolDiscards,
-        sequence_id,
-        period,
-        &los,
-        &his,
-    )
-    .await?;
-    let rows_read =
-        (blocks.len() + ledger.len() + handouts.len() + documents.len() + discards.len()) as i64;
-    let ledger_part = |lease: bool| -> Vec<(i64, i64)> {
-        ledger
-            .iter()
-            .filter(|(_, _, _, leased)| *leased == lease)
-            .map(|(s, e, _, _)| (*s, *e))
-            .collect()
+        los: windows.iter().map(|w| w.start).collect(),
+        his: windows.iter().map(|w| w.end).collect(),
     };
-    let seq_ranges = |rows: &[(i64, i64)]| -> Vec<SeqRange> {
-        let numbers: Vec<SeqRange> = rows.iter().map(|(s, e)| SeqRange::new(*s, *e)).collect();
-        merge(numbers)
-    };
-    let statuses = documents
-        .iter()
-        .map(|(seq, status, _)| (*seq, *status))
-        .collect();
-    Ok(FetchedEvidence {
-        ranges: Evidence {
-            taken: seq_ranges(&blocks.iter().map(|(s, e, _)| (*s, *e)).collect::<Vec<_>>()),
-            issued: seq_ranges(&ledger_part(false)),
-            leased: seq_ranges(&ledger_part(true)),
-            handed_out: seq_ranges(&handouts),
-            documents: statuses,
-            discarded: seq_ranges(&discards),
-        },
-        block_times: blocks
-            .iter()
-            .map(|(s, e, t)| (SeqRange::new(*s, *e), *t))
-            .collect(),
-        issue_times: ledger
-            .iter()
-            .map(|(s, e, t, _)| (SeqRange::new(*s, *e), *t))
-            .collect(),
-        document_ids: documents
-            .into_iter()
-            .map(|(seq, _, id)| (seq, id))
-            .collect(),
-        rows_read,
-    })
+    let blocks = windows.blocks(conn).await?;
+    let ledger = windows.ledger(conn).await?;
+    let handouts = windows.runs(conn, RunsTable::LeaseHandouts).await?;
+    let documents = windows.documents(conn).await?;
+    let discards = windows.runs(conn, RunsTable::PoolDiscards).await?;
+    Ok(FetchedEvidence::of(
+        blocks, ledger, handouts, documents, discards,
+    ))
+}
+
+impl FetchedEvidence {
+    fn of(
+        blocks: Blocks,
+        ledger: LedgerRows,
+        handouts: Vec<(i64, i64)>,
+        documents: Documents,
+        discards: Vec<(i64, i64)>,
+    ) -> Self {
+        let rows_read =
+            (blocks.len() + ledger.len() + handouts.len() + documents.len() + discards.len())
+                as i64;
+        let ledger_part = |lease: bool| -> Vec<(i64, i64)> {
+            ledger
+                .iter()
+                .filter(|(_, _, _, leased)| *leased == lease)
+                .map(|(s, e, _, _)| (*s, *e))
+                .collect()
+        };
+        let seq_ranges = |rows: &[(i64, i64)]| -> Vec<SeqRange> {
+            merge(rows.iter().map(|(s, e)| SeqRange::new(*s, *e)).collect())
+        };
+        Self {
+            ranges: Evidence {
+                taken: seq_ranges(&blocks.iter().map(|(s, e, _)| (*s, *e)).collect::<Vec<_>>()),
+                issued: seq_ranges(&ledger_part(false)),
+                leased: seq_ranges(&ledger_part(true)),
+                handed_out: seq_ranges(&handouts),
+                documents: documents
+                    .iter()
+                    .map(|(seq, status, _)| (*seq, *status))
+                    .collect(),
+                discarded: seq_ranges(&discards),
+            },
+            block_times: (blocks
+                .iter()
+                .map(|(s, e, t)| (SeqRange::new(*s, *e), *t))
+                .collect()),
+            issue_times: (ledger
+                .iter()
+                .map(|(s, e, t, _)| (SeqRange::new(*s, *e), *t))
+                .collect()),
+            document_ids: documents
+                .into_iter()
+                .map(|(seq, _, id)| (seq, id))
+                .collect(),
+            rows_read,
+        }
+    }
 }
 
 /// Open gaps overlapping or touching the windows, with their printed IDs.

@@ -59,21 +59,8 @@ where
     let connections = Connections::new(limits.max_connections);
     let tasks = TaskTracker::new();
     loop {
-        let (stream, _peer) = tokio::select! {
-            biased;
-            _ = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of file descriptors and the like: wait rather
-                    // than spin; a client's reset connection is nothing.
-                    if !is_connection_error(&e) {
-                        tracing::error!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                    continue;
-                }
-            },
+        let Some(stream) = accept_next(&listener, &stop).await else {
+            break;
         };
         let activity = Arc::new(Activity::new(limits.deadlines));
         let Some(slot) = take_slot(&connections, &activity, &stop).await else {
@@ -87,35 +74,8 @@ where
         let (started, done) = (activity.clone(), activity.clone());
         let service = app
             .clone()
-            .map_request(move |request: hyper::Request<Incoming>| {
-                started.request_started();
-                // A body the answer leaves unread (a refused key, a wrong
-                // media type) ends the connection: the answer says so, so
-                // the client opens a new one instead of meeting a reset.
-                let body = request.body();
-                let unread = !hyper::body::Body::is_end_stream(body);
-                started.body_unread(unread);
-                let watching = started.clone();
-                // The key check marks the connection as a tenant's.
-                let (mut parts, body) = request.into_parts();
-                parts.extensions.insert(started.clone());
-                let body = if unread {
-                    Body::new(ReadToEnd::new(body, watching))
-                } else {
-                    Body::new(body)
-                };
-                Request::from_parts(parts, body)
-            })
-            .map_response(move |mut response: Response| {
-                if done.is_body_unread() {
-                    response.headers_mut().insert(
-                        axum::http::header::CONNECTION,
-                        axum::http::HeaderValue::from_static("close"),
-                    );
-                }
-                let done = done.clone();
-                response.map(|body| Body::new(Holding::new(body, AnswerDone(done))))
-            });
+            .map_request(move |request| request_started(&started, request))
+            .map_response(move |response| answer_started(&done, response));
         let connection = http.serve_connection(
             TokioIo::new(Guarded::new(stream, activity)),
             TowerToHyperService::new(service),
@@ -148,6 +108,61 @@ where
     {
         tracing::warn!("requests still running at shutdown were cut off");
     }
+}
+
+/// The next connection; None once `stop` is cancelled.
+async fn accept_next(
+    listener: &TcpListener,
+    stop: &CancellationToken,
+) -> Option<tokio::net::TcpStream> {
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return None,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => return Some(stream),
+                Err(e) => {
+                    // Out of file descriptors and the like: wait rather
+                    // than spin; a client's reset connection is nothing.
+                    if !is_connection_error(&e) {
+                        tracing::error!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// A request starts on a connection: its activity says so, and carries
+/// its key once the key check has run.
+fn request_started(activity: &Arc<Activity>, request: hyper::Request<Incoming>) -> Request {
+    activity.request_started();
+    // A body the answer leaves unread (a refused key, a wrong media type)
+    // ends the connection: the answer says so, so the client opens a new
+    // one instead of meeting a reset.
+    let unread = !hyper::body::Body::is_end_stream(request.body());
+    activity.body_unread(unread);
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(activity.clone());
+    let body = if unread {
+        Body::new(ReadToEnd::new(body, activity.clone()))
+    } else {
+        Body::new(body)
+    };
+    Request::from_parts(parts, body)
+}
+
+/// An answer leaves: the connection is busy until its body is sent.
+fn answer_started(activity: &Arc<Activity>, mut response: Response) -> Response {
+    if activity.is_body_unread() {
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    let done = activity.clone();
+    response.map(|body| Body::new(Holding::new(body, AnswerDone(done))))
 }
 
 /// A slot for a new connection: a free one, else one an unused connection
