@@ -3,7 +3,7 @@
 //! requests use them again; a Postgres failover stops them the same way.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -127,10 +127,11 @@ impl PoolService {
     /// Every few seconds it also asks which Postgres it talks to: a new
     /// timeline stops the pools until they are checked against it.
     pub async fn watch_redis(self: Arc<Self>, stop: CancellationToken) {
-        let mut last_complaint: Option<(String, std::time::Instant)> = None;
-        // Since when the pools could not be used for want of a connection.
-        let mut unreachable_since: Option<std::time::Instant> = None;
-        let mut postgres_checked = std::time::Instant::now();
+        let mut watch = Watch {
+            complained: None,
+            unreachable_since: None,
+            postgres_checked: Instant::now(),
+        };
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -141,8 +142,8 @@ impl PoolService {
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {}
             }
             if self.redis.is_up() {
-                if postgres_checked.elapsed() >= POSTGRES_CHECK {
-                    postgres_checked = std::time::Instant::now();
+                if watch.postgres_checked.elapsed() >= POSTGRES_CHECK {
+                    watch.postgres_checked = Instant::now();
                     if self.postgres_changed().await {
                         self.redis
                             .trip("Postgres changed (failover?); checking the pools against it");
@@ -151,19 +152,7 @@ impl PoolService {
                 continue;
             }
             let failures_before = self.redis.failure_count();
-            let reachable = self.redis.all_connected() && self.redis.ping().await.is_ok();
-            let outcome = if reachable {
-                self.resync().await.map_err(PoolsNotInUse::from)
-            } else {
-                // fred reports failed connection attempts only at debug level.
-                let last = self.redis.last_failure();
-                Err(if last.is_empty() {
-                    PoolsNotInUse::NotConnected
-                } else {
-                    PoolsNotInUse::Unreachable(last)
-                })
-            };
-            match outcome {
+            match self.bring_back().await {
                 Ok(resynced) => {
                     if resynced.discarded_pools > 0 {
                         tracing::warn!(
@@ -172,37 +161,64 @@ impl PoolService {
                         );
                     }
                     if self.redis.mark_up(failures_before) {
-                        unreachable_since = None;
-                        last_complaint = None;
+                        watch.unreachable_since = None;
+                        watch.complained = None;
                     }
                 }
-                Err(e) => {
-                    // A connection being made (at start, after a blip) is
-                    // no error yet; what Redis or Postgres answered is.
-                    let connecting = matches!(
-                        e,
-                        PoolsNotInUse::NotConnected | PoolsNotInUse::Unreachable(_)
-                    );
-                    let since = *unreachable_since.get_or_insert_with(std::time::Instant::now);
-                    if connecting && since.elapsed() < CONNECT_GRACE {
-                        continue;
-                    }
-                    if !connecting {
-                        unreachable_since = None;
-                    }
-                    let message = e.to_string();
-                    // Say it when it changes (at most every 10 s), and once
-                    // a minute while it lasts.
-                    let quiet = last_complaint.as_ref().is_some_and(|(m, at)| {
-                        let wait = if *m == message { 60 } else { 10 };
-                        at.elapsed() < Duration::from_secs(wait)
-                    });
-                    if !quiet {
-                        tracing::error!(error = %message, "pools not in use");
-                        last_complaint = Some((message, std::time::Instant::now()));
-                    }
-                }
+                Err(e) => watch.not_in_use(e),
             }
+        }
+    }
+
+    /// Checks the pools once Redis answers on every connection.
+    async fn bring_back(&self) -> Result<Resynced, PoolsNotInUse> {
+        if self.redis.all_connected() && self.redis.ping().await.is_ok() {
+            return Ok(self.resync().await?);
+        }
+        // fred reports failed connection attempts only at debug level.
+        let last = self.redis.last_failure();
+        Err(if last.is_empty() {
+            PoolsNotInUse::NotConnected
+        } else {
+            PoolsNotInUse::Unreachable(last)
+        })
+    }
+}
+
+/// What the watch remembers between rounds.
+struct Watch {
+    /// What it last said was wrong, and when.
+    complained: Option<(String, Instant)>,
+    /// Since when the pools could not be used for want of a connection.
+    unreachable_since: Option<Instant>,
+    postgres_checked: Instant,
+}
+
+impl Watch {
+    /// Says why the pools are not in use: when it changes (at most every
+    /// 10 s), and once a minute while it lasts. A connection being made
+    /// (at start, after a blip) is no error yet; what Redis or Postgres
+    /// answered is.
+    fn not_in_use(&mut self, e: PoolsNotInUse) {
+        let connecting = matches!(
+            e,
+            PoolsNotInUse::NotConnected | PoolsNotInUse::Unreachable(_)
+        );
+        let since = *self.unreachable_since.get_or_insert_with(Instant::now);
+        if connecting && since.elapsed() < CONNECT_GRACE {
+            return;
+        }
+        if !connecting {
+            self.unreachable_since = None;
+        }
+        let message = e.to_string();
+        let quiet = self.complained.as_ref().is_some_and(|(said, at)| {
+            let wait = if *said == message { 60 } else { 10 };
+            at.elapsed() < Duration::from_secs(wait)
+        });
+        if !quiet {
+            tracing::error!(error = %message, "pools not in use");
+            self.complained = Some((message, Instant::now()));
         }
     }
 }
