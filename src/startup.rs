@@ -55,8 +55,9 @@ pub struct Application {
     listener: TcpListener,
     state: AppState,
     supervisor: Supervisor,
+    /// The lease reporter, stopped once the server has drained.
+    lease_supervisor: Supervisor,
     stop: CancellationToken,
-    drained: CancellationToken,
     server: ServerLimits,
 }
 
@@ -75,14 +76,23 @@ impl Application {
         if config.migrate.is_on() {
             db::migrate(&db).await?;
         }
+        // A stop drains in order, each stage on a token of its own: the
+        // server (`stop`), then the lease reporter, which gives back what
+        // requests did not take (`drained`), then the rest of the
+        // background work (`background`), which keeps Redis watched and
+        // Postgres listened to until then.
         let stop = CancellationToken::new();
-        // Work requests still use while the server drains (the lease
-        // reporter) stops on this one, cancelled once the server is done.
         let drained = CancellationToken::new();
+        let background = CancellationToken::new();
         let stats = Arc::new(Stats::default());
-        let supervisor = Supervisor::new(stop.clone(), stats.clone());
+        let supervisor = Supervisor::new(background.clone(), stats.clone());
+        let lease_supervisor = Supervisor::new(drained.clone(), stats.clone());
         let parts = Parts::build(config, &overrides, db, stats).await?;
-        parts.start_background(config, &overrides, &supervisor, &stop, &drained)?;
+        parts.start_background(config, &overrides, &supervisor, &background)?;
+        let issuer = parts.issuer.clone();
+        lease_supervisor.spawn("lease reports", move || {
+            issuer.clone().report_leases(drained.clone())
+        });
         crate::db::warn_without_synchronous_standby(&parts.db).await;
         parts.wait_for_pools(config).await;
         let state = parts.into_state(config, overrides.clock);
@@ -91,8 +101,8 @@ impl Application {
             listener,
             state,
             supervisor,
+            lease_supervisor,
             stop,
-            drained,
             server: ServerLimits {
                 deadlines: crate::http::conn_guard::Deadlines {
                     header: config.header_timeout(),
@@ -125,16 +135,16 @@ impl Application {
             listener,
             state,
             supervisor,
+            lease_supervisor,
             stop,
-            drained,
             server,
         } = self;
         tracing::info!(address = %listener.local_addr()?, "idpool serving");
         let pools = state.pools.clone();
         http::server::serve(listener, http::app(state), server, stop.clone()).await;
         stop.cancel();
-        drained.cancel();
-        supervisor.finish(Duration::from_secs(10)).await;
+        lease_supervisor.stop(Duration::from_secs(10)).await;
+        supervisor.stop(Duration::from_secs(10)).await;
         pools.finish_refills(Duration::from_secs(5)).await;
         pools.redis().shutdown().await;
         tracing::info!("idpool stopped");
@@ -293,7 +303,6 @@ impl Parts {
         overrides: &Overrides,
         supervisor: &Supervisor,
         stop: &CancellationToken,
-        drained: &CancellationToken,
     ) -> anyhow::Result<()> {
         let outbox_wake = Arc::new(Notify::new());
         let pending_tenants = Arc::new(PendingTenants::default());
@@ -321,10 +330,6 @@ impl Parts {
         let (prune_db, prune_stop) = (db.clone(), stop.clone());
         supervisor.spawn("idempotency pruning", move || {
             idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
-        });
-        let (issuer, lease_stop) = (self.issuer.clone(), drained.clone());
-        supervisor.spawn("lease reports", move || {
-            issuer.clone().report_leases(lease_stop.clone())
         });
         if config.reconcile.is_on() {
             let (reconciler, stop) = (self.reconciler.clone(), stop.clone());

@@ -61,6 +61,12 @@ impl Supervisor {
         });
     }
 
+    /// Cancels the tasks' `stop` and waits up to `limit` for them to end.
+    pub async fn stop(&self, limit: Duration) {
+        self.stop.cancel();
+        self.finish(limit).await;
+    }
+
     /// Waits up to `limit` for every task to end (after `stop`).
     pub async fn finish(&self, limit: Duration) {
         self.tasks.close();
