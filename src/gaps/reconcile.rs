@@ -215,7 +215,8 @@ impl Reconciler {
                     .await?;
             }
         }
-        store::finish_run(conn, run.id, &summary).await?;
+        let record = serde_json::to_value(&summary).unwrap_or_default();
+        store::finish_run(conn, run.id, record).await?;
         Ok(summary)
     }
 

@@ -8,7 +8,6 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
 use super::classify::{Evidence, GapPiece, OpenGap, Reason};
-use super::reconcile::Summary;
 use crate::ledger::Via;
 use crate::ledger::outbox::DocumentStatus;
 use crate::numbers::{SeqRange, merge};
@@ -82,16 +81,17 @@ pub(super) async fn start_run(
     Ok(Run { id, now, previous })
 }
 
+/// Records the run as finished, with what it did.
 pub(super) async fn finish_run(
     conn: &mut PgConnection,
     id: i64,
-    summary: &Summary,
+    summary: serde_json::Value,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE reconcile_runs SET finished_at = clock_timestamp(), summary = $2 WHERE id = $1",
     )
     .bind(id)
-    .bind(serde_json::to_value(summary).unwrap_or_default())
+    .bind(summary)
     .execute(&mut *conn)
     .await?;
     Ok(())
