@@ -19,13 +19,15 @@ use crate::pool::{DiscardCause, Placement};
 
 type LeaseHolder = Holder<Arc<Placement>>;
 
-/// What the lease gave a request.
-pub(super) enum FromLease {
-    /// Everything, handed out (the handout is written).
-    All(Vec<i64>),
-    /// Part or none: the numbers taken (not handed out yet) and their
-    /// holder (none when leases are off).
-    Part(Option<Arc<LeaseHolder>>, Vec<i64>),
+/// Where a request for numbers stands after its first look at the lease.
+pub(super) enum Begun {
+    /// The lease had every number: `got`, not handed out yet.
+    Complete(Arc<LeaseHolder>, Vec<i64>),
+    /// A lease is on its way; `got` holds what there was.
+    Waiting(Arc<LeaseHolder>, Vec<i64>),
+    /// No lease is coming (or leases are off): `got` (maybe empty) is all
+    /// the lease gives.
+    Alone(Option<Arc<LeaseHolder>>, Vec<i64>),
 }
 
 impl Issuer {
@@ -39,47 +41,39 @@ impl Issuer {
         self.leases.holder(key, || placement.clone())
     }
 
-    /// Takes what the lease has toward `count` numbers, waiting for a
-    /// lease on its way. All of them when the lease could give them.
-    pub(super) async fn ids_from_lease(
-        self: &Arc<Self>,
-        placement: &Arc<Placement>,
-        count: usize,
-    ) -> Result<FromLease, IssueError> {
+    /// Takes what the lease has toward `count` numbers, without waiting:
+    /// under the lease's lock, counting the request in the rate, and
+    /// ordering the next lease if one is due.
+    pub(super) fn begin_ids(self: &Arc<Self>, placement: &Arc<Placement>, count: usize) -> Begun {
         if !self.leases.enabled() {
-            return Ok(FromLease::Part(None, Vec::new()));
+            return Begun::Alone(None, Vec::new());
         }
         let holder = self.holder(placement);
         let mut got = Vec::with_capacity(count);
-        if self.take_from_lease(&holder, count, &mut got).await {
-            let seqs = self.hand_out(&holder, got).await?;
-            return Ok(FromLease::All(seqs));
+        let pool_size = holder.pool.sequence.definition.pool_size as usize;
+        let (progress, order) = self.leases.take(&holder, count, pool_size, &mut got, true);
+        if let Some(order) = order {
+            self.order(order);
         }
-        Ok(FromLease::Part(Some(holder), got))
+        match progress {
+            Progress::Complete => Begun::Complete(holder, got),
+            Progress::Waiting => Begun::Waiting(holder, got),
+            Progress::Alone => Begun::Alone(Some(holder), got),
+        }
     }
 
-    /// Moves leased numbers into `got` until it holds `count`, waiting for
-    /// a lease on its way; false when no lease is coming.
-    async fn take_from_lease(
+    /// Waits for the lease on its way until `got` holds `count` numbers;
+    /// false when none is coming after all.
+    pub(super) async fn wait_for_lease(
         self: &Arc<Self>,
         holder: &Arc<LeaseHolder>,
         count: usize,
         got: &mut Vec<i64>,
     ) -> bool {
         let pool_size = holder.pool.sequence.definition.pool_size as usize;
-        let (progress, order) = self.leases.take(holder, count, pool_size, got, true);
-        if let Some(order) = order {
-            self.order(order);
-        }
-        match progress {
-            Progress::Complete => true,
-            Progress::Alone => false,
-            Progress::Waiting => {
-                self.leases
-                    .fill(holder, count, pool_size, got, |order| self.order(order))
-                    .await
-            }
-        }
+        self.leases
+            .fill(holder, count, pool_size, got, |order| self.order(order))
+            .await
     }
 
     /// Takes a lease in a task of its own, through the shared commit.
@@ -142,14 +136,16 @@ impl Issuer {
         placement: &Arc<Placement>,
         attachment: &Arc<Attachment>,
     ) -> Option<Result<(OutboxRow, DateTime<Utc>), IssueError>> {
-        if !self.leases.enabled() {
-            return None;
-        }
-        let holder = self.holder(placement);
-        let mut got = Vec::with_capacity(1);
-        if !self.take_from_lease(&holder, 1, &mut got).await {
-            return None;
-        }
+        let (holder, mut got) = match self.begin_ids(placement, 1) {
+            Begun::Complete(holder, got) => (holder, got),
+            Begun::Waiting(holder, mut got) => {
+                if !self.wait_for_lease(&holder, 1, &mut got).await {
+                    return None;
+                }
+                (holder, got)
+            }
+            Begun::Alone(..) => return None,
+        };
         let seq = got.pop()?;
         self.leases.served(1);
         let demand = Demand::LeasedDocument {

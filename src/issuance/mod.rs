@@ -97,6 +97,14 @@ pub struct Issued {
 }
 
 impl Issued {
+    fn numbers_of(placement: Arc<Placement>, seqs: Vec<i64>) -> Self {
+        Self {
+            placement,
+            seqs,
+            document: None,
+        }
+    }
+
     pub fn ids(&self) -> Vec<String> {
         self.seqs
             .iter()
@@ -202,16 +210,41 @@ impl Issuer {
 
     /// The one entry of the shared path: `want` served from `placement`,
     /// recorded in the ledger (with the document, if one is asked for)
-    /// before this returns. Runs detached: a caller that goes away cannot
-    /// leave a number taken but unrecorded.
+    /// before this returns. Whatever awaits once numbers are taken runs
+    /// detached: a caller that goes away cannot leave a number taken but
+    /// unrecorded. (Numbers a lease gives whole are handed to the handout
+    /// writer before any await, so that common case needs no task.)
     pub async fn issue(
         self: &Arc<Self>,
         placement: Arc<Placement>,
         want: Want,
     ) -> Result<Issued, IssueError> {
         let issuer = self.clone();
-        self.detached(async move { issuer.serve(placement, want).await })
-            .await?
+        match want {
+            Want::Ids { count } => {
+                let begun = self.begin_ids(&placement, count);
+                if let leased::Begun::Complete(holder, got) = begun {
+                    let seqs = self.hand_out(&holder, got).await?;
+                    return Ok(Issued::numbers_of(placement, seqs));
+                }
+                self.detached(async move {
+                    let seqs = issuer.ids(&placement, count, begun).await?;
+                    Ok(Issued::numbers_of(placement, seqs))
+                })
+                .await?
+            }
+            Want::Document { attachment } => {
+                self.detached(async move {
+                    let (row, created_at) = issuer.document(&placement, attachment).await?;
+                    Ok(Issued {
+                        placement,
+                        seqs: vec![row.seq],
+                        document: Some((row, created_at)),
+                    })
+                })
+                .await?
+            }
+        }
     }
 
     /// `count` numbers recorded in the caller's transaction as received
@@ -246,41 +279,23 @@ impl Issuer {
         self.tasks.spawn(work).await
     }
 
-    async fn serve(
-        self: Arc<Self>,
-        placement: Arc<Placement>,
-        want: Want,
-    ) -> Result<Issued, IssueError> {
-        match want {
-            Want::Ids { count } => {
-                let seqs = self.ids(&placement, count).await?;
-                Ok(Issued {
-                    placement,
-                    seqs,
-                    document: None,
-                })
-            }
-            Want::Document { attachment } => {
-                let (row, created_at) = self.document(&placement, attachment).await?;
-                Ok(Issued {
-                    placement,
-                    seqs: vec![row.seq],
-                    document: Some((row, created_at)),
-                })
-            }
-        }
-    }
-
-    /// `count` numbers: what the lease holds first, the rest through the
-    /// shared commit (pool, refill, counter).
+    /// `count` numbers: what the lease gave or is bringing first (`begun`),
+    /// the rest through the shared commit (pool, refill, counter).
     async fn ids(
         self: &Arc<Self>,
         placement: &Arc<Placement>,
         count: usize,
+        begun: leased::Begun,
     ) -> Result<Vec<i64>, IssueError> {
-        let (holder, got) = match self.ids_from_lease(placement, count).await? {
-            leased::FromLease::All(seqs) => return Ok(seqs),
-            leased::FromLease::Part(holder, got) => (holder, got),
+        let (holder, got) = match begun {
+            leased::Begun::Complete(holder, got) => return self.hand_out(&holder, got).await,
+            leased::Begun::Waiting(holder, mut got) => {
+                if self.wait_for_lease(&holder, count, &mut got).await {
+                    return self.hand_out(&holder, got).await;
+                }
+                (Some(holder), got)
+            }
+            leased::Begun::Alone(holder, got) => (holder, got),
         };
         let more = match self.shared(placement, count - got.len(), Via::Ids).await {
             Ok(more) => more,
