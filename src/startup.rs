@@ -174,18 +174,7 @@ impl Parts {
     ) -> anyhow::Result<Self> {
         let keys = Arc::new(KeyStore::new(db.clone()));
         keys.load_all().await?;
-        let auth = Arc::new(if config.auth.is_on() {
-            Authenticator::new(
-                keys.clone(),
-                config.rate_limit,
-                crate::auth::Budgets {
-                    rows_per_second: config.list_rows_per_key,
-                    numbers_per_second: config.numbers_per_key,
-                },
-            )
-        } else {
-            Authenticator::off(keys.clone())
-        });
+        let auth = Self::auth(config, &keys);
         let sequences = Arc::new(SequenceStore::new(
             db.clone(),
             config.max_sequences_per_project as usize,
@@ -216,24 +205,8 @@ impl Parts {
             },
             tasks: tasks.clone(),
         });
-        let background_db = db::pool(
-            (*db.connect_options()).clone(),
-            2,
-            config.db_limits().for_background(),
-        )
-        .await?;
-        let reconciler = Arc::new(Reconciler::new(
-            background_db,
-            pools.clone(),
-            sequences.clone(),
-            overrides.clock.clone(),
-            stats.clone(),
-            overrides
-                .reconcile
-                .clone()
-                .unwrap_or_else(|| config.reconcile_settings()),
-            instance_id.clone(),
-        ));
+        let reconciler =
+            Self::reconciler(config, overrides, &db, &pools, &sequences, &stats).await?;
         Ok(Self {
             db,
             stats,
@@ -245,6 +218,52 @@ impl Parts {
             reconciler,
             instance_id,
         })
+    }
+
+    /// Keys checked per request, or (auth off) every caller let in.
+    fn auth(config: &Config, keys: &Arc<KeyStore>) -> Arc<Authenticator> {
+        Arc::new(if config.auth.is_on() {
+            Authenticator::new(
+                keys.clone(),
+                config.rate_limit,
+                crate::auth::Budgets {
+                    rows_per_second: config.list_rows_per_key,
+                    numbers_per_second: config.numbers_per_key,
+                },
+            )
+        } else {
+            Authenticator::off(keys.clone())
+        })
+    }
+
+    /// Reconciliation, on two connections of its own (a run never waits
+    /// behind requests).
+    async fn reconciler(
+        config: &Config,
+        overrides: &Overrides,
+        db: &PgPool,
+        pools: &Arc<PoolService>,
+        sequences: &Arc<SequenceStore>,
+        stats: &Arc<Stats>,
+    ) -> anyhow::Result<Arc<Reconciler>> {
+        let background_db = db::pool(
+            (*db.connect_options()).clone(),
+            2,
+            config.db_limits().for_background(),
+        )
+        .await?;
+        Ok(Arc::new(Reconciler::new(
+            background_db,
+            pools.clone(),
+            sequences.clone(),
+            overrides.clock.clone(),
+            stats.clone(),
+            overrides
+                .reconcile
+                .clone()
+                .unwrap_or_else(|| config.reconcile_settings()),
+            config.instance_id(),
+        )))
     }
 
     /// Redis, the counter on its own small connection pool (refills must

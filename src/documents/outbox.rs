@@ -266,29 +266,40 @@ pub async fn claim_due(
     for tenant in tenants {
         claimed.extend(claim_of(conn, &sql, tenant, share, &[]).await?);
     }
-    // What the shares left of the batch goes to the tenants that filled
-    // theirs (their rows may be due; the others had no more).
-    let mut room = limit - claimed.len() as i64;
-    if room > 0 && tenants.len() > 1 {
-        for tenant in tenants {
-            if room <= 0 {
-                break;
-            }
-            let theirs = claimed.iter().filter(|d| d.project == *tenant).count() as i64;
-            if theirs < share {
-                continue;
-            }
-            let held: Vec<i64> = claimed
-                .iter()
-                .filter(|d| d.project == *tenant)
-                .map(|d| d.row_id)
-                .collect();
-            let more = claim_of(conn, &sql, tenant, room, &held).await?;
-            room -= more.len() as i64;
-            claimed.extend(more);
-        }
+    if tenants.len() > 1 {
+        claim_what_shares_left(conn, &sql, tenants, limit, share, &mut claimed).await?;
     }
     Ok(claimed)
+}
+
+/// What the shares left of the batch goes to the tenants that filled
+/// theirs (their rows may be due; the others had no more).
+async fn claim_what_shares_left(
+    conn: &mut PgConnection,
+    sql: &str,
+    tenants: &[String],
+    limit: i64,
+    share: i64,
+    claimed: &mut Vec<Delivery>,
+) -> Result<(), sqlx::Error> {
+    let mut room = limit - claimed.len() as i64;
+    for tenant in tenants {
+        if room <= 0 {
+            break;
+        }
+        let held: Vec<i64> = claimed
+            .iter()
+            .filter(|d| d.project == *tenant)
+            .map(|d| d.row_id)
+            .collect();
+        if (held.len() as i64) < share {
+            continue;
+        }
+        let more = claim_of(conn, sql, tenant, room, &held).await?;
+        room -= more.len() as i64;
+        claimed.extend(more);
+    }
+    Ok(())
 }
 
 /// Up to `limit` due rows of `tenant` that no other transaction holds,

@@ -479,33 +479,7 @@ pub async fn create_batch(
     let mut inputs = Vec::with_capacity(count);
     let mut keys: Vec<Option<Keyed>> = Vec::with_capacity(count);
     for (index, item) in body.documents.iter().enumerate() {
-        let input = document_input(
-            &item.project,
-            &item.doc_type,
-            &item.metadata,
-            item.id.as_deref(),
-        )
-        .map_err(|e| e.at_index(index))?;
-        within_scope(&caller, input.project.as_str()).map_err(|e| e.at_index(index))?;
-        let input = DocumentInput {
-            source_id: item
-                .source_id
-                .as_deref()
-                .map(check_source_id)
-                .transpose()
-                .map_err(|e| e.at_index(index))?,
-            ..input
-        };
-        let key = match &item.idempotency_key {
-            None => None,
-            Some(key) => {
-                idempotency::validate_key(key).map_err(|e| ApiError::from(e).at_index(index))?;
-                Some(Keyed {
-                    key: key.clone(),
-                    fingerprint: fingerprint(&input).map_err(|e| e.at_index(index))?,
-                })
-            }
-        };
+        let (input, key) = batch_item(&caller, item).map_err(|e| e.at_index(index))?;
         inputs.push(input);
         keys.push(key);
     }
@@ -536,6 +510,35 @@ pub async fn create_batch(
         StatusCode::ACCEPTED,
         axum::Json(BatchAccepted { documents }),
     ))
+}
+
+/// One item of a batch, checked: the document and its idempotency key.
+fn batch_item(
+    caller: &Caller,
+    item: &BatchItem,
+) -> Result<(DocumentInput, Option<Keyed>), ApiError> {
+    let input = document_input(
+        &item.project,
+        &item.doc_type,
+        &item.metadata,
+        item.id.as_deref(),
+    )?;
+    within_scope(caller, input.project.as_str())?;
+    let input = DocumentInput {
+        source_id: item.source_id.as_deref().map(check_source_id).transpose()?,
+        ..input
+    };
+    let key = match &item.idempotency_key {
+        None => None,
+        Some(key) => {
+            idempotency::validate_key(key)?;
+            Some(Keyed {
+                key: key.clone(),
+                fingerprint: fingerprint(&input)?,
+            })
+        }
+    };
+    Ok((input, key))
 }
 
 /// One of the batch bodies a key may be sending at once: taken before the
