@@ -401,12 +401,6 @@ fn classify(
             None => Ok(Printed::Text(s.to_owned())),
         }
     };
-    let field = |min: usize, max: usize, chars: CharSet, calendar: u16| Printed::Field {
-        min,
-        max,
-        chars,
-        calendar: Calendar(calendar),
-    };
     Ok(match item {
         Item::Literal(s) => (Item::OwnedLiteral(s.into()), text(s)?),
         Item::OwnedLiteral(s) => {
@@ -419,69 +413,93 @@ fn classify(
             (Item::OwnedSpace(s), printed)
         }
         Item::Numeric(numeric, pad) => {
-            let (width, calendar) = match numeric {
-                Numeric::Year => (4, Calendar::YEAR),
-                Numeric::YearDiv100 => (2, Calendar::CENTURY),
-                Numeric::YearMod100 => (2, Calendar::YEAR_OF_CENTURY),
-                Numeric::IsoYear => (4, Calendar::ISO_YEAR),
-                Numeric::IsoYearDiv100 => (2, 0),
-                Numeric::IsoYearMod100 => (2, Calendar::ISO_YEAR),
-                Numeric::Quarter => (1, 0),
-                Numeric::Month => (2, Calendar::MONTH),
-                Numeric::Day => (2, Calendar::DAY),
-                Numeric::WeekFromSun | Numeric::WeekFromMon => (2, Calendar::WEEK),
-                Numeric::IsoWeek => (2, Calendar::ISO_WEEK),
-                Numeric::NumDaysFromSun | Numeric::WeekdayFromMon => (1, Calendar::WEEKDAY),
-                Numeric::Ordinal => (3, Calendar::DAY_OF_YEAR),
-                Numeric::Hour | Numeric::Hour12 | Numeric::Minute | Numeric::Second => (2, 0),
-                Numeric::Nanosecond => (9, 0),
-                Numeric::Timestamp => {
-                    let printed = field(1, 12, CharSet::DIGITS, Calendar::TIMESTAMP);
-                    return Ok((Item::Numeric(numeric, pad), printed));
-                }
-                _ => return Err(refuse("an item chrono keeps internal")),
-            };
-            let printed = match pad {
-                Pad::Zero => field(width, width, CharSet::DIGITS, calendar),
-                Pad::Space => field(
-                    width,
-                    width,
-                    CharSet::DIGITS.union(CharSet::of(b" ")),
-                    calendar,
-                ),
-                Pad::None => field(1, width, CharSet::DIGITS, calendar),
-            };
+            let printed = numeric_printed(&numeric, &pad, refuse)?;
             (Item::Numeric(numeric, pad), printed)
         }
         Item::Fixed(fixed) => {
-            let offset = CharSet::DIGITS.union(CharSet::of(b"+-:"));
-            let printed = match fixed {
-                Fixed::ShortMonthName => field(3, 3, CharSet::LETTERS, Calendar::MONTH),
-                Fixed::LongMonthName => field(3, 9, CharSet::LETTERS, Calendar::MONTH),
-                Fixed::ShortWeekdayName => field(3, 3, CharSet::LETTERS, Calendar::WEEKDAY),
-                Fixed::LongWeekdayName => field(6, 9, CharSet::LETTERS, Calendar::WEEKDAY),
-                Fixed::LowerAmPm | Fixed::UpperAmPm => field(2, 2, CharSet::LETTERS, 0),
-                Fixed::Nanosecond => field(0, 10, CharSet::DIGITS.union(CharSet::of(b".")), 0),
-                Fixed::Nanosecond3 => field(4, 4, CharSet::DIGITS.union(CharSet::of(b".")), 0),
-                Fixed::Nanosecond6 => field(7, 7, CharSet::DIGITS.union(CharSet::of(b".")), 0),
-                Fixed::Nanosecond9 => field(10, 10, CharSet::DIGITS.union(CharSet::of(b".")), 0),
-                Fixed::TimezoneOffset => field(5, 5, offset, 0),
-                Fixed::TimezoneOffsetColon => field(6, 6, offset, 0),
-                Fixed::TimezoneOffsetDoubleColon => field(9, 9, offset, 0),
-                Fixed::TimezoneOffsetTripleColon => field(3, 3, offset, 0),
-                Fixed::TimezoneOffsetZ => field(1, 5, offset.union(CharSet::of(b"Z")), 0),
-                Fixed::TimezoneOffsetColonZ => field(1, 6, offset.union(CharSet::of(b"Z")), 0),
-                Fixed::TimezoneName => {
-                    return Err(refuse("zone names are ambiguous; use %z for the offset"));
-                }
-                Fixed::RFC2822 | Fixed::RFC3339 => {
-                    return Err(refuse("use the date and time items it is made of"));
-                }
-                _ => internal_fixed(&fixed).ok_or_else(|| refuse("unknown item"))?,
-            };
+            let printed = fixed_printed(&fixed, refuse)?;
             (Item::Fixed(fixed), printed)
         }
         Item::Error => return Err(refuse("not a strftime item")),
+    })
+}
+
+fn field(min: usize, max: usize, chars: CharSet, calendar: u16) -> Printed {
+    Printed::Field {
+        min,
+        max,
+        chars,
+        calendar: Calendar(calendar),
+    }
+}
+
+/// What a numeric item (`%Y`, `%m`, `%-d`, ...) prints.
+fn numeric_printed(
+    numeric: &Numeric,
+    pad: &Pad,
+    refuse: &dyn Fn(&'static str) -> TemplateError,
+) -> Result<Printed, TemplateError> {
+    let (width, calendar) = match numeric {
+        Numeric::Year => (4, Calendar::YEAR),
+        Numeric::YearDiv100 => (2, Calendar::CENTURY),
+        Numeric::YearMod100 => (2, Calendar::YEAR_OF_CENTURY),
+        Numeric::IsoYear => (4, Calendar::ISO_YEAR),
+        Numeric::IsoYearDiv100 => (2, 0),
+        Numeric::IsoYearMod100 => (2, Calendar::ISO_YEAR),
+        Numeric::Quarter => (1, 0),
+        Numeric::Month => (2, Calendar::MONTH),
+        Numeric::Day => (2, Calendar::DAY),
+        Numeric::WeekFromSun | Numeric::WeekFromMon => (2, Calendar::WEEK),
+        Numeric::IsoWeek => (2, Calendar::ISO_WEEK),
+        Numeric::NumDaysFromSun | Numeric::WeekdayFromMon => (1, Calendar::WEEKDAY),
+        Numeric::Ordinal => (3, Calendar::DAY_OF_YEAR),
+        Numeric::Hour | Numeric::Hour12 | Numeric::Minute | Numeric::Second => (2, 0),
+        Numeric::Nanosecond => (9, 0),
+        Numeric::Timestamp => return Ok(field(1, 12, CharSet::DIGITS, Calendar::TIMESTAMP)),
+        _ => return Err(refuse("an item chrono keeps internal")),
+    };
+    Ok(match pad {
+        Pad::Zero => field(width, width, CharSet::DIGITS, calendar),
+        Pad::Space => field(
+            width,
+            width,
+            CharSet::DIGITS.union(CharSet::of(b" ")),
+            calendar,
+        ),
+        Pad::None => field(1, width, CharSet::DIGITS, calendar),
+    })
+}
+
+/// What a fixed item (month and weekday names, offsets, fractions) prints.
+fn fixed_printed(
+    fixed: &Fixed,
+    refuse: &dyn Fn(&'static str) -> TemplateError,
+) -> Result<Printed, TemplateError> {
+    let offset = CharSet::DIGITS.union(CharSet::of(b"+-:"));
+    let fraction = CharSet::DIGITS.union(CharSet::of(b"."));
+    Ok(match fixed {
+        Fixed::ShortMonthName => field(3, 3, CharSet::LETTERS, Calendar::MONTH),
+        Fixed::LongMonthName => field(3, 9, CharSet::LETTERS, Calendar::MONTH),
+        Fixed::ShortWeekdayName => field(3, 3, CharSet::LETTERS, Calendar::WEEKDAY),
+        Fixed::LongWeekdayName => field(6, 9, CharSet::LETTERS, Calendar::WEEKDAY),
+        Fixed::LowerAmPm | Fixed::UpperAmPm => field(2, 2, CharSet::LETTERS, 0),
+        Fixed::Nanosecond => field(0, 10, fraction, 0),
+        Fixed::Nanosecond3 => field(4, 4, fraction, 0),
+        Fixed::Nanosecond6 => field(7, 7, fraction, 0),
+        Fixed::Nanosecond9 => field(10, 10, fraction, 0),
+        Fixed::TimezoneOffset => field(5, 5, offset, 0),
+        Fixed::TimezoneOffsetColon => field(6, 6, offset, 0),
+        Fixed::TimezoneOffsetDoubleColon => field(9, 9, offset, 0),
+        Fixed::TimezoneOffsetTripleColon => field(3, 3, offset, 0),
+        Fixed::TimezoneOffsetZ => field(1, 5, offset.union(CharSet::of(b"Z")), 0),
+        Fixed::TimezoneOffsetColonZ => field(1, 6, offset.union(CharSet::of(b"Z")), 0),
+        Fixed::TimezoneName => {
+            return Err(refuse("zone names are ambiguous; use %z for the offset"));
+        }
+        Fixed::RFC2822 | Fixed::RFC3339 => {
+            return Err(refuse("use the date and time items it is made of"));
+        }
+        _ => internal_fixed(fixed).ok_or_else(|| refuse("unknown item"))?,
     })
 }
 
