@@ -112,40 +112,46 @@ pub struct RedisSettings {
     pub command_timeout: Duration,
 }
 
+/// The fred clients: retrying a Redis that is down, never replaying a
+/// command, each command within its timeout.
+fn clients(settings: &RedisSettings) -> anyhow::Result<Pool> {
+    let mut config = super::url::parse(&settings.url)?;
+    // Keep retrying a Redis that is down at start instead of failing boot.
+    config.fail_fast = false;
+    Ok(Builder::from_config(config)
+        .with_connection_config(|c| {
+            c.connection_timeout = Duration::from_secs(1);
+            c.internal_command_timeout = Duration::from_secs(2);
+            // A command is never replayed on a new connection: after a
+            // reconnect the pools must be checked before anything pops.
+            c.max_command_attempts = 1;
+            // Pops of concurrent batches share a connection; Nagle
+            // would hold each small command back until the reply to
+            // the one before it arrived.
+            c.tcp = fred::types::config::TcpConfig {
+                nodelay: Some(true),
+                ..Default::default()
+            };
+            // A server that stops answering (hung, or cut off) gets its
+            // connection closed and reopened, so nothing queued on it is
+            // answered late, and the reconnect makes the pools checked.
+            c.unresponsive = fred::types::config::UnresponsiveConfig {
+                max_timeout: Some(settings.command_timeout * 2),
+                interval: (settings.command_timeout / 2).max(Duration::from_millis(50)),
+            };
+        })
+        .with_performance_config(|p| {
+            p.default_command_timeout = settings.command_timeout;
+        })
+        .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+        .build_pool(settings.clients.max(1))?)
+}
+
 impl RedisLink {
     /// Builds the clients and starts connecting in the background: the
     /// service serves from Postgres until Redis answers.
     pub fn connect(settings: &RedisSettings, stats: Arc<Stats>) -> anyhow::Result<Arc<Self>> {
-        let mut config = super::url::parse(&settings.url)?;
-        // Keep retrying a Redis that is down at start instead of failing boot.
-        config.fail_fast = false;
-        let clients = Builder::from_config(config)
-            .with_connection_config(|c| {
-                c.connection_timeout = Duration::from_secs(1);
-                c.internal_command_timeout = Duration::from_secs(2);
-                // A command is never replayed on a new connection: after a
-                // reconnect the pools must be checked before anything pops.
-                c.max_command_attempts = 1;
-                // Pops of concurrent batches share a connection; Nagle
-                // would hold each small command back until the reply to
-                // the one before it arrived.
-                c.tcp = fred::types::config::TcpConfig {
-                    nodelay: Some(true),
-                    ..Default::default()
-                };
-                // A server that stops answering (hung, or cut off) gets its
-                // connection closed and reopened, so nothing queued on it is
-                // answered late, and the reconnect makes the pools checked.
-                c.unresponsive = fred::types::config::UnresponsiveConfig {
-                    max_timeout: Some(settings.command_timeout * 2),
-                    interval: (settings.command_timeout / 2).max(Duration::from_millis(50)),
-                };
-            })
-            .with_performance_config(|p| {
-                p.default_command_timeout = settings.command_timeout;
-            })
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
-            .build_pool(settings.clients.max(1))?;
+        let clients = clients(settings)?;
         let link = Arc::new(Self {
             clients,
             prefix: settings.prefix.clone(),
@@ -171,8 +177,16 @@ impl RedisLink {
             wake: Notify::new(),
             stats,
         });
-        for client in link.clients.clients() {
-            let on_error = Arc::downgrade(&link);
+        link.watch_connections();
+        link.clients.connect_pool();
+        Ok(link)
+    }
+
+    /// Every connection's failure trips the breaker; every reconnect
+    /// (the first connection too) has the pools checked again.
+    fn watch_connections(self: &Arc<Self>) {
+        for client in self.clients.clients() {
+            let on_error = Arc::downgrade(self);
             client.on_error(move |(error, _server)| {
                 let link = on_error.clone();
                 async move {
@@ -182,7 +196,7 @@ impl RedisLink {
                     Ok(())
                 }
             });
-            let on_reconnect = Arc::downgrade(&link);
+            let on_reconnect = Arc::downgrade(self);
             client.on_reconnect(move |_server| {
                 let link = on_reconnect.clone();
                 async move {
@@ -196,8 +210,6 @@ impl RedisLink {
                 }
             });
         }
-        link.clients.connect_pool();
-        Ok(link)
     }
 
     pub fn prefix(&self) -> &str {
