@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::QueryAs;
+use sqlx::{PgConnection, PgPool, Postgres};
 
 use super::classify::{Evidence, GapPiece, OpenGap, Reason};
 use crate::ledger::Via;
@@ -235,6 +237,34 @@ pub(super) async fn contradicting_changes(
     conn: &mut PgConnection,
     since: DateTime<Utc>,
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
+    let mut changed = documents_contradicting(conn, since).await?;
+    let late: [(LateRuns, &[Reason]); 3] = [
+        // A late ledger write of a number judged lost or discarded.
+        (
+            LateRuns::Ledger,
+            &[Reason::UntrackedLoss, Reason::PoolDiscarded],
+        ),
+        // A late discard record of a number judged lost or lease-lost.
+        (
+            LateRuns::Discards,
+            &[Reason::UntrackedLoss, Reason::LeaseLost],
+        ),
+        // A late handout record of a number judged lease-lost.
+        (LateRuns::Handouts, &[Reason::LeaseLost]),
+    ];
+    for (table, reasons) in late {
+        changed.extend(late_runs(conn, table, since, reasons).await?);
+    }
+    Ok(changed)
+}
+
+/// Documents whose status changed since `since` and disagrees with the
+/// open gaps: dead-lettered or abandoned without the gap that says so, or
+/// pending or delivered inside a gap.
+async fn documents_contradicting(
+    conn: &mut PgConnection,
+    since: DateTime<Utc>,
+) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT o.sequence_id, o.period, o.seq, o.seq + 1 FROM id_outbox o \
            JOIN reconcile_periods r ON r.sequence_id = o.sequence_id AND r.period = o.period \
@@ -249,36 +279,58 @@ pub(super) async fn contradicting_changes(
                   ELSE EXISTS (SELECT 1 FROM id_gaps g WHERE g.sequence_id = o.sequence_id \
                       AND g.period = o.period AND g.resolved_at IS NULL \
                       AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
-                END \
-         UNION ALL \
-         SELECT l.sequence_id, l.period, greatest(lower(l.seqs), g.from_seq), least(upper(l.seqs), g.to_seq + 1) \
-           FROM issuance_ledger l JOIN id_gaps g ON g.sequence_id = l.sequence_id AND g.period = l.period \
-            AND g.resolved_at IS NULL AND g.reason IN ($6, $7) \
-            AND int8range(g.from_seq, g.to_seq, '[]') && l.seqs \
-          WHERE l.issued_at > $1 \
-         UNION ALL \
-         SELECT d.sequence_id, d.period, greatest(lower(d.seqs), g.from_seq), least(upper(d.seqs), g.to_seq + 1) \
-           FROM pool_discards d JOIN id_gaps g ON g.sequence_id = d.sequence_id AND g.period = d.period \
-            AND g.resolved_at IS NULL AND g.reason IN ($6, $8) \
-            AND int8range(g.from_seq, g.to_seq, '[]') && d.seqs \
-          WHERE d.discarded_at > $1 \
-         UNION ALL \
-         SELECT h.sequence_id, h.period, greatest(lower(h.seqs), g.from_seq), least(upper(h.seqs), g.to_seq + 1) \
-           FROM lease_handouts h JOIN id_gaps g ON g.sequence_id = h.sequence_id AND g.period = h.period \
-            AND g.resolved_at IS NULL AND g.reason = $8 \
-            AND int8range(g.from_seq, g.to_seq, '[]') && h.seqs \
-          WHERE h.reported_at > $1",
+                END",
     )
     .bind(since)
     .bind(DocumentStatus::DeadLetter)
     .bind(Reason::OutboxDlq)
     .bind(DocumentStatus::Abandoned)
     .bind(Reason::Abandoned)
-    .bind(Reason::UntrackedLoss)
-    .bind(Reason::PoolDiscarded)
-    .bind(Reason::LeaseLost)
     .fetch_all(&mut *conn)
     .await
+}
+
+/// Tables of runs of numbers with the time each run was written.
+#[derive(Clone, Copy)]
+enum LateRuns {
+    Ledger,
+    Discards,
+    Handouts,
+}
+
+impl LateRuns {
+    /// The table and its time column (ours, never caller input).
+    fn source(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Ledger => ("issuance_ledger", "issued_at"),
+            Self::Discards => ("pool_discards", "discarded_at"),
+            Self::Handouts => ("lease_handouts", "reported_at"),
+        }
+    }
+}
+
+/// The parts of runs of `table` written since `since` that fall in open
+/// gaps of one of `reasons`.
+async fn late_runs(
+    conn: &mut PgConnection,
+    table: LateRuns,
+    since: DateTime<Utc>,
+    reasons: &[Reason],
+) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
+    let (name, written_at) = table.source();
+    let query = format!(
+        "SELECT t.sequence_id, t.period, greatest(lower(t.seqs), g.from_seq), least(upper(t.seqs), g.to_seq + 1) \
+           FROM {name} t JOIN id_gaps g ON g.sequence_id = t.sequence_id AND g.period = t.period \
+            AND g.resolved_at IS NULL AND g.reason = ANY($2) \
+            AND int8range(g.from_seq, g.to_seq, '[]') && t.seqs \
+          WHERE t.{written_at} > $1"
+    );
+    let reasons: Vec<&str> = reasons.iter().map(|r| r.as_str()).collect();
+    sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .bind(since)
+        .bind(&reasons)
+        .fetch_all(&mut *conn)
+        .await
 }
 
 pub(super) async fn resolve_gaps(
@@ -414,48 +466,49 @@ type LedgerRows = Vec<(i64, i64, DateTime<Utc>, bool)>;
 type Documents = Vec<(i64, DocumentStatus, String)>;
 
 impl Windows<'_> {
+    /// `sql` with the windows bound: `$1` sequence, `$2` period, `$3` and
+    /// `$4` the windows' starts and ends.
+    fn query<O>(&self, sql: &'static str) -> QueryAs<'static, Postgres, O, PgArguments>
+    where
+        O: for<'r> sqlx::FromRow<'r, PgRow>,
+    {
+        sqlx::query_as(sql)
+            .bind(self.sequence_id)
+            .bind(self.period.to_owned())
+            .bind(self.los.clone())
+            .bind(self.his.clone())
+    }
+
     async fn blocks(&self, conn: &mut PgConnection) -> Result<Blocks, sqlx::Error> {
-        sqlx::query_as(
+        self.query(
             "SELECT DISTINCT lower(b.seqs), upper(b.seqs), b.reserved_at \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
              JOIN blocks b ON b.sequence_id = $1 AND b.period = $2 AND b.seqs && int8range(w.lo, w.hi) \
              ORDER BY 1",
         )
-        .bind(self.sequence_id)
-        .bind(self.period)
-        .bind(&self.los)
-        .bind(&self.his)
         .fetch_all(&mut *conn)
         .await
     }
 
     async fn ledger(&self, conn: &mut PgConnection) -> Result<LedgerRows, sqlx::Error> {
-        sqlx::query_as(
+        self.query(
             "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
              JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
              ORDER BY 1",
         )
-        .bind(self.sequence_id)
-        .bind(self.period)
-        .bind(&self.los)
-        .bind(&self.his)
         .bind(Via::Lease.as_str())
         .fetch_all(&mut *conn)
         .await
     }
 
     async fn documents(&self, conn: &mut PgConnection) -> Result<Documents, sqlx::Error> {
-        sqlx::query_as(
+        self.query(
             "SELECT DISTINCT o.seq, o.status::text, o.document_id \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
              JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
              ORDER BY 1",
         )
-        .bind(self.sequence_id)
-        .bind(self.period)
-        .bind(&self.los)
-        .bind(&self.his)
         .fetch_all(&mut *conn)
         .await
     }
