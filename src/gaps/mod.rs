@@ -2,6 +2,7 @@
 //! reason, kept in `id_gaps` by the reconciliation job.
 
 pub mod classify;
+mod evidence;
 pub mod reconcile;
 mod store;
 

@@ -19,7 +19,8 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::classify::{self, Judged, OpenGap, Reason};
-use super::store::{self, ActivePeriod, FetchedEvidence, fetch_evidence, open_gaps_near};
+use super::evidence::{FetchedEvidence, fetch_evidence, open_gaps_near};
+use super::store::{self, ActivePeriod};
 use crate::clock::Clock;
 use crate::numbers::{SeqRange, runs};
 use crate::pool::PoolService;
