@@ -383,17 +383,7 @@ async fn send_chunk(
     settings: &Settings,
     chunk: Vec<(u64, Entry)>,
 ) -> anyhow::Result<Vec<Fate>> {
-    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(chunk.len());
-    let mut pending: Vec<(usize, u64, String, String)> = Vec::new();
-    for (line, entry) in chunk {
-        match entry {
-            Entry::Reject(reject) => fates.push(Some(Fate::Reject(reject))),
-            Entry::Document { source_id, body } => {
-                pending.push((fates.len(), line, source_id, body));
-                fates.push(None);
-            }
-        }
-    }
+    let (mut fates, mut pending) = split_chunk(chunk);
     let url = format!(
         "{}/api/v1/documents/batch",
         settings.url.trim_end_matches('/')
@@ -403,24 +393,7 @@ async fn send_chunk(
         let body = batch_body(pending.iter().map(|(_, _, _, item)| item.as_str()));
         let (status, text) = post_batch(client, &url, settings.key.as_deref(), body).await;
         match status {
-            Some(s) if s.as_u16() == 202 => {
-                let accepted: Accepted =
-                    serde_json::from_str(&text).context("reading the batch answer")?;
-                if accepted.documents.len() != pending.len() {
-                    bail!(
-                        "the server answered {} results for {} documents",
-                        accepted.documents.len(),
-                        pending.len()
-                    );
-                }
-                for ((slot, _, source_id, _), item) in pending.drain(..).zip(accepted.documents) {
-                    fates[slot] = Some(Fate::Mapped(Mapped {
-                        source_id,
-                        id: item.id,
-                        replayed: item.replayed,
-                    }));
-                }
-            }
+            Some(s) if s.as_u16() == 202 => map_accepted(&text, &mut pending, &mut fates)?,
             Some(s) if let Some(index) = item_at_fault(s, &text, pending.len()) => {
                 let problem: Option<Problem> = serde_json::from_str(&text).ok();
                 // One document is at fault: it is rejected, the rest go again.
@@ -452,6 +425,50 @@ async fn send_chunk(
         }
     }
     Ok(fates.into_iter().flatten().collect())
+}
+
+/// A document on its way: its place among the chunk's fates, its line,
+/// its source id and its batch item.
+type Pending = (usize, u64, String, String);
+
+/// The chunk's rejects, in place, and the documents still to send.
+fn split_chunk(chunk: Vec<(u64, Entry)>) -> (Vec<Option<Fate>>, Vec<Pending>) {
+    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(chunk.len());
+    let mut pending = Vec::new();
+    for (line, entry) in chunk {
+        match entry {
+            Entry::Reject(reject) => fates.push(Some(Fate::Reject(reject))),
+            Entry::Document { source_id, body } => {
+                pending.push((fates.len(), line, source_id, body));
+                fates.push(None);
+            }
+        }
+    }
+    (fates, pending)
+}
+
+/// A batch accepted: each pending document gets the ID it was given.
+fn map_accepted(
+    text: &str,
+    pending: &mut Vec<Pending>,
+    fates: &mut [Option<Fate>],
+) -> anyhow::Result<()> {
+    let accepted: Accepted = serde_json::from_str(text).context("reading the batch answer")?;
+    if accepted.documents.len() != pending.len() {
+        bail!(
+            "the server answered {} results for {} documents",
+            accepted.documents.len(),
+            pending.len()
+        );
+    }
+    for ((slot, _, source_id, _), item) in pending.drain(..).zip(accepted.documents) {
+        fates[slot] = Some(Fate::Mapped(Mapped {
+            source_id,
+            id: item.id,
+            replayed: item.replayed,
+        }));
+    }
+    Ok(())
 }
 
 /// The item a refusal names (`index`), if the server blamed one: that
