@@ -126,6 +126,11 @@ async fn bad_sequence_definitions_and_queries_get_their_problems() {
         (json!({"format": "{user}-{seq}"}), "unknown token"),
         (json!({"format": "{seq:0}"}), "seq:N"),
         (json!({"format": "{date:%Q}{seq}"}), "strftime"),
+        // chrono reads %#z but cannot print it.
+        (
+            json!({"format": "{project}-{date:%#z}-{seq}"}),
+            "not supported",
+        ),
         (json!({"format": "{seq", "reset": "never"}), "never closed"),
         (
             json!({"format": "{type}{date:%Y%m}{seq:4}", "reset": "daily"}),

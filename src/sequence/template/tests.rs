@@ -75,6 +75,13 @@ fn refuses_malformed_templates() {
         Template::parse("{date:%Z}{seq}"),
         Err(TemplateError::DateItem { .. })
     ));
+    // An item chrono reads but cannot print.
+    for format in ["{date:%#z}{seq}", "{project}-{date:%Y%m%d%#z}-{seq}"] {
+        assert!(
+            matches!(Template::parse(format), Err(TemplateError::DateItem { .. })),
+            "{format}"
+        );
+    }
 }
 
 #[test]
