@@ -205,8 +205,16 @@ impl Parts {
             },
             tasks: tasks.clone(),
         });
-        let reconciler =
-            Self::reconciler(config, overrides, &db, &pools, &sequences, &stats).await?;
+        let reconciler = Self::reconciler(
+            config,
+            overrides,
+            &db,
+            &pools,
+            &sequences,
+            &stats,
+            &instance_id,
+        )
+        .await?;
         Ok(Self {
             db,
             stats,
@@ -245,6 +253,7 @@ impl Parts {
         pools: &Arc<PoolService>,
         sequences: &Arc<SequenceStore>,
         stats: &Arc<Stats>,
+        instance_id: &str,
     ) -> anyhow::Result<Arc<Reconciler>> {
         let background_db = db::pool(
             (*db.connect_options()).clone(),
@@ -262,7 +271,7 @@ impl Parts {
                 .reconcile
                 .clone()
                 .unwrap_or_else(|| config.reconcile_settings()),
-            config.instance_id(),
+            instance_id.to_owned(),
         )))
     }
 

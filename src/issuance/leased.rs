@@ -30,6 +30,11 @@ pub(super) enum Begun {
     Alone(Option<Arc<LeaseHolder>>, Vec<i64>),
 }
 
+/// The most numbers one lease of `holder`'s pool may carry.
+fn pool_size(holder: &LeaseHolder) -> usize {
+    holder.pool.sequence.definition.pool_size as usize
+}
+
 impl Issuer {
     fn holder(&self, placement: &Arc<Placement>) -> Arc<LeaseHolder> {
         let sequence = &placement.sequence;
@@ -50,8 +55,9 @@ impl Issuer {
         }
         let holder = self.holder(placement);
         let mut got = Vec::with_capacity(count);
-        let pool_size = holder.pool.sequence.definition.pool_size as usize;
-        let (progress, order) = self.leases.take(&holder, count, pool_size, &mut got, true);
+        let (progress, order) =
+            self.leases
+                .take(&holder, count, pool_size(&holder), &mut got, true);
         if let Some(order) = order {
             self.order(order);
         }
@@ -70,9 +76,10 @@ impl Issuer {
         count: usize,
         got: &mut Vec<i64>,
     ) -> bool {
-        let pool_size = holder.pool.sequence.definition.pool_size as usize;
         self.leases
-            .fill(holder, count, pool_size, got, |order| self.order(order))
+            .fill(holder, count, pool_size(holder), got, |order| {
+                self.order(order)
+            })
             .await
     }
 

@@ -219,7 +219,6 @@ impl Issuer {
         placement: Arc<Placement>,
         want: Want,
     ) -> Result<Issued, IssueError> {
-        let issuer = self.clone();
         match want {
             Want::Ids { count } => {
                 let begun = self.begin_ids(&placement, count);
@@ -227,6 +226,7 @@ impl Issuer {
                     let seqs = self.hand_out(&holder, got).await?;
                     return Ok(Issued::numbers_of(placement, seqs));
                 }
+                let issuer = self.clone();
                 self.detached(async move {
                     let seqs = issuer.ids(&placement, count, begun).await?;
                     Ok(Issued::numbers_of(placement, seqs))
@@ -234,6 +234,7 @@ impl Issuer {
                 .await?
             }
             Want::Document { attachment } => {
+                let issuer = self.clone();
                 self.detached(async move {
                     let (row, created_at) = issuer.document(&placement, attachment).await?;
                     Ok(Issued {

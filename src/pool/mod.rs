@@ -15,7 +15,7 @@ mod refill;
 mod scripts;
 mod shared_pop;
 mod watch;
-pub use self::shared_pop::pop_shared;
+use self::shared_pop::pop_shared;
 pub mod url;
 
 use std::collections::HashMap;
