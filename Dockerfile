@@ -14,6 +14,9 @@ RUN mkdir -p src bench/src \
     && rm -rf src
 COPY src ./src
 COPY migrations ./migrations
+# The query macros build from the committed query data, with no database.
+COPY .sqlx ./.sqlx
+COPY .cargo ./.cargo
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked -p idpool --bin idpool
 
 FROM debian:bookworm-slim AS runtime

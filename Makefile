@@ -3,14 +3,15 @@ SHELL := /bin/bash
 export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
 export REDIS_URL ?= redis://127.0.0.1:6379
 
-.PHONY: help run test lint openapi services services-down clean-test-dbs bench bench-quick bench-build sdk-tools
+.PHONY: help run test lint sqlx-prepare openapi services services-down clean-test-dbs bench bench-quick bench-build sdk-tools
 
 help:
 	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080 (no API keys)"
 	@echo "make test           start Postgres/Redis if needed, then the whole test suite"
 	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
 	@echo "make bench-quick    the same scenarios at about a tenth of the size"
-	@echo "make lint           rustfmt and clippy, warnings as errors"
+	@echo "make lint           rustfmt, clippy (warnings as errors), .sqlx/ current"
+	@echo "make sqlx-prepare   rewrite .sqlx/ after changing a query or a migration"
 	@echo "make openapi        regenerate openapi/openapi.json"
 	@echo "make services-down  stop the Postgres/Redis that make started (never others)"
 
@@ -48,9 +49,20 @@ test: services clean-test-dbs sdk-tools
 	  cargo test --workspace --all-targets -- --test-threads 2; \
 	fi
 
-lint:
+# The query macros build from the committed .sqlx/ (.cargo/config.toml sets
+# SQLX_OFFLINE); these two describe every query again against a scratch
+# database migrated from migrations/, and write or compare .sqlx/.
+lint: services
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	@bin=$$(scripts/sqlx-cli.sh) && export PATH="$$bin:$$PATH" DATABASE_URL="$${DATABASE_URL%/*}/idpool_sqlx_check" \
+	  && sqlx database reset -y --source migrations >/dev/null \
+	  && cargo sqlx prepare --check --workspace -- --all-targets
+
+sqlx-prepare: services
+	@bin=$$(scripts/sqlx-cli.sh) && export PATH="$$bin:$$PATH" DATABASE_URL="$${DATABASE_URL%/*}/idpool_sqlx_check" \
+	  && sqlx database reset -y --source migrations >/dev/null \
+	  && cargo sqlx prepare --workspace -- --all-targets
 
 # The bench starts its own Postgres, Redis and idpool on free ports and stops
 # them; it never touches servers it did not start. Results: target/bench/latest.json

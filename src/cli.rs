@@ -199,9 +199,10 @@ fn check_database_url(url: &str) -> anyhow::Result<()> {
 
 /// Fails unless the database holds idpool's tables.
 async fn require_migrated(pool: &sqlx::PgPool) -> anyhow::Result<()> {
-    let migrated: bool = sqlx::query_scalar("SELECT to_regclass('api_keys') IS NOT NULL")
-        .fetch_one(pool)
-        .await?;
+    let migrated =
+        sqlx::query_scalar!(r#"SELECT to_regclass('api_keys') IS NOT NULL AS "migrated!""#)
+            .fetch_one(pool)
+            .await?;
     if !migrated {
         anyhow::bail!(
             "the database of DATABASE_URL holds no idpool tables; is the URL right? \

@@ -25,14 +25,6 @@ pub enum Reserved<T> {
     Unfenced,
 }
 
-/// SQL for the timeline of the Postgres a statement runs on (a promoted
-/// standby starts a new one), readable by any role on a primary.
-macro_rules! timeline_sql {
-    () => {
-        "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)"
-    };
-}
-
 /// Most periods one instance remembers having seen a counter for.
 const MAX_KNOWN_PERIODS: usize = 100_000;
 
@@ -113,9 +105,14 @@ impl Counter {
 
     /// The timeline of the Postgres the counters are on now.
     pub async fn timeline(&self) -> Result<String, sqlx::Error> {
-        sqlx::query_scalar(concat!("SELECT ", timeline_sql!()))
-            .fetch_one(&self.refill_db)
-            .await
+        // The timeline of the Postgres a statement runs on (a promoted
+        // standby starts a new one), readable by any role on a primary; the
+        // two reservations below return it with the same expression.
+        sqlx::query_scalar!(
+            r#"SELECT substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS "timeline!""#
+        )
+        .fetch_one(&self.refill_db)
+        .await
     }
 
     pub fn refill_db(&self) -> &PgPool {
@@ -133,15 +130,15 @@ impl Counter {
     ) -> Result<(), sqlx::Error> {
         let starts: Vec<i64> = ranges.iter().map(|r| r.start).collect();
         let ends: Vec<i64> = ranges.iter().map(|r| r.end).collect();
-        sqlx::query(
+        sqlx::query!(
             "INSERT INTO pool_discards (sequence_id, period, seqs, cause) \
              SELECT $1, $2, int8range(s, e), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(s, e)",
+            sequence_id,
+            period,
+            cause,
+            &starts,
+            &ends,
         )
-        .bind(sequence_id)
-        .bind(period)
-        .bind(cause)
-        .bind(&starts)
-        .bind(&ends)
         .execute(&self.refill_db)
         .await?;
         Ok(())
@@ -193,7 +190,7 @@ impl Counter {
         // In a transaction, so a block taken on a timeline the counters were
         // not fenced on is undone rather than pushed.
         let mut tx = self.refill_db.begin().await?;
-        let row: Option<(i64, i64, i64, String)> = sqlx::query_as(concat!(
+        let row = sqlx::query!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = LEAST($3, $4 - next_seq + 1), \
                                      next_seq = next_seq + LEAST($3, $4 - next_seq + 1) \
@@ -203,18 +200,19 @@ impl Counter {
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id, lock_acquired_at) \
              SELECT $1, $2, int8range(first, next), 'pool', $5, $6 FROM taken \
-             RETURNING id, lower(seqs), upper(seqs), ",
-            timeline_sql!()
-        ))
-        .bind(sequence.id)
-        .bind(period.key())
-        .bind(want)
-        .bind(sequence.definition.max_seq())
-        .bind(&self.instance_id)
-        .bind(lock_acquired_at)
-        .bind(sequence.identity_version)
+             RETURNING id, lower(seqs) AS \"start!\", upper(seqs) AS \"end!\", \
+                       substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS \"timeline!\"",
+            sequence.id,
+            period.key(),
+            want,
+            sequence.definition.max_seq(),
+            &self.instance_id,
+            lock_acquired_at,
+            sequence.identity_version,
+        )
         .fetch_optional(&mut *tx)
-        .await?;
+        .await?
+        .map(|r| (r.id, r.start, r.end, r.timeline));
         match row {
             Some((_, _, _, timeline)) if !self.on_fenced_timeline(&timeline) => {
                 tx.rollback().await?;
@@ -241,11 +239,12 @@ impl Counter {
         db: E,
         sequence: &Sequence,
     ) -> Result<Reserved<T>, sqlx::Error> {
-        let current: Option<i32> =
-            sqlx::query_scalar("SELECT identity_version FROM sequences WHERE id = $1")
-                .bind(sequence.id)
-                .fetch_optional(db)
-                .await?;
+        let current: Option<i32> = sqlx::query_scalar!(
+            "SELECT identity_version FROM sequences WHERE id = $1",
+            sequence.id
+        )
+        .fetch_optional(db)
+        .await?;
         Ok(if current == Some(sequence.identity_version) {
             Reserved::Exhausted
         } else {
@@ -267,31 +266,33 @@ impl Counter {
     ) -> Result<Option<SeqRange>, sqlx::Error> {
         let mut tx = self.refill_db.begin().await?;
         create_counter(&mut *tx, sequence, period).await?;
-        let next: i64 = sqlx::query_scalar(
+        let next: i64 = sqlx::query_scalar!(
             "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2 FOR UPDATE",
+            sequence.id,
+            period.key(),
         )
-        .bind(sequence.id)
-        .bind(period.key())
         .fetch_one(&mut *tx)
         .await?;
         if next >= max_end {
             return Ok(None);
         }
-        sqlx::query("UPDATE counters SET next_seq = $3 WHERE sequence_id = $1 AND period = $2")
-            .bind(sequence.id)
-            .bind(period.key())
-            .bind(max_end)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
+        sqlx::query!(
+            "UPDATE counters SET next_seq = $3 WHERE sequence_id = $1 AND period = $2",
+            sequence.id,
+            period.key(),
+            max_end,
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query!(
             "INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
              VALUES ($1, $2, int8range($3, $4), 'pool', $5)",
+            sequence.id,
+            period.key(),
+            next,
+            max_end,
+            format!("fence:{}", self.instance_id),
         )
-        .bind(sequence.id)
-        .bind(period.key())
-        .bind(next)
-        .bind(max_end)
-        .bind(format!("fence:{}", self.instance_id))
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -308,38 +309,45 @@ impl Counter {
         let types: Vec<&str> = seen.iter().map(|s| s.1.as_str()).collect();
         let periods: Vec<&str> = seen.iter().map(|s| s.2.as_str()).collect();
         let ends: Vec<i64> = seen.iter().map(|s| s.3).collect();
-        sqlx::query_as(
-            "SELECT w.p, w.t, w.pe, w.e \
+        let rows = sqlx::query!(
+            "SELECT w.p AS \"project!\", w.t AS \"doc_type!\", w.pe AS \"period!\", w.e AS \"end!\" \
              FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[]) AS w(p, t, pe, e) \
              LEFT JOIN sequences s ON s.project = w.p AND s.doc_type = w.t \
              LEFT JOIN counters c ON c.sequence_id = s.id AND c.period = w.pe \
              WHERE c.next_seq IS NULL OR c.next_seq < w.e",
+            &projects as &[&str],
+            &types as &[&str],
+            &periods as &[&str],
+            &ends,
         )
-        .bind(&projects)
-        .bind(&types)
-        .bind(&periods)
-        .bind(&ends)
         .fetch_all(&self.refill_db)
-        .await
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.project, r.doc_type, r.period, r.end))
+            .collect())
     }
 
     /// Which Postgres this is: its system identifier (where the role may
     /// read it) and its timeline, which a promoted standby changes.
     pub async fn postgres_identity(&self) -> Result<PostgresIdentity, sqlx::Error> {
         let timeline = self.timeline().await?;
-        let system: Option<String> =
-            sqlx::query_scalar("SELECT system_identifier::text FROM pg_control_system()")
-                .fetch_one(&self.refill_db)
-                .await
-                .ok();
+        let system: Option<String> = sqlx::query_scalar!(
+            r#"SELECT system_identifier::text AS "system!" FROM pg_control_system()"#
+        )
+        .fetch_one(&self.refill_db)
+        .await
+        .ok();
         Ok(PostgresIdentity { system, timeline })
     }
 
     pub async fn mark_pushed(&self, block_id: i64) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE blocks SET pushed_at = clock_timestamp() WHERE id = $1")
-            .bind(block_id)
-            .execute(&self.refill_db)
-            .await?;
+        sqlx::query!(
+            "UPDATE blocks SET pushed_at = clock_timestamp() WHERE id = $1",
+            block_id
+        )
+        .execute(&self.refill_db)
+        .await?;
         Ok(())
     }
 
@@ -355,7 +363,7 @@ impl Counter {
         n: i64,
     ) -> Result<Reserved<SeqRange>, sqlx::Error> {
         self.ensure_period(&mut *conn, sequence, period).await?;
-        let taken: Option<(i64, String)> = sqlx::query_as(concat!(
+        let taken = sqlx::query!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
@@ -364,17 +372,18 @@ impl Counter {
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
              SELECT $1, $2, int8range(first, next), 'direct', $5 FROM taken \
-             RETURNING lower(seqs), ",
-            timeline_sql!()
-        ))
-        .bind(sequence.id)
-        .bind(period.key())
-        .bind(n)
-        .bind(sequence.definition.max_seq())
-        .bind(&self.instance_id)
-        .bind(sequence.identity_version)
+             RETURNING lower(seqs) AS \"first!\", \
+                       substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS \"timeline!\"",
+            sequence.id,
+            period.key(),
+            n,
+            sequence.definition.max_seq(),
+            &self.instance_id,
+            sequence.identity_version,
+        )
         .fetch_optional(&mut *conn)
-        .await?;
+        .await?
+        .map(|r| (r.first, r.timeline));
         match taken {
             // The caller's transaction rolls back; without one the numbers
             // stay taken and are never handed out.
@@ -391,13 +400,13 @@ async fn create_counter<'e, E: sqlx::PgExecutor<'e>>(
     sequence: &Sequence,
     period: &Period,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, $2, $3) \
          ON CONFLICT (sequence_id, period) DO NOTHING",
+        sequence.id,
+        period.key(),
+        sequence.first_number(period),
     )
-    .bind(sequence.id)
-    .bind(period.key())
-    .bind(sequence.first_number(period))
     .execute(db)
     .await?;
     Ok(())

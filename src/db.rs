@@ -119,11 +119,12 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut maintenance = options.clone().database("postgres").connect().await?;
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(&name)
-            .fetch_one(&mut maintenance)
-            .await?;
+    let exists = sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS "exists!""#,
+        &name,
+    )
+    .fetch_one(&mut maintenance)
+    .await?;
     if !exists {
         let quoted = format!("\"{}\"", name.replace('"', "\"\""));
         let created = sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))
@@ -177,12 +178,13 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 /// loses nothing. Says so when the primary has replicas but none is
 /// synchronous.
 pub async fn warn_without_synchronous_standby(db: &PgPool) {
-    let seen: Result<(i64, String), _> = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM pg_stat_replication), \
-                current_setting('synchronous_standby_names')",
+    let seen = sqlx::query!(
+        r#"SELECT (SELECT count(*) FROM pg_stat_replication) AS "replicas!",
+                  current_setting('synchronous_standby_names') AS "names!""#
     )
     .fetch_one(db)
-    .await;
+    .await
+    .map(|r| (r.replicas, r.names));
     if let Ok((replicas, names)) = seen
         && replicas > 0
         && names.trim().is_empty()
@@ -223,4 +225,24 @@ pub mod sqlstate {
             _ => None,
         }
     }
+}
+
+/// A new database migrated from `migrations/`, for tests of storage
+/// modules: named like the API tests' (`make test` drops those of earlier
+/// runs), on the server of `DATABASE_URL`.
+#[cfg(test)]
+pub(crate) async fn scratch() -> PgPool {
+    let base = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idpool".to_owned());
+    let server = base.split('?').next().and_then(|u| u.rsplit_once('/'));
+    let Some((server, _)) = server else {
+        panic!("DATABASE_URL {base:?} names no database");
+    };
+    let name = uuid::Uuid::new_v4().simple().to_string();
+    let url = format!("{server}/idpool_test_{}", &name[..16]);
+    let pool = connect(&url, 4, Limits::default())
+        .await
+        .expect("a scratch database on the server of DATABASE_URL");
+    MIGRATOR.run(&pool).await.expect("migrations");
+    pool
 }

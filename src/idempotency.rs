@@ -94,11 +94,10 @@ fn is_lock_timeout(e: &sqlx::Error) -> bool {
 
 /// Makes lock waits of this transaction give up after [`WAIT_FOR_TWIN`].
 pub async fn wait_for_twins_briefly(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SET LOCAL lock_timeout = '{WAIT_FOR_TWIN}'"
-    )))
-    .execute(&mut *conn)
-    .await?;
+    // set_config(.., true) is SET LOCAL with the value bound.
+    sqlx::query_scalar!("SELECT set_config('lock_timeout', $1, true)", WAIT_FOR_TWIN)
+        .fetch_one(&mut *conn)
+        .await?;
     Ok(())
 }
 
@@ -115,15 +114,15 @@ pub async fn claim(
     order.sort_by(|a, b| keys[*a].0.cmp(&keys[*b].0));
     let names: Vec<&str> = order.iter().map(|i| keys[*i].0.as_str()).collect();
     let hashes: Vec<&[u8]> = order.iter().map(|i| keys[*i].1.as_slice()).collect();
-    let inserted: Vec<String> = sqlx::query_scalar(
+    let inserted: Vec<String> = sqlx::query_scalar!(
         "INSERT INTO idempotency_keys (caller, key, request_hash, status_code, response) \
          SELECT $1, k, h, 0, 'null'::jsonb FROM UNNEST($2::text[], $3::bytea[]) WITH ORDINALITY AS t(k, h, n) \
          ORDER BY n \
          ON CONFLICT (caller, key) DO NOTHING RETURNING key",
+        caller.as_str(),
+        &names as &[&str],
+        &hashes as &[&[u8]],
     )
-    .bind(caller.as_str())
-    .bind(&names)
-    .bind(&hashes)
     .fetch_all(&mut *conn)
     .await
     .map_err(|e| if is_lock_timeout(&e) { ClaimError::InUse } else { ClaimError::Db(e) })?;
@@ -135,17 +134,17 @@ pub async fn claim(
     let mut stored: std::collections::HashMap<String, (Vec<u8>, i16, Value)> =
         std::collections::HashMap::new();
     if !used_before.is_empty() {
-        let rows: Vec<(String, Vec<u8>, i16, Value)> = sqlx::query_as(
+        let rows = sqlx::query!(
             "SELECT key, request_hash, status_code, response FROM idempotency_keys \
              WHERE caller = $1 AND key = ANY($2)",
+            caller.as_str(),
+            &used_before as &[&str],
         )
-        .bind(caller.as_str())
-        .bind(&used_before)
         .fetch_all(&mut *conn)
         .await?;
         stored = rows
             .into_iter()
-            .map(|(k, h, s, r)| (k, (h, s, r)))
+            .map(|r| (r.key, (r.request_hash, r.status_code, r.response)))
             .collect();
     }
     keys.iter()
@@ -176,15 +175,15 @@ pub async fn store(
     let keys: Vec<&str> = answers.iter().map(|(k, _, _)| *k).collect();
     let statuses: Vec<i16> = answers.iter().map(|(_, s, _)| *s as i16).collect();
     let responses: Vec<&Value> = answers.iter().map(|(_, _, r)| r).collect();
-    sqlx::query(
+    sqlx::query!(
         "UPDATE idempotency_keys i SET status_code = a.s, response = a.r \
          FROM UNNEST($2::text[], $3::smallint[], $4::jsonb[]) AS a(k, s, r) \
          WHERE i.caller = $1 AND i.key = a.k",
+        caller.as_str(),
+        &keys as &[&str],
+        &statuses,
+        &responses as &[&Value],
     )
-    .bind(caller.as_str())
-    .bind(&keys)
-    .bind(&statuses)
-    .bind(&responses)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -193,10 +192,10 @@ pub async fn store(
 /// Deletes answers older than `ttl`; returns how many.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn prune(db: &PgPool, ttl: Duration) -> Result<u64, sqlx::Error> {
-    let result = sqlx::query(
+    let result = sqlx::query!(
         "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)",
+        ttl.as_secs_f64(),
     )
-    .bind(ttl.as_secs_f64())
     .execute(db)
     .await?;
     Ok(result.rows_affected())

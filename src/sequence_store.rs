@@ -99,7 +99,6 @@ fn cache_key(project: &str, doc_type: &str) -> String {
     format!("{project}/{doc_type}")
 }
 
-#[derive(sqlx::FromRow)]
 struct SequenceRow {
     id: i64,
     project: String,
@@ -121,9 +120,22 @@ struct SequenceRow {
     updated_at: DateTime<Utc>,
 }
 
-const SELECT_COLUMNS: &str = "id, project, doc_type, format, layout, epoch, start_seq, max_seq, \
-     reset, timezone, pool_size, refill_at, version, identity_version, counter_floor, floor_until, \
-     created_at, updated_at";
+/// `query_as!` of `SequenceRow`s: `$sql` is what follows the column list
+/// (`FROM sequences WHERE …`, or an INSERT's columns and values), `$before`
+/// what precedes it (`SELECT`, or an INSERT ending in `RETURNING`). A macro,
+/// so the query stays one literal sqlx checks at compile time.
+macro_rules! sequence_rows {
+    ($before:tt, $sql:tt $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            SequenceRow,
+            $before + " id, project, doc_type, format, layout, epoch, start_seq, max_seq, \
+             reset, timezone, pool_size, refill_at, version, identity_version, counter_floor, \
+             floor_until, created_at, updated_at " + $sql
+            $(, $arg)*
+        )
+    };
+}
+pub(crate) use sequence_rows;
 
 impl SequenceRow {
     fn into_sequence(self) -> Result<Sequence, StoreError> {
@@ -344,22 +356,21 @@ impl SequenceStore {
     }
 
     pub async fn by_id(&self, id: i64) -> Result<Option<Sequence>, StoreError> {
-        let sql = format!("SELECT {SELECT_COLUMNS} FROM sequences WHERE id = $1");
-        let row: Option<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(id)
+        let row = sequence_rows!("SELECT", "FROM sequences WHERE id = $1", id)
             .fetch_optional(&self.db)
             .await?;
         row.map(SequenceRow::into_sequence).transpose()
     }
 
     async fn load(&self, project: &str, doc_type: &str) -> Result<Option<Sequence>, StoreError> {
-        let sql =
-            format!("SELECT {SELECT_COLUMNS} FROM sequences WHERE project = $1 AND doc_type = $2");
-        let row: Option<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(project)
-            .bind(doc_type)
-            .fetch_optional(&self.db)
-            .await?;
+        let row = sequence_rows!(
+            "SELECT",
+            "FROM sequences WHERE project = $1 AND doc_type = $2",
+            project,
+            doc_type
+        )
+        .fetch_optional(&self.db)
+        .await?;
         row.map(SequenceRow::into_sequence).transpose()
     }
 
@@ -376,34 +387,41 @@ impl SequenceStore {
         // A key of some projects walks each of them from the cursor (the
         // unique index on (project, doc_type)): its page costs its own
         // sequences, however many other projects hold.
-        let sql = match projects {
-            Some(_) => format!(
-                "SELECT s.* FROM unnest($4::text[]) AS p(code) CROSS JOIN LATERAL ( \
-                     SELECT {SELECT_COLUMNS} FROM sequences \
-                     WHERE project = p.code AND (project, doc_type) > ($1, $2) \
+        let rows = match projects {
+            Some(projects) => {
+                sequence_rows!(
+                    "SELECT s.* FROM unnest($4::text[]) AS p(code) CROSS JOIN LATERAL (SELECT",
+                    "FROM sequences WHERE project = p.code AND (project, doc_type) > ($1, $2) \
                      ORDER BY project, doc_type LIMIT $3) s \
-                 ORDER BY s.project, s.doc_type LIMIT $3"
-            ),
-            None => format!(
-                "SELECT {SELECT_COLUMNS} FROM sequences WHERE (project, doc_type) > ($1, $2) \
-                 AND $4::text[] IS NULL ORDER BY project, doc_type LIMIT $3"
-            ),
+                     ORDER BY s.project, s.doc_type LIMIT $3",
+                    after_project,
+                    after_type,
+                    limit,
+                    projects
+                )
+                .fetch_all(&self.db)
+                .await?
+            }
+            None => {
+                sequence_rows!(
+                    "SELECT",
+                    "FROM sequences WHERE (project, doc_type) > ($1, $2) \
+                     ORDER BY project, doc_type LIMIT $3",
+                    after_project,
+                    after_type,
+                    limit
+                )
+                .fetch_all(&self.db)
+                .await?
+            }
         };
-        let rows: Vec<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(after_project)
-            .bind(after_type)
-            .bind(limit)
-            .bind(projects)
-            .fetch_all(&self.db)
-            .await?;
         rows.into_iter().map(SequenceRow::into_sequence).collect()
     }
 
     /// The identity version the sequence has now (to tell a stale
     /// definition from a spent counter).
     pub async fn identity_version(&self, id: i64) -> Result<Option<i32>, sqlx::Error> {
-        sqlx::query_scalar("SELECT identity_version FROM sequences WHERE id = $1")
-            .bind(id)
+        sqlx::query_scalar!("SELECT identity_version FROM sequences WHERE id = $1", id)
             .fetch_optional(&self.db)
             .await
     }
@@ -440,10 +458,11 @@ impl SequenceStore {
                 check_against_other_projects(&mut tx, project, doc_type, definition).await?;
                 let changes_identity = current.definition.changes_identity(definition);
                 if changes_identity {
-                    let issued: bool = sqlx::query_scalar(
-                        "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1)",
+                    let issued = sqlx::query_scalar!(
+                        "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1) \
+                         AS \"issued!\"",
+                        current.id,
                     )
-                    .bind(current.id)
                     .fetch_one(&mut *tx)
                     .await
                     .map_err(StoreError::from)?;
@@ -460,12 +479,14 @@ impl SequenceStore {
                     .map_err(StoreError::from)?;
             }
         }
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(CHANGED_CHANNEL)
-            .bind(cache_key(project.as_str(), doc_type.as_str()))
-            .execute(&mut *tx)
-            .await
-            .map_err(StoreError::from)?;
+        sqlx::query_scalar!(
+            "SELECT pg_notify($1, $2)",
+            CHANGED_CHANNEL,
+            cache_key(project.as_str(), doc_type.as_str()),
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(StoreError::from)?;
         tx.commit().await.map_err(StoreError::from)?;
         let sequence = self
             .load(project.as_str(), doc_type.as_str())
@@ -490,10 +511,12 @@ impl SequenceStore {
         conn: &mut PgConnection,
         project: &ProjectCode,
     ) -> Result<(), StoreError> {
-        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM sequences WHERE project = $1")
-            .bind(project.as_str())
-            .fetch_one(&mut *conn)
-            .await?;
+        let count = sqlx::query_scalar!(
+            r#"SELECT count(*) AS "count!" FROM sequences WHERE project = $1"#,
+            project.as_str(),
+        )
+        .fetch_one(&mut *conn)
+        .await?;
         if count as usize >= self.max_per_project {
             return Err(StoreError::TooMany {
                 project: project.to_string(),
@@ -507,10 +530,12 @@ impl SequenceStore {
 /// Serialises creations and changes of one project's sequences, so two of
 /// them cannot each pass the conflict check against the other's old state.
 async fn lock_project(conn: &mut PgConnection, project: &ProjectCode) -> Result<(), StoreError> {
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idpool:project:' || $1, 0))")
-        .bind(project.as_str())
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query_scalar!(
+        "SELECT pg_advisory_xact_lock(hashtextextended('idpool:project:' || $1, 0))",
+        project.as_str(),
+    )
+    .fetch_one(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -519,14 +544,14 @@ async fn select_for_update(
     project: &ProjectCode,
     doc_type: &TypeCode,
 ) -> Result<Option<SequenceRow>, StoreError> {
-    let sql = format!(
-        "SELECT {SELECT_COLUMNS} FROM sequences WHERE project = $1 AND doc_type = $2 FOR UPDATE"
-    );
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(project.as_str())
-        .bind(doc_type.as_str())
-        .fetch_optional(&mut *conn)
-        .await?)
+    Ok(sequence_rows!(
+        "SELECT",
+        "FROM sequences WHERE project = $1 AND doc_type = $2 FOR UPDATE",
+        project.as_str(),
+        doc_type.as_str()
+    )
+    .fetch_optional(&mut *conn)
+    .await?)
 }
 
 /// Definitions changed by another instance are read again.

@@ -302,7 +302,7 @@ impl Parts {
         )
         .await?;
         let counter = Arc::new(Counter::new(refill_db, instance_id.to_owned()));
-        let installation: uuid::Uuid = sqlx::query_scalar("SELECT id FROM installation")
+        let installation = sqlx::query_scalar!("SELECT id FROM installation")
             .fetch_one(db)
             .await?;
         let settings = PoolSettings {

@@ -65,7 +65,6 @@ impl ApiKey {
     }
 }
 
-#[derive(sqlx::FromRow)]
 struct KeyRow {
     id: String,
     name: Option<String>,
@@ -92,8 +91,18 @@ impl From<KeyRow> for ApiKey {
     }
 }
 
-const COLUMNS: &str =
-    "id, name, admin, projects, created_at, revoked_at, last_used_at, secret_hash";
+/// `query_as!` of `KeyRow`s: `$before` and `$after` surround the column
+/// list, which stays one literal sqlx checks at compile time.
+macro_rules! key_rows {
+    ($before:tt, $after:tt $(, $arg:expr)* $(,)?) => {
+        sqlx::query_as!(
+            KeyRow,
+            $before + " id, name, admin, projects, created_at, revoked_at, last_used_at, secret_hash "
+                + $after
+            $(, $arg)*
+        )
+    };
+}
 
 /// What `idpool keys create` asks for.
 pub struct NewKey {
@@ -210,18 +219,19 @@ impl KeyStore {
         since: Option<DateTime<Utc>>,
     ) -> Result<(Vec<KeyRow>, DateTime<Utc>), sqlx::Error> {
         let mut conn = self.db.acquire().await?;
-        let next: DateTime<Utc> =
-            sqlx::query_scalar("SELECT statement_timestamp() - make_interval(secs => $1)")
-                .bind(LOOK_OVERLAP_SECONDS)
-                .fetch_one(&mut *conn)
-                .await?;
-        let sql = format!(
-            "SELECT {COLUMNS} FROM api_keys WHERE $1::timestamptz IS NULL OR created_at >= $1"
-        );
-        let rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(since)
-            .fetch_all(&mut *conn)
-            .await?;
+        let next = sqlx::query_scalar!(
+            r#"SELECT statement_timestamp() - make_interval(secs => $1) AS "next!""#,
+            LOOK_OVERLAP_SECONDS,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        let rows = key_rows!(
+            "SELECT",
+            "FROM api_keys WHERE $1::timestamptz IS NULL OR created_at >= $1",
+            since
+        )
+        .fetch_all(&mut *conn)
+        .await?;
         Ok((rows, next))
     }
 
@@ -286,25 +296,27 @@ impl KeyStore {
                     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes),
                 )
             };
-            let created: Option<DateTime<Utc>> = sqlx::query_scalar(
+            let created = sqlx::query_scalar!(
                 "INSERT INTO api_keys (id, name, secret_hash, admin, projects) VALUES ($1, $2, $3, $4, $5) \
                  ON CONFLICT (id) DO NOTHING RETURNING created_at",
+                &id,
+                new.name.as_deref(),
+                hash(&secret),
+                new.admin,
+                &projects,
             )
-            .bind(&id)
-            .bind(&new.name)
-            .bind(hash(&secret))
-            .bind(new.admin)
-            .bind(&projects)
             .fetch_optional(&self.db)
             .await?;
             // An id drawn twice (one chance in 4·10^18) draws again.
             if let Some(created_at) = created {
                 // Every instance learns of the key before its first use.
-                sqlx::query("SELECT pg_notify($1, $2)")
-                    .bind(REVOKED_CHANNEL)
-                    .bind(format!("+{id}"))
-                    .execute(&self.db)
-                    .await?;
+                sqlx::query_scalar!(
+                    "SELECT pg_notify($1, $2)",
+                    REVOKED_CHANNEL,
+                    format!("+{id}"),
+                )
+                .fetch_one(&self.db)
+                .await?;
                 self.merge(vec![KeyRow {
                     id: id.clone(),
                     name: new.name.clone(),
@@ -329,8 +341,7 @@ impl KeyStore {
 
     #[tracing::instrument(skip_all, level = "debug")]
     pub async fn list(&self) -> Result<Vec<ApiKey>, KeyError> {
-        let sql = format!("SELECT {COLUMNS} FROM api_keys ORDER BY created_at, id");
-        let rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        let rows = key_rows!("SELECT", "FROM api_keys ORDER BY created_at, id")
             .fetch_all(&self.db)
             .await?;
         Ok(rows.into_iter().map(ApiKey::from).collect())
@@ -340,29 +351,28 @@ impl KeyStore {
     #[tracing::instrument(skip_all, level = "debug")]
     pub async fn revoke(&self, id: &str) -> Result<ApiKey, KeyError> {
         let mut tx = self.db.begin().await?;
-        let sql = format!(
-            "UPDATE api_keys SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL RETURNING {COLUMNS}"
-        );
-        let revoked: Option<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let revoked = key_rows!(
+            "UPDATE api_keys SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL RETURNING",
+            "",
+            id
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
         let Some(revoked) = revoked else {
-            let exists: bool =
-                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM api_keys WHERE id = $1)")
-                    .bind(id)
-                    .fetch_one(&mut *tx)
-                    .await?;
+            let exists = sqlx::query_scalar!(
+                r#"SELECT EXISTS (SELECT 1 FROM api_keys WHERE id = $1) AS "exists!""#,
+                id,
+            )
+            .fetch_one(&mut *tx)
+            .await?;
             return Err(if exists {
                 KeyError::AlreadyRevoked(id.to_owned())
             } else {
                 KeyError::NotFound(id.to_owned())
             });
         };
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(REVOKED_CHANNEL)
-            .bind(id)
-            .execute(&mut *tx)
+        sqlx::query_scalar!("SELECT pg_notify($1, $2)", REVOKED_CHANNEL, id)
+            .fetch_one(&mut *tx)
             .await?;
         tx.commit().await?;
         self.revoked(id);
@@ -447,10 +457,12 @@ impl KeyStore {
         if used.is_empty() {
             return Ok(());
         }
-        sqlx::query("UPDATE api_keys SET last_used_at = now() WHERE id = ANY($1)")
-            .bind(&used)
-            .execute(&self.db)
-            .await?;
+        sqlx::query!(
+            "UPDATE api_keys SET last_used_at = now() WHERE id = ANY($1)",
+            &used,
+        )
+        .execute(&self.db)
+        .await?;
         Ok(())
     }
 }

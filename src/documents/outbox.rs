@@ -20,16 +20,17 @@ pub async fn first_taken(
     conn: &mut PgConnection,
     ids: &[&str],
 ) -> Result<Option<usize>, sqlx::Error> {
-    let taken: Vec<String> =
-        sqlx::query_scalar("SELECT document_id FROM id_outbox WHERE document_id = ANY($1)")
-            .bind(ids)
-            .fetch_all(&mut *conn)
-            .await?;
+    let taken: Vec<String> = sqlx::query_scalar!(
+        "SELECT document_id FROM id_outbox WHERE document_id = ANY($1)",
+        ids as &[&str],
+    )
+    .fetch_all(&mut *conn)
+    .await?;
     Ok(ids.iter().position(|id| taken.iter().any(|t| t == id)))
 }
 
 /// A document found by its source id.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 pub struct KnownSource {
     pub project: String,
     pub doc_type: String,
@@ -62,15 +63,17 @@ pub async fn by_source_ids(
     let projects: Vec<&str> = keys.iter().map(|k| k.0).collect();
     let types: Vec<&str> = keys.iter().map(|k| k.1).collect();
     let sources: Vec<&str> = keys.iter().map(|k| k.2).collect();
-    sqlx::query_as(
-        "SELECT o.tenant_code AS project, o.entity_type_id AS doc_type, o.source_id, \
-                o.document_id AS id, o.seq_number AS seq, o.status::text AS status, o.created_at \
+    sqlx::query_as!(
+        KnownSource,
+        "SELECT o.tenant_code AS project, o.entity_type_id AS doc_type, \
+                o.source_id AS \"source_id!\", o.document_id AS id, o.seq_number AS seq, \
+                o.status::text AS \"status!: DocumentStatus\", o.created_at \
          FROM unnest($1::text[], $2::text[], $3::text[]) AS k(p, t, s) \
          JOIN id_outbox o ON o.tenant_code = k.p AND o.entity_type_id = k.t AND o.source_id = k.s",
+        &projects as &[&str],
+        &types as &[&str],
+        &sources as &[&str],
     )
-    .bind(&projects)
-    .bind(&types)
-    .bind(&sources)
     .fetch_all(&mut *conn)
     .await
 }
@@ -82,12 +85,13 @@ pub async fn carries_document(
     period: &str,
     seq: i64,
 ) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1 AND period = $2 AND seq = $3)",
+    sqlx::query_scalar!(
+        "SELECT EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1 AND period = $2 AND seq = $3) \
+         AS \"carries!\"",
+        sequence_id,
+        period,
+        seq,
     )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(seq)
     .fetch_one(&mut *conn)
     .await
 }
@@ -168,12 +172,12 @@ async fn transition(
 ) -> Result<DocumentView, TransitionError> {
     let mut tx = db.begin().await?;
     // Locked, so a processor holding the row finishes first.
-    let current: Option<DocumentStatus> = sqlx::query_scalar(
-        "SELECT status::text FROM id_outbox WHERE document_id = $1 \
+    let current = sqlx::query_scalar!(
+        "SELECT status::text AS \"status!: DocumentStatus\" FROM id_outbox WHERE document_id = $1 \
          AND ($2::text[] IS NULL OR tenant_code = ANY($2)) FOR UPDATE",
+        document_id,
+        projects,
     )
-    .bind(document_id)
-    .bind(projects)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(current) = current else {
@@ -198,8 +202,8 @@ async fn transition(
         .await?;
     if current != DocumentStatus::Pending {
         // Wake processors for a document that is due again.
-        sqlx::query("SELECT pg_notify('idpool_outbox', '')")
-            .execute(&mut *tx)
+        sqlx::query_scalar!("SELECT pg_notify('idpool_outbox', '')")
+            .fetch_one(&mut *tx)
             .await?;
     }
     tx.commit().await?;
@@ -327,15 +331,16 @@ pub async fn next_due_of(
     conn: &mut PgConnection,
     tenant: &str,
 ) -> Result<Option<std::time::Duration>, sqlx::Error> {
-    let pending = DocumentStatus::Pending.as_str();
-    let sql = format!(
-        "SELECT extract(epoch FROM next_retry_at - clock_timestamp())::float8 FROM id_outbox \
-         WHERE tenant_code = $1 AND status = '{pending}' ORDER BY tenant_code, next_retry_at LIMIT 1"
-    );
-    let seconds: Option<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .bind(tenant)
-        .fetch_optional(&mut *conn)
-        .await?;
+    // `pending` spelt out (DocumentStatus::Pending), so the planner matches
+    // the partial index.
+    let seconds = sqlx::query_scalar!(
+        "SELECT extract(epoch FROM next_retry_at - clock_timestamp())::float8 AS \"seconds!\" \
+         FROM id_outbox WHERE tenant_code = $1 AND status = 'pending' \
+         ORDER BY tenant_code, next_retry_at LIMIT 1",
+        tenant,
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
     Ok(seconds.map(|s| std::time::Duration::try_from_secs_f64(s).unwrap_or_default()))
 }
 
@@ -345,21 +350,21 @@ pub async fn next_due_of(
 pub async fn tenants_with_pending_rows(
     conn: &mut PgConnection,
 ) -> Result<Vec<String>, sqlx::Error> {
-    let pending = DocumentStatus::Pending.as_str();
-    let sql = format!(
+    // `pending` spelt out (DocumentStatus::Pending), so the planner matches
+    // the partial index.
+    sqlx::query_scalar!(
         "WITH RECURSIVE t(code) AS ( \
-             (SELECT tenant_code FROM id_outbox WHERE status = '{pending}' \
+             (SELECT tenant_code FROM id_outbox WHERE status = 'pending' \
               ORDER BY tenant_code LIMIT 1) \
              UNION ALL \
              SELECT (SELECT o.tenant_code FROM id_outbox o \
-                     WHERE o.status = '{pending}' AND o.tenant_code > t.code \
+                     WHERE o.status = 'pending' AND o.tenant_code > t.code \
                      ORDER BY o.tenant_code LIMIT 1) \
              FROM t WHERE t.code IS NOT NULL) \
-         SELECT code FROM t WHERE code IS NOT NULL"
-    );
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .fetch_all(&mut *conn)
-        .await
+         SELECT code AS \"code!\" FROM t WHERE code IS NOT NULL",
+    )
+    .fetch_all(&mut *conn)
+    .await
 }
 
 /// What recording a batch's outcomes did.
@@ -483,13 +488,13 @@ pub async fn mark_delivered(
     if row_ids.is_empty() {
         return Ok(Vec::new());
     }
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         "UPDATE id_outbox SET status = $2, processed_at = clock_timestamp(), last_error = NULL \
          WHERE id = ANY($1) \
-         RETURNING extract(epoch FROM processed_at - created_at)::float8",
+         RETURNING extract(epoch FROM processed_at - created_at)::float8 AS \"lag!\"",
+        row_ids,
+        DocumentStatus::Committed.as_str(),
     )
-    .bind(row_ids)
-    .bind(DocumentStatus::Committed)
     .fetch_all(&mut *conn)
     .await
 }
@@ -516,7 +521,7 @@ pub async fn mark_failed(
     }
     let (ids, errors): (Vec<i64>, Vec<&str>) =
         failed.iter().map(|(id, e)| (*id, e.as_str())).unzip();
-    let dead: Vec<bool> = sqlx::query_scalar(
+    let dead: Vec<bool> = sqlx::query_scalar!(
         "UPDATE id_outbox o SET \
              retry_count = o.retry_count + 1, \
              last_error = f.error, \
@@ -525,15 +530,18 @@ pub async fn mark_failed(
              next_retry_at = clock_timestamp() + make_interval(secs => $4 * power(2, o.retry_count + 1)) \
          FROM UNNEST($1::bigint[], $2::text[]) AS f(id, error) \
          WHERE o.id = f.id \
-         RETURNING o.status = $5",
+         RETURNING o.status = $5 AS \"dead!\"",
+        &ids,
+        &errors as &[&str],
+        retry.max_retries,
+        retry.backoff_base.as_secs_f64(),
+        DocumentStatus::DeadLetter.as_str(),
+        DocumentStatus::Pending.as_str(),
     )
-    .bind(&ids)
-    .bind(&errors)
-    .bind(retry.max_retries)
-    .bind(retry.backoff_base.as_secs_f64())
-    .bind(DocumentStatus::DeadLetter)
-    .bind(DocumentStatus::Pending)
     .fetch_all(&mut *conn)
     .await?;
     Ok(dead.iter().filter(|d| **d).count())
 }
+
+#[cfg(test)]
+mod tests;

@@ -306,13 +306,13 @@ async fn upsert_documents(conn: &mut PgConnection, batch: &[Delivery]) -> Result
     let ids: Vec<i64> = batch.iter().map(|d| d.row_id).collect();
     // A savepoint: a failed insert must not abort the claim transaction.
     let mut savepoint = sqlx::Connection::begin(&mut *conn).await?;
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO documents (document_id, project, doc_type, seq, metadata, created_at) \
          SELECT document_id, tenant_code, entity_type_id, seq_number, payload, created_at \
          FROM id_outbox WHERE id = ANY($1) \
          ON CONFLICT (document_id) DO UPDATE SET metadata = EXCLUDED.metadata, delivered_at = now()",
+        &ids,
     )
-    .bind(&ids)
     .execute(&mut *savepoint)
     .await?;
     savepoint.commit().await

@@ -5,9 +5,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgArguments, PgRow};
-use sqlx::query::QueryAs;
-use sqlx::{PgConnection, Postgres};
+use sqlx::PgConnection;
 
 use super::classify::{Evidence, OpenGap, Reason};
 use crate::ledger::Via;
@@ -80,52 +78,66 @@ type Blocks = Vec<(i64, i64, DateTime<Utc>)>;
 type LedgerRows = Vec<(i64, i64, DateTime<Utc>, bool)>;
 type Documents = Vec<(i64, DocumentStatus, String)>;
 
+/// Every statement of `Windows` binds the same four: `$1` sequence, `$2`
+/// period, `$3` and `$4` the windows' starts and ends.
 impl Windows<'_> {
-    /// `sql` with the windows bound: `$1` sequence, `$2` period, `$3` and
-    /// `$4` the windows' starts and ends.
-    fn query<O>(&self, sql: &'static str) -> QueryAs<'static, Postgres, O, PgArguments>
-    where
-        O: for<'r> sqlx::FromRow<'r, PgRow>,
-    {
-        sqlx::query_as(sql)
-            .bind(self.sequence_id)
-            .bind(self.period.to_owned())
-            .bind(self.los.clone())
-            .bind(self.his.clone())
-    }
-
     async fn blocks(&self, conn: &mut PgConnection) -> Result<Blocks, sqlx::Error> {
-        self.query(
-            "SELECT DISTINCT lower(b.seqs), upper(b.seqs), b.reserved_at \
+        let rows = sqlx::query!(
+            "SELECT DISTINCT lower(b.seqs) AS \"start!\", upper(b.seqs) AS \"end!\", b.reserved_at \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
              JOIN blocks b ON b.sequence_id = $1 AND b.period = $2 AND b.seqs && int8range(w.lo, w.hi) \
              ORDER BY 1",
+            self.sequence_id,
+            self.period,
+            &self.los,
+            &self.his,
         )
         .fetch_all(&mut *conn)
-        .await
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.start, r.end, r.reserved_at))
+            .collect())
     }
 
     async fn ledger(&self, conn: &mut PgConnection) -> Result<LedgerRows, sqlx::Error> {
-        self.query(
-            "SELECT DISTINCT lower(l.seqs), upper(l.seqs), l.issued_at, l.via = $5 \
+        let rows = sqlx::query!(
+            "SELECT DISTINCT lower(l.seqs) AS \"start!\", upper(l.seqs) AS \"end!\", l.issued_at, \
+                    l.via = $5 AS \"leased!\" \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
              JOIN issuance_ledger l ON l.sequence_id = $1 AND l.period = $2 AND l.seqs && int8range(w.lo, w.hi) \
              ORDER BY 1",
+            self.sequence_id,
+            self.period,
+            &self.los,
+            &self.his,
+            Via::Lease.as_str(),
         )
-        .bind(Via::Lease.as_str())
         .fetch_all(&mut *conn)
-        .await
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.start, r.end, r.issued_at, r.leased))
+            .collect())
     }
 
     async fn documents(&self, conn: &mut PgConnection) -> Result<Documents, sqlx::Error> {
-        self.query(
-            "SELECT DISTINCT o.seq, o.status::text, o.document_id \
+        let rows = sqlx::query!(
+            "SELECT DISTINCT o.seq, o.status::text AS \"status!: DocumentStatus\", o.document_id \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
              JOIN id_outbox o ON o.sequence_id = $1 AND o.period = $2 AND o.seq >= w.lo AND o.seq < w.hi \
              ORDER BY 1",
+            self.sequence_id,
+            self.period,
+            &self.los,
+            &self.his,
         )
         .fetch_all(&mut *conn)
-        .await
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.seq, r.status, r.document_id))
+            .collect())
     }
 
     async fn runs(
@@ -227,7 +239,6 @@ pub(super) async fn open_gaps_near(
 ) -> Result<Vec<(OpenGap, String, String)>, sqlx::Error> {
     let los: Vec<i64> = windows.iter().map(|w| w.start - 1).collect();
     let his: Vec<i64> = windows.iter().map(|w| w.end).collect();
-    #[derive(sqlx::FromRow)]
     struct Row {
         id: i64,
         from_seq: i64,
@@ -237,17 +248,19 @@ pub(super) async fn open_gaps_near(
         from_id: String,
         to_id: String,
     }
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT DISTINCT g.id, g.from_seq, g.to_seq, g.reason, g.detected_at, g.from_id, g.to_id \
+    let rows = sqlx::query_as!(
+        Row,
+        "SELECT DISTINCT g.id, g.from_seq, g.to_seq, g.reason AS \"reason: Reason\", g.detected_at, \
+                g.from_id, g.to_id \
          FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
          JOIN id_gaps g ON g.sequence_id = $1 AND g.period = $2 AND g.resolved_at IS NULL \
           AND int8range(g.from_seq, g.to_seq, '[]') && int8range(w.lo, w.hi, '[]') \
          ORDER BY 2",
+        sequence_id,
+        period,
+        &los,
+        &his,
     )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&los)
-    .bind(&his)
     .fetch_all(&mut *conn)
     .await?;
     Ok(rows

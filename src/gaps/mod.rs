@@ -48,33 +48,34 @@ pub struct GapQuery<'a> {
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::Error> {
     let (after_period, after_seq) = query.after.clone().unwrap_or((String::new(), i64::MIN));
-    sqlx::query_as(
-        "SELECT g.period, g.from_seq, g.to_seq, g.from_id, g.to_id, g.to_seq - g.from_seq + 1 AS count, \
+    sqlx::query_as!(
+        Gap,
+        "SELECT g.period, g.from_seq, g.to_seq, g.from_id, g.to_id, g.to_seq - g.from_seq + 1 AS \"count!\", \
                 g.reason, g.detected_at \
          FROM id_gaps g JOIN sequences s ON s.id = g.sequence_id \
          WHERE s.project = $1 AND s.doc_type = $2 AND g.resolved_at IS NULL \
            AND ($3::text IS NULL OR g.period = $3) AND ($4::text IS NULL OR g.reason = $4) \
            AND (g.period, g.from_seq) > ($5, $6) \
          ORDER BY g.period, g.from_seq LIMIT $7",
+        query.project,
+        query.doc_type,
+        query.period,
+        query.reason.map(Reason::as_str),
+        after_period,
+        after_seq,
+        query.limit,
     )
-    .bind(query.project)
-    .bind(query.doc_type)
-    .bind(query.period)
-    .bind(query.reason.map(Reason::as_str))
-    .bind(after_period)
-    .bind(after_seq)
-    .bind(query.limit)
     .fetch_all(db)
     .await
 }
 
 /// Numbers of a sequence currently in open gaps.
 pub async fn open_numbers(db: &PgPool, sequence_id: i64) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT coalesce(sum(to_seq - from_seq + 1), 0)::bigint FROM id_gaps \
+    sqlx::query_scalar!(
+        "SELECT coalesce(sum(to_seq - from_seq + 1), 0)::bigint AS \"numbers!\" FROM id_gaps \
          WHERE sequence_id = $1 AND resolved_at IS NULL",
+        sequence_id,
     )
-    .bind(sequence_id)
     .fetch_one(db)
     .await
 }

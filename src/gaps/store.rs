@@ -30,27 +30,27 @@ const LOCK_KEY: i64 = 0x1d_9001_9a95;
 
 /// Takes the reconciliation lock on this session, without waiting.
 pub(super) async fn try_lock(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(LOCK_KEY)
+    sqlx::query_scalar!(r#"SELECT pg_try_advisory_lock($1) AS "taken!""#, LOCK_KEY)
         .fetch_one(&mut *conn)
         .await
 }
 
 /// Releases the lock (a failure leaves it to the session's end).
 pub(super) async fn unlock(conn: &mut PgConnection) {
-    let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(LOCK_KEY)
-        .execute(&mut *conn)
+    let _ = sqlx::query_scalar!("SELECT pg_advisory_unlock($1)", LOCK_KEY)
+        .fetch_one(&mut *conn)
         .await;
 }
 
 /// Numbers in open gaps, per reason.
 pub(super) async fn open_gap_totals(db: &PgPool) -> Result<Vec<(Reason, i64)>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT reason, sum(to_seq - from_seq + 1)::bigint FROM id_gaps WHERE resolved_at IS NULL GROUP BY reason",
+    let rows = sqlx::query!(
+        r#"SELECT reason AS "reason: Reason", sum(to_seq - from_seq + 1)::bigint AS "numbers!"
+           FROM id_gaps WHERE resolved_at IS NULL GROUP BY reason"#,
     )
     .fetch_all(db)
-    .await
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.reason, r.numbers)).collect())
 }
 
 /// Records the run's start, by the database's clock, and finds when the
@@ -59,19 +59,19 @@ pub(super) async fn start_run(
     conn: &mut PgConnection,
     instance_id: &str,
 ) -> Result<Run, sqlx::Error> {
-    let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+    let now = sqlx::query_scalar!(r#"SELECT clock_timestamp() AS "now!""#)
         .fetch_one(&mut *conn)
         .await?;
-    let previous: Option<DateTime<Utc>> = sqlx::query_scalar(
+    let previous = sqlx::query_scalar!(
         "SELECT started_at FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
     )
     .fetch_optional(&mut *conn)
     .await?;
-    let id: i64 = sqlx::query_scalar(
+    let id = sqlx::query_scalar!(
         "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
+        instance_id,
+        now,
     )
-    .bind(instance_id)
-    .bind(now)
     .fetch_one(&mut *conn)
     .await?;
     Ok(Run { id, now, previous })
@@ -83,11 +83,11 @@ pub(super) async fn finish_run(
     id: i64,
     summary: serde_json::Value,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query!(
         "UPDATE reconcile_runs SET finished_at = clock_timestamp(), summary = $2 WHERE id = $1",
+        id,
+        summary,
     )
-    .bind(id)
-    .bind(summary)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -100,16 +100,17 @@ pub(super) async fn marks(
     period: &ActivePeriod,
     settled_before: DateTime<Utc>,
 ) -> Result<(Option<i64>, Option<i64>), sqlx::Error> {
-    sqlx::query_as(
-        "SELECT max(bound) FILTER (WHERE observed_at <= $3), \
-                (array_agg(bound ORDER BY observed_at DESC))[1] \
+    let row = sqlx::query!(
+        "SELECT max(bound) FILTER (WHERE observed_at <= $3) AS settled, \
+                (array_agg(bound ORDER BY observed_at DESC))[1] AS newest \
          FROM reconcile_marks WHERE sequence_id = $1 AND period = $2",
+        period.sequence_id,
+        &period.period,
+        settled_before,
     )
-    .bind(period.sequence_id)
-    .bind(&period.period)
-    .bind(settled_before)
     .fetch_one(&mut *conn)
-    .await
+    .await?;
+    Ok((row.settled, row.newest))
 }
 
 /// Moves `period`'s checkpoint to `bound` and drops the marks older than
@@ -120,23 +121,23 @@ pub(super) async fn move_checkpoint(
     bound: i64,
     settled_before: DateTime<Utc>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO reconcile_periods (sequence_id, period, checkpoint) VALUES ($1, $2, $3) \
          ON CONFLICT (sequence_id, period) DO UPDATE SET checkpoint = EXCLUDED.checkpoint",
+        period.sequence_id,
+        &period.period,
+        bound,
     )
-    .bind(period.sequence_id)
-    .bind(&period.period)
-    .bind(bound)
     .execute(&mut *conn)
     .await?;
-    sqlx::query(
+    sqlx::query!(
         "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at < \
          (SELECT max(observed_at) FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 \
           AND observed_at <= $3)",
+        period.sequence_id,
+        &period.period,
+        settled_before,
     )
-    .bind(period.sequence_id)
-    .bind(&period.period)
-    .bind(settled_before)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -145,7 +146,6 @@ pub(super) async fn move_checkpoint(
 pub(super) async fn active_periods(
     conn: &mut PgConnection,
 ) -> Result<Vec<ActivePeriod>, sqlx::Error> {
-    #[derive(sqlx::FromRow)]
     struct Row {
         sequence_id: i64,
         period: String,
@@ -154,8 +154,10 @@ pub(super) async fn active_periods(
         pool_closed_at: Option<DateTime<Utc>>,
         first_block: Option<i64>,
     }
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT c.sequence_id, c.period, c.next_seq, r.checkpoint, r.pool_closed_at, \
+    let rows = sqlx::query_as!(
+        Row,
+        "SELECT c.sequence_id, c.period, c.next_seq, r.checkpoint AS \"checkpoint?\", \
+                r.pool_closed_at AS \"pool_closed_at?\", \
                 CASE WHEN r.checkpoint IS NULL THEN \
                     (SELECT min(lower(b.seqs)) FROM blocks b WHERE b.sequence_id = c.sequence_id AND b.period = c.period) \
                 END AS first_block \
@@ -185,21 +187,23 @@ pub(super) async fn close_pool(
     conn: &mut PgConnection,
     period: &ActivePeriod,
 ) -> Result<i64, sqlx::Error> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO reconcile_periods (sequence_id, period, checkpoint, pool_closed_at) \
          VALUES ($1, $2, $3, now()) \
          ON CONFLICT (sequence_id, period) DO UPDATE SET pool_closed_at = now()",
+        period.sequence_id,
+        &period.period,
+        period.checkpoint,
     )
-    .bind(period.sequence_id)
-    .bind(&period.period)
-    .bind(period.checkpoint)
     .execute(&mut *conn)
     .await?;
-    sqlx::query_scalar("SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2")
-        .bind(period.sequence_id)
-        .bind(&period.period)
-        .fetch_one(&mut *conn)
-        .await
+    sqlx::query_scalar!(
+        "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2",
+        period.sequence_id,
+        &period.period,
+    )
+    .fetch_one(&mut *conn)
+    .await
 }
 
 /// Every number of `period` below `bound` had left the counter and the
@@ -210,14 +214,14 @@ pub(super) async fn add_mark(
     now: DateTime<Utc>,
     bound: i64,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO reconcile_marks (sequence_id, period, observed_at, bound) VALUES ($1, $2, $3, $4) \
          ON CONFLICT DO NOTHING",
+        period.sequence_id,
+        &period.period,
+        now,
+        bound,
     )
-    .bind(period.sequence_id)
-    .bind(&period.period)
-    .bind(now)
-    .bind(bound)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -259,8 +263,8 @@ async fn documents_contradicting(
     conn: &mut PgConnection,
     since: DateTime<Utc>,
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT o.sequence_id, o.period, o.seq, o.seq + 1 FROM id_outbox o \
+    let rows = sqlx::query!(
+        "SELECT o.sequence_id, o.period, o.seq, o.seq + 1 AS \"end!\" FROM id_outbox o \
            JOIN reconcile_periods r ON r.sequence_id = o.sequence_id AND r.period = o.period \
           WHERE o.status_changed_at > $1 AND o.seq < r.checkpoint \
             AND CASE o.status::text \
@@ -274,14 +278,18 @@ async fn documents_contradicting(
                       AND g.period = o.period AND g.resolved_at IS NULL \
                       AND int8range(g.from_seq, g.to_seq, '[]') @> o.seq) \
                 END",
+        since,
+        DocumentStatus::DeadLetter.as_str(),
+        Reason::OutboxDlq.as_str(),
+        DocumentStatus::Abandoned.as_str(),
+        Reason::Abandoned.as_str(),
     )
-    .bind(since)
-    .bind(DocumentStatus::DeadLetter)
-    .bind(Reason::OutboxDlq)
-    .bind(DocumentStatus::Abandoned)
-    .bind(Reason::Abandoned)
     .fetch_all(&mut *conn)
-    .await
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.sequence_id, r.period, r.seq, r.end))
+        .collect())
 }
 
 /// Tables of runs of numbers with the time each run was written.
@@ -332,11 +340,13 @@ pub(super) async fn resolve_gaps(
     ids: &[i64],
     now: DateTime<Utc>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE id_gaps SET resolved_at = $2 WHERE id = ANY($1)")
-        .bind(ids)
-        .bind(now)
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query!(
+        "UPDATE id_gaps SET resolved_at = $2 WHERE id = ANY($1)",
+        ids,
+        now
+    )
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -354,20 +364,20 @@ pub(super) async fn insert_gaps(
     let lasts: Vec<i64> = pieces.iter().map(|p| p.range.last()).collect();
     let reasons: Vec<&str> = pieces.iter().map(|p| p.reason.as_str()).collect();
     let detected: Vec<DateTime<Utc>> = pieces.iter().map(|p| p.detected_at).collect();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO id_gaps (sequence_id, period, from_seq, to_seq, from_id, to_id, reason, detected_at) \
          SELECT $1, $2, f, t, fi, ti, r, d \
          FROM UNNEST($3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::timestamptz[]) \
               AS u(f, t, fi, ti, r, d)",
+        sequence_id,
+        period,
+        &starts,
+        &lasts,
+        from_ids,
+        to_ids,
+        &reasons as &[&str],
+        &detected,
     )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(&starts)
-    .bind(&lasts)
-    .bind(from_ids)
-    .bind(to_ids)
-    .bind(&reasons)
-    .bind(&detected)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -381,14 +391,17 @@ pub(super) async fn issue_time(
     period: &str,
     seq: i64,
 ) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar(
+    sqlx::query_scalar!(
         "SELECT coalesce( \
             (SELECT issued_at FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 AND seqs @> $3::bigint), \
             (SELECT reserved_at FROM blocks WHERE sequence_id = $1 AND period = $2 AND seqs @> $3::bigint))",
+        sequence_id,
+        period,
+        seq,
     )
-    .bind(sequence_id)
-    .bind(period)
-    .bind(seq)
     .fetch_one(&mut *conn)
     .await
 }
+
+#[cfg(test)]
+mod tests;

@@ -77,7 +77,7 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
 async fn probe(state: &AppState) -> (StatusCode, Readiness) {
     let postgres = tokio::time::timeout(
         Duration::from_secs(1),
-        sqlx::query("SELECT 1").execute(&state.db),
+        sqlx::query!("SELECT 1 AS one").fetch_one(&state.db),
     )
     .await;
     let postgres = if matches!(postgres, Ok(Ok(_))) {

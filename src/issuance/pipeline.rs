@@ -226,16 +226,16 @@ impl Writer {
     }
 }
 
-/// Longest the write stage waits for a lock. Requests never contend for
-/// the numbers they record, so a wait means another transaction holds a
-/// number it should not; everyone queued behind the write waits with it,
-/// so it gives up soon and the request at fault is found (see
-/// `ledger::write_shared`).
-const WRITER_LOCK_TIMEOUT: &str = "SET lock_timeout = '200ms'";
-
+/// A connection for the write stage, which waits at most 200 ms for a
+/// lock. Requests never contend for the numbers they record, so a wait
+/// means another transaction holds a number it should not; everyone queued
+/// behind the write waits with it, so it gives up soon and the request at
+/// fault is found (see `ledger::write_shared`).
 async fn writer_connection(db: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
     let mut conn = db.acquire().await?;
-    sqlx::query(WRITER_LOCK_TIMEOUT).execute(&mut *conn).await?;
+    sqlx::query!("SET lock_timeout = '200ms'")
+        .execute(&mut *conn)
+        .await?;
     Ok(conn)
 }
 

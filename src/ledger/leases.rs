@@ -24,34 +24,35 @@ pub async fn release_lease(
         return Ok(());
     };
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let rows: Vec<(i64, i64)> = sqlx::query_as(
+    let rows = sqlx::query!(
         "DELETE FROM issuance_ledger \
          WHERE sequence_id = $1 AND period = $2 AND via = $3 AND seqs && int8range($4, $5) \
-         RETURNING lower(seqs), upper(seqs)",
+         RETURNING lower(seqs) AS \"start!\", upper(seqs) AS \"end!\"",
+        unused.sequence_id,
+        &unused.period,
+        Via::Lease.as_str(),
+        first.start,
+        last.end,
     )
-    .bind(unused.sequence_id)
-    .bind(&unused.period)
-    .bind(Via::Lease.as_str())
-    .bind(first.start)
-    .bind(last.end)
     .fetch_all(&mut *tx)
     .await?;
     let (mut starts, mut ends) = (Vec::new(), Vec::new());
-    for (start, end) in rows {
+    for row in rows {
+        let (start, end) = (row.start, row.end);
         for kept in subtract(SeqRange::new(start, end), &released) {
             starts.push(kept.start);
             ends.push(kept.end);
         }
     }
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
          SELECT $1, $2, int8range(a, b), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(a, b)",
+        unused.sequence_id,
+        &unused.period,
+        Via::Lease.as_str(),
+        &starts,
+        &ends,
     )
-    .bind(unused.sequence_id)
-    .bind(&unused.period)
-    .bind(Via::Lease.as_str())
-    .bind(&starts)
-    .bind(&ends)
     .execute(&mut *tx)
     .await?;
     tx.commit().await
@@ -88,15 +89,15 @@ pub async fn record_handouts(
     if starts.is_empty() {
         return Ok(());
     }
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO lease_handouts (sequence_id, period, seqs) \
          SELECT s, p, int8range(a, b) \
          FROM UNNEST($1::bigint[], $2::text[], $3::bigint[], $4::bigint[]) AS t(s, p, a, b)",
+        &sequence_ids,
+        &periods as &[&str],
+        &starts,
+        &ends,
     )
-    .bind(&sequence_ids)
-    .bind(&periods)
-    .bind(&starts)
-    .bind(&ends)
     .execute(conn)
     .await?;
     Ok(())

@@ -467,20 +467,23 @@ async fn insert_rows(
     let starts: Vec<i64> = rows.iter().map(|r| r.range.start).collect();
     let ends: Vec<i64> = rows.iter().map(|r| r.range.end).collect();
     let vias: Vec<&str> = rows.iter().map(|r| groups[r.group].via.as_str()).collect();
-    let inserted: Vec<(i64, String, i64, String)> = sqlx::query_as(
+    let inserted: Vec<(i64, String, i64, String)> = sqlx::query!(
         "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
          SELECT s, p, int8range(a, b), v \
          FROM UNNEST($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::text[]) AS t(s, p, a, b, v) \
          ON CONFLICT DO NOTHING \
-         RETURNING sequence_id, period, lower(seqs), via",
+         RETURNING sequence_id, period, lower(seqs) AS \"start!\", via",
+        &sequence_ids,
+        &periods as &[&str],
+        &starts,
+        &ends,
+        &vias as &[&str],
     )
-    .bind(&sequence_ids)
-    .bind(&periods)
-    .bind(&starts)
-    .bind(&ends)
-    .bind(&vias)
     .fetch_all(&mut *conn)
-    .await?;
+    .await?
+    .into_iter()
+    .map(|r| (r.sequence_id, r.period, r.start, r.via))
+    .collect();
     stats.ledger_batches.inc();
     stats.ledger_rows.inc_by(inserted.len() as u64);
     if inserted.len() == rows.len() {
@@ -516,17 +519,20 @@ async fn issued_within(
     group: &Group,
     range: SeqRange,
 ) -> Result<Vec<SeqRange>, sqlx::Error> {
-    let rows: Vec<(i64, i64)> = sqlx::query_as(
-        "SELECT lower(seqs), upper(seqs) FROM issuance_ledger \
+    let rows = sqlx::query!(
+        "SELECT lower(seqs) AS \"start!\", upper(seqs) AS \"end!\" FROM issuance_ledger \
          WHERE sequence_id = $1 AND period = $2 AND seqs && int8range($3, $4) ORDER BY lower(seqs)",
+        group.sequence_id,
+        &group.period,
+        range.start,
+        range.end,
     )
-    .bind(group.sequence_id)
-    .bind(&group.period)
-    .bind(range.start)
-    .bind(range.end)
     .fetch_all(&mut *conn)
     .await?;
-    Ok(rows.into_iter().map(|(s, e)| SeqRange::new(s, e)).collect())
+    Ok(rows
+        .into_iter()
+        .map(|r| SeqRange::new(r.start, r.end))
+        .collect())
 }
 
 /// The periods in which number `seq` of the sequence was issued to
@@ -537,18 +543,19 @@ pub async fn issued_via_ids(
     sequence_id: i64,
     seq: i64,
 ) -> Result<Vec<(String, DateTime<Utc>)>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT period, issued_at FROM issuance_ledger \
+    let rows = sqlx::query!(
+        "SELECT period AS \"period!\", issued_at AS \"issued_at!\" FROM issuance_ledger \
          WHERE sequence_id = $1 AND seqs @> $2::bigint AND via = $3 \
          UNION ALL \
          SELECT period, reported_at FROM lease_handouts \
          WHERE sequence_id = $1 AND seqs @> $2::bigint",
+        sequence_id,
+        seq,
+        Via::Ids.as_str(),
     )
-    .bind(sequence_id)
-    .bind(seq)
-    .bind(Via::Ids.as_str())
     .fetch_all(&mut *conn)
-    .await
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.period, r.issued_at)).collect())
 }
 
 /// Numbers of one sequence period a lease handed to callers, or gave back.
@@ -559,13 +566,14 @@ pub async fn last_issued_and_refills(
     sequence_id: i64,
     period: &str,
 ) -> Result<(Option<i64>, i64), sqlx::Error> {
-    sqlx::query_as(
+    let row = sqlx::query!(
         "SELECT (SELECT upper(seqs) - 1 FROM issuance_ledger WHERE sequence_id = $1 AND period = $2 \
-                 ORDER BY lower(seqs) DESC LIMIT 1), \
-                (SELECT count(*) FROM blocks WHERE sequence_id = $1 AND purpose = 'pool')",
+                 ORDER BY lower(seqs) DESC LIMIT 1) AS last_issued, \
+                (SELECT count(*) FROM blocks WHERE sequence_id = $1 AND purpose = 'pool') AS \"refills!\"",
+        sequence_id,
+        period,
     )
-    .bind(sequence_id)
-    .bind(period)
     .fetch_one(db)
-    .await
+    .await?;
+    Ok((row.last_issued, row.refills))
 }

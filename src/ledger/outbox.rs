@@ -117,25 +117,28 @@ pub async fn insert(
         .iter()
         .map(|(_, _, r)| r.source_id.as_deref())
         .collect();
-    let created: Vec<(String, DateTime<Utc>)> = sqlx::query_as(
+    let created = sqlx::query!(
         "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number, source_id) \
          SELECT d, p, t, j::jsonb, s, pe, n, sn, so \
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[], $9::text[]) \
               AS u(d, p, t, j, s, pe, n, sn, so) \
          RETURNING document_id, created_at",
+        &document_ids as &[&str],
+        &projects as &[&str],
+        &types as &[&str],
+        &payloads as &[&str],
+        &sequence_ids,
+        &periods as &[&str],
+        &seqs,
+        &numbers,
+        &sources as &[Option<&str>],
     )
-    .bind(&document_ids)
-    .bind(&projects)
-    .bind(&types)
-    .bind(&payloads)
-    .bind(&sequence_ids)
-    .bind(&periods)
-    .bind(&seqs)
-    .bind(&numbers)
-    .bind(&sources)
     .fetch_all(&mut *conn)
     .await?;
-    let by_id: std::collections::HashMap<String, DateTime<Utc>> = created.into_iter().collect();
+    let by_id: std::collections::HashMap<String, DateTime<Utc>> = created
+        .into_iter()
+        .map(|r| (r.document_id, r.created_at))
+        .collect();
     document_ids
         .iter()
         .map(|id| {

@@ -31,19 +31,23 @@ pub(super) async fn project_patterns(
     project: &ProjectCode,
     skip_default: bool,
 ) -> Result<Vec<Printed>, StoreError> {
-    let rows: Vec<(i64, String, String, String, Option<i64>, bool)> = sqlx::query_as(
-        "SELECT s.id, s.doc_type, s.layout, s.format, s.max_seq, true FROM sequences s \
+    let rows: Vec<(i64, String, String, String, Option<i64>, bool)> = sqlx::query!(
+        "SELECT s.id AS \"id!\", s.doc_type AS \"doc_type!\", s.layout AS \"layout!\", \
+                s.format AS \"format!\", s.max_seq, true AS \"current!\" FROM sequences s \
           WHERE s.project = $1 AND NOT ($2 AND s.layout = 'text' AND s.format = $3) \
          UNION ALL \
          SELECT s.id, s.doc_type, f.layout, f.format, NULL, false FROM sequence_formats f \
            JOIN sequences s ON s.id = f.sequence_id \
           WHERE s.project = $1 AND NOT ($2 AND f.layout = 'text' AND f.format = $3)",
+        project.as_str(),
+        skip_default,
+        DEFAULT_FORMAT,
     )
-    .bind(project.as_str())
-    .bind(skip_default)
-    .bind(DEFAULT_FORMAT)
     .fetch_all(&mut *conn)
-    .await?;
+    .await?
+    .into_iter()
+    .map(|r| (r.id, r.doc_type, r.layout, r.format, r.max_seq, r.current))
+    .collect();
     Ok(rows
         .into_iter()
         .filter_map(|(id, doc_type, layout, format, max, current)| {
@@ -128,8 +132,8 @@ pub(super) fn default_of_any_project() -> Pattern {
 /// of them saved at once cannot each pass the check against the other's
 /// old state.
 pub(super) async fn lock_formats(conn: &mut PgConnection) -> Result<(), StoreError> {
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idpool:formats', 0))")
-        .execute(&mut *conn)
+    sqlx::query_scalar!("SELECT pg_advisory_xact_lock(hashtextextended('idpool:formats', 0))")
+        .fetch_one(&mut *conn)
         .await?;
     Ok(())
 }
@@ -218,24 +222,26 @@ pub(super) async fn other_projects_definitions(
     conn: &mut PgConnection,
     project: &ProjectCode,
 ) -> Result<Vec<OtherDefinition>, StoreError> {
-    let sql = format!(
-        "SELECT {SELECT_COLUMNS} FROM sequences \
-         WHERE project <> $1 AND NOT (layout = 'text' AND format = $2)"
-    );
-    let current: Vec<SequenceRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(project.as_str())
-        .bind(DEFAULT_FORMAT)
-        .fetch_all(&mut *conn)
-        .await?;
-    let retired: Vec<(String, String, String, String)> = sqlx::query_as(
+    let current = sequence_rows!(
+        "SELECT",
+        "FROM sequences WHERE project <> $1 AND NOT (layout = 'text' AND format = $2)",
+        project.as_str(),
+        DEFAULT_FORMAT
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let retired: Vec<(String, String, String, String)> = sqlx::query!(
         "SELECT s.project, s.doc_type, f.layout, f.format FROM sequence_formats f \
          JOIN sequences s ON s.id = f.sequence_id \
          WHERE s.project <> $1 AND NOT (f.layout = 'text' AND f.format = $2)",
+        project.as_str(),
+        DEFAULT_FORMAT,
     )
-    .bind(project.as_str())
-    .bind(DEFAULT_FORMAT)
     .fetch_all(&mut *conn)
-    .await?;
+    .await?
+    .into_iter()
+    .map(|r| (r.project, r.doc_type, r.layout, r.format))
+    .collect();
     let mut others = Vec::with_capacity(current.len() + retired.len());
     for row in current {
         let sequence = row.into_sequence()?;

@@ -195,19 +195,15 @@ pub(super) async fn cursor_position(
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<Option<Position>, sqlx::Error> {
-    let found: Option<(String, String, i64)> = sqlx::query_as(
-        "SELECT tenant_code, entity_type_id, id FROM id_outbox WHERE document_id = $1 \
-         AND ($2::text[] IS NULL OR tenant_code = ANY($2))",
+    sqlx::query_as!(
+        Position,
+        "SELECT tenant_code AS project, entity_type_id AS doc_type, id AS row FROM id_outbox \
+         WHERE document_id = $1 AND ($2::text[] IS NULL OR tenant_code = ANY($2))",
+        document_id,
+        projects,
     )
-    .bind(document_id)
-    .bind(projects)
     .fetch_optional(db)
-    .await?;
-    Ok(found.map(|(project, doc_type, row)| Position {
-        project,
-        doc_type,
-        row,
-    }))
+    .await
 }
 
 /// An admin's page of every project, in row order.

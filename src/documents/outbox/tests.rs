@@ -1,0 +1,157 @@
+//! Every statement of the outbox that is put together at run time (the
+//! status and type filters of a listing, a transition's columns, a claim
+//! with or without payloads), run against a real database: the query
+//! macros check the others at compile time.
+
+use super::*;
+
+/// (document, project, type, status); seq is the position in this list.
+const DOCUMENTS: [(&str, &str, &str, DocumentStatus); 6] = [
+    ("AAA-T1-1", "AAA", "T1", DocumentStatus::Pending),
+    ("AAA-T1-2", "AAA", "T1", DocumentStatus::Committed),
+    ("AAA-T2-3", "AAA", "T2", DocumentStatus::DeadLetter),
+    ("AAA-T2-4", "AAA", "T2", DocumentStatus::Abandoned),
+    ("AAA-T2-5", "AAA", "T2", DocumentStatus::Pending),
+    ("BBB-T1-1", "BBB", "T1", DocumentStatus::Pending),
+];
+
+async fn seeded() -> PgPool {
+    let db = crate::db::scratch().await;
+    for (seq, (id, project, doc_type, status)) in DOCUMENTS.iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, status, \
+             sequence_id, period, seq, seq_number, next_retry_at) \
+             VALUES ($1, $2, $3, '{\"n\": 1}', $4, 1, '', $5, $5, now() - interval '1 second')",
+        )
+        .bind(id)
+        .bind(project)
+        .bind(doc_type)
+        .bind(status.as_str())
+        .bind(seq as i64)
+        .execute(&db)
+        .await
+        .expect("seed document");
+    }
+    db
+}
+
+/// The seeded documents matching, in the order a listing gives them.
+fn expected(
+    project: Option<&str>,
+    doc_type: Option<&str>,
+    status: Option<DocumentStatus>,
+) -> Vec<&'static str> {
+    DOCUMENTS
+        .iter()
+        .filter(|d| project.is_none_or(|p| d.1 == p))
+        .filter(|d| doc_type.is_none_or(|t| d.2 == t))
+        .filter(|d| status.is_none_or(|s| d.3 == s))
+        .map(|d| d.0)
+        .collect()
+}
+
+fn ids(page: &[DocumentView]) -> Vec<&str> {
+    page.iter().map(|d| d.id.as_str()).collect()
+}
+
+#[tokio::test]
+async fn every_listing_filter_lists_what_it_names() {
+    let db = seeded().await;
+    let aaa = ["AAA".to_owned()];
+    let statuses = DocumentStatus::ALL.map(Some);
+    for status in statuses.into_iter().chain([None]) {
+        for doc_type in [None, Some("T2")] {
+            // A key of one project (list_project), an admin (list_everything).
+            for projects in [Some(&aaa[..]), None] {
+                let filter = ListFilter {
+                    status,
+                    projects,
+                    project: None,
+                    doc_type,
+                    after: None,
+                    limit: 100,
+                };
+                let page = list(&db, &filter).await.expect("list");
+                let project = projects.map(|_| "AAA");
+                assert_eq!(
+                    ids(&page),
+                    expected(project, doc_type, status),
+                    "status {status:?}, type {doc_type:?}, projects {projects:?}"
+                );
+            }
+        }
+    }
+    let after_first = ListFilter {
+        status: None,
+        projects: Some(&aaa),
+        project: None,
+        doc_type: None,
+        after: Some("AAA-T1-1"),
+        limit: 2,
+    };
+    let page = list(&db, &after_first).await.expect("list after a cursor");
+    assert_eq!(ids(&page), ["AAA-T1-2", "AAA-T2-3"]);
+}
+
+#[tokio::test]
+async fn a_document_is_found_only_by_a_caller_of_its_project() {
+    let db = seeded().await;
+    let found = find(&db, "AAA-T2-3", None).await.expect("find");
+    let found = found.expect("an admin finds any document");
+    assert_eq!(
+        (
+            found.project.as_str(),
+            found.doc_type.as_str(),
+            found.status
+        ),
+        ("AAA", "T2", DocumentStatus::DeadLetter)
+    );
+    let bbb = ["BBB".to_owned()];
+    let hidden = find(&db, "AAA-T2-3", Some(&bbb)).await.expect("find");
+    assert!(hidden.is_none(), "another project's key sees nothing");
+}
+
+#[tokio::test]
+async fn retry_and_abandon_set_what_they_promise() {
+    let db = seeded().await;
+    let retried = retry(&db, "AAA-T2-3", None).await.expect("retry");
+    assert_eq!(retried.status, DocumentStatus::Pending);
+    assert_eq!(retried.retry_count, 0);
+    assert!(retried.processed_at.is_none() && retried.next_retry_at.is_some());
+    let abandoned = abandon(&db, "AAA-T1-1", None).await.expect("abandon");
+    assert_eq!(abandoned.status, DocumentStatus::Abandoned);
+    assert!(abandoned.processed_at.is_some() && abandoned.next_retry_at.is_none());
+    let refused = abandon(&db, "AAA-T1-2", None).await;
+    assert!(
+        matches!(refused, Err(TransitionError::NotAllowed { .. })),
+        "a delivered document is not abandoned"
+    );
+}
+
+#[tokio::test]
+async fn a_claim_takes_due_pending_documents_with_or_without_payloads() {
+    let db = seeded().await;
+    let tenants = ["AAA".to_owned(), "BBB".to_owned()];
+    for with_payload in [true, false] {
+        let mut tx = db.begin().await.expect("begin");
+        let claimed = claim_due(&mut tx, 10, with_payload, &tenants)
+            .await
+            .expect("claim");
+        let mut claimed: Vec<(&str, Option<&str>)> = claimed
+            .iter()
+            .map(|d| (d.document_id.as_str(), d.payload.as_deref()))
+            .collect();
+        claimed.sort_unstable();
+        let payload = with_payload.then_some("{\"n\": 1}");
+        assert_eq!(
+            claimed,
+            [
+                ("AAA-T1-1", payload),
+                ("AAA-T2-5", payload),
+                ("BBB-T1-1", payload)
+            ],
+            "with payload: {with_payload}"
+        );
+        tx.rollback().await.expect("rollback");
+    }
+}
