@@ -8,7 +8,7 @@ mod conflicts;
 mod writes;
 
 use conflicts::{check_against_other_projects, check_against_project, stored_pattern};
-use writes::{insert_definition, retire, update_definition};
+use writes::{insert_definition, replace_definition};
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -456,27 +456,7 @@ impl SequenceStore {
                 check_against_project(&mut tx, project, doc_type, Some(current.id), definition)
                     .await?;
                 check_against_other_projects(&mut tx, project, doc_type, definition).await?;
-                let changes_identity = current.definition.changes_identity(definition);
-                if changes_identity {
-                    let issued = sqlx::query_scalar!(
-                        "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1) \
-                         AS \"issued!\"",
-                        current.id,
-                    )
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(StoreError::from)?;
-                    if issued && !force {
-                        return Err(PutError::InUse);
-                    }
-                    if issued {
-                        retire(&mut tx, current, definition).await?;
-                    }
-                    replaced_identity = Some(Arc::new(current.clone()));
-                }
-                update_definition(&mut tx, current.id, definition, changes_identity)
-                    .await
-                    .map_err(StoreError::from)?;
+                replaced_identity = replace_definition(&mut tx, current, definition, force).await?;
             }
         }
         sqlx::query_scalar!(

@@ -395,67 +395,21 @@ pub fn plan(
     existing: &[OpenGap],
     now: chrono::DateTime<chrono::Utc>,
 ) -> GapPlan {
-    let mut pieces: Vec<GapPiece> = Vec::new();
-    for row in existing {
-        for outside in subtract(row.range, windows) {
-            pieces.push(GapPiece {
-                range: outside,
-                reason: row.reason,
-                detected_at: row.detected_at,
-            });
-        }
-    }
     let mut plan = GapPlan::default();
+    let mut pieces = pieces_outside(existing, windows);
     for stretch in judged {
-        let Some(reason) = stretch.reason else {
-            continue;
-        };
-        let same: Vec<&OpenGap> = existing.iter().filter(|e| e.reason == reason).collect();
-        let mut known: Vec<SeqRange> = Vec::new();
-        for row in &same {
-            if let Some(part) = row.range.intersect(stretch.range) {
-                pieces.push(GapPiece {
-                    range: part,
-                    reason,
-                    detected_at: row.detected_at,
-                });
-                known.push(part);
-            }
-        }
-        known.sort();
-        for fresh in subtract(stretch.range, &known) {
-            *plan.added.entry(reason).or_default() += fresh.len();
-            pieces.push(GapPiece {
-                range: fresh,
+        if let Some(reason) = stretch.reason {
+            pieces.extend(pieces_of_stretch(
+                stretch.range,
                 reason,
-                detected_at: now,
-            });
+                existing,
+                now,
+                &mut plan,
+            ));
         }
     }
-    for row in existing {
-        for inside in windows.iter().filter_map(|w| w.intersect(row.range)) {
-            let still: Vec<SeqRange> = judged
-                .iter()
-                .filter(|j| j.reason == Some(row.reason))
-                .filter_map(|j| j.range.intersect(inside))
-                .collect();
-            let kept: i64 = still.iter().map(SeqRange::len).sum();
-            if inside.len() > kept {
-                *plan.resolved.entry(row.reason).or_default() += inside.len() - kept;
-            }
-        }
-    }
-    pieces.sort_by_key(|p| p.range.start);
-    let mut merged: Vec<GapPiece> = Vec::new();
-    for piece in pieces {
-        match merged.last_mut() {
-            Some(last) if last.range.end == piece.range.start && last.reason == piece.reason => {
-                last.range.end = piece.range.end;
-                last.detected_at = last.detected_at.min(piece.detected_at);
-            }
-            _ => merged.push(piece),
-        }
-    }
+    count_resolved(windows, judged, existing, &mut plan);
+    let mut merged = merge_adjacent(pieces);
     // Rows that come out exactly as they were stay untouched.
     for row in existing {
         let same = merged
@@ -470,6 +424,95 @@ pub fn plan(
     }
     plan.insert = merged;
     plan
+}
+
+/// The parts of open rows outside every window, as they are.
+fn pieces_outside(existing: &[OpenGap], windows: &[SeqRange]) -> Vec<GapPiece> {
+    let mut pieces = Vec::new();
+    for row in existing {
+        for outside in subtract(row.range, windows) {
+            pieces.push(GapPiece {
+                range: outside,
+                reason: row.reason,
+                detected_at: row.detected_at,
+            });
+        }
+    }
+    pieces
+}
+
+/// A stretch judged a gap of `reason`: the parts an open row of that reason
+/// already held keep its detection time, the rest is new (counted in
+/// `plan.added`).
+fn pieces_of_stretch(
+    stretch: SeqRange,
+    reason: Reason,
+    existing: &[OpenGap],
+    now: chrono::DateTime<chrono::Utc>,
+    plan: &mut GapPlan,
+) -> Vec<GapPiece> {
+    let mut pieces = Vec::new();
+    let mut known: Vec<SeqRange> = Vec::new();
+    for row in existing.iter().filter(|e| e.reason == reason) {
+        if let Some(part) = row.range.intersect(stretch) {
+            pieces.push(GapPiece {
+                range: part,
+                reason,
+                detected_at: row.detected_at,
+            });
+            known.push(part);
+        }
+    }
+    known.sort();
+    for fresh in subtract(stretch, &known) {
+        *plan.added.entry(reason).or_default() += fresh.len();
+        pieces.push(GapPiece {
+            range: fresh,
+            reason,
+            detected_at: now,
+        });
+    }
+    pieces
+}
+
+/// Counts, per reason, the numbers of open rows inside the windows that
+/// the judgement no longer gives that reason.
+fn count_resolved(
+    windows: &[SeqRange],
+    judged: &[Judged],
+    existing: &[OpenGap],
+    plan: &mut GapPlan,
+) {
+    for row in existing {
+        for inside in windows.iter().filter_map(|w| w.intersect(row.range)) {
+            let kept: i64 = judged
+                .iter()
+                .filter(|j| j.reason == Some(row.reason))
+                .filter_map(|j| j.range.intersect(inside))
+                .map(|r| r.len())
+                .sum();
+            if inside.len() > kept {
+                *plan.resolved.entry(row.reason).or_default() += inside.len() - kept;
+            }
+        }
+    }
+}
+
+/// Pieces in order, contiguous ones of one reason joined (keeping the
+/// earliest detection time).
+fn merge_adjacent(mut pieces: Vec<GapPiece>) -> Vec<GapPiece> {
+    pieces.sort_by_key(|p| p.range.start);
+    let mut merged: Vec<GapPiece> = Vec::new();
+    for piece in pieces {
+        match merged.last_mut() {
+            Some(last) if last.range.end == piece.range.start && last.reason == piece.reason => {
+                last.range.end = piece.range.end;
+                last.detected_at = last.detected_at.min(piece.detected_at);
+            }
+            _ => merged.push(piece),
+        }
+    }
+    merged
 }
 
 #[cfg(test)]

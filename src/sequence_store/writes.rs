@@ -56,32 +56,76 @@ pub(super) async fn retire(
     .await?;
     let reprints = printed.iter().any(same_as);
     if reprints && current.definition.reset != next.reset {
-        let floor = sqlx::query_scalar!(
-            "SELECT max(next_seq) FROM counters WHERE sequence_id = $1",
+        raise_counters_above_every_number_taken(conn, current.id).await?;
+    }
+    Ok(())
+}
+
+/// Every counter of the sequence, and those its periods create for a while
+/// (`FLOOR_SPAN`), starts above the highest number taken so far.
+async fn raise_counters_above_every_number_taken(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+) -> Result<(), sqlx::Error> {
+    let floor = sqlx::query_scalar!(
+        "SELECT max(next_seq) FROM counters WHERE sequence_id = $1",
+        sequence_id,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let Some(floor) = floor else {
+        return Ok(());
+    };
+    sqlx::query!(
+        "UPDATE counters SET next_seq = GREATEST(next_seq, $2) WHERE sequence_id = $1",
+        sequence_id,
+        floor,
+    )
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query!(
+        "UPDATE sequences SET counter_floor = GREATEST(coalesce(counter_floor, 0), $2), \
+         floor_until = now() + make_interval(secs => $3) WHERE id = $1",
+        sequence_id,
+        floor,
+        FLOOR_SPAN.num_seconds() as f64,
+    )
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Writes `next` over `current`. A change of identity is refused for a
+/// sequence with issued numbers unless `force`, which retires the old
+/// definition; returns the definition whose identity was replaced.
+pub(super) async fn replace_definition(
+    conn: &mut PgConnection,
+    current: &Sequence,
+    next: &Definition,
+    force: bool,
+) -> Result<Option<Arc<Sequence>>, PutError> {
+    let changes_identity = current.definition.changes_identity(next);
+    let mut replaced_identity = None;
+    if changes_identity {
+        let issued = sqlx::query_scalar!(
+            "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1) AS \"issued!\"",
             current.id,
         )
         .fetch_one(&mut *conn)
-        .await?;
-        if let Some(floor) = floor {
-            sqlx::query!(
-                "UPDATE counters SET next_seq = GREATEST(next_seq, $2) WHERE sequence_id = $1",
-                current.id,
-                floor,
-            )
-            .execute(&mut *conn)
-            .await?;
-            sqlx::query!(
-                "UPDATE sequences SET counter_floor = GREATEST(coalesce(counter_floor, 0), $2), \
-                 floor_until = now() + make_interval(secs => $3) WHERE id = $1",
-                current.id,
-                floor,
-                FLOOR_SPAN.num_seconds() as f64,
-            )
-            .execute(&mut *conn)
-            .await?;
+        .await
+        .map_err(StoreError::from)?;
+        if issued && !force {
+            return Err(PutError::InUse);
         }
+        if issued {
+            retire(&mut *conn, current, next).await?;
+        }
+        replaced_identity = Some(Arc::new(current.clone()));
     }
-    Ok(())
+    update_definition(&mut *conn, current.id, next, changes_identity)
+        .await
+        .map_err(StoreError::from)?;
+    Ok(replaced_identity)
 }
 
 /// What decides the strings a definition prints, as kept in
