@@ -138,28 +138,44 @@ pub(super) fn printed_as(d: &Definition) -> (String, String) {
     }
 }
 
+/// `$query!($sql…)` (a query macro and its literal) binding `$before`,
+/// then the nine columns of definition `$d` in the order both statements
+/// below list them, then `$after`.
+macro_rules! with_definition_columns {
+    ($($query:ident)::+ ! ($($sql:tt),+), [$($before:expr),*], $d:expr, [$($after:expr),*]) => {
+        $($query)::+!(
+            $($sql),+,
+            $($before,)*
+            $d.format.as_str(),
+            layout_name($d),
+            $d.epoch(),
+            $d.start,
+            $d.max,
+            $d.reset.as_str(),
+            $d.timezone.name(),
+            $d.pool_size as i32,
+            $d.refill_at
+            $(, $after)*
+        )
+    };
+}
+
 pub(super) async fn insert_definition(
     conn: &mut PgConnection,
     project: &ProjectCode,
     doc_type: &TypeCode,
     d: &Definition,
 ) -> Result<SequenceRow, StoreError> {
-    Ok(sequence_rows!(
-        "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, max_seq, \
-         reset, timezone, pool_size, refill_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING",
-        "",
-        project.as_str(),
-        doc_type.as_str(),
-        d.format.as_str(),
-        layout_name(d),
-        d.epoch(),
-        d.start,
-        d.max,
-        d.reset.as_str(),
-        d.timezone.name(),
-        d.pool_size as i32,
-        d.refill_at,
+    Ok(with_definition_columns!(
+        sequence_rows!(
+            "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, max_seq, \
+             reset, timezone, pool_size, refill_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING",
+            ""
+        ),
+        [project.as_str(), doc_type.as_str()],
+        d,
+        []
     )
     .fetch_one(&mut *conn)
     .await?)
@@ -171,21 +187,16 @@ pub(super) async fn update_definition(
     d: &Definition,
     changes_identity: bool,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query!(
-        "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, max_seq = $6, \
-         reset = $7, timezone = $8, pool_size = $9, refill_at = $10, version = version + 1, \
-         identity_version = identity_version + $11::int, updated_at = now() WHERE id = $1",
-        id,
-        d.format.as_str(),
-        layout_name(d),
-        d.epoch(),
-        d.start,
-        d.max,
-        d.reset.as_str(),
-        d.timezone.name(),
-        d.pool_size as i32,
-        d.refill_at,
-        i32::from(changes_identity),
+    with_definition_columns!(
+        sqlx::query!(
+            "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, \
+             max_seq = $6, reset = $7, timezone = $8, pool_size = $9, refill_at = $10, \
+             version = version + 1, identity_version = identity_version + $11::int, \
+             updated_at = now() WHERE id = $1"
+        ),
+        [id],
+        d,
+        [i32::from(changes_identity)]
     )
     .execute(&mut *conn)
     .await?;
