@@ -161,7 +161,9 @@ pub(super) async fn list_project(
         None => "AND $4::text IS NULL",
     };
     // Each status is one of four fixed words, spelt out so every branch
-    // matches its partial index.
+    // matches its partial index. The order is qualified: a bare `id` names
+    // the output column (`document_id AS id`), which would sort by the
+    // ID's text, unlike the cursor, and not along the index.
     let branches: Vec<String> = statuses
         .iter()
         .map(|status| {
@@ -169,7 +171,7 @@ pub(super) async fn list_project(
                 "(SELECT {VIEW_COLUMNS} FROM id_outbox \
                   WHERE tenant_code = $1 AND status = '{status}' {by_type} \
                     AND (entity_type_id, id) > ($5, $2) \
-                  ORDER BY entity_type_id, id LIMIT $3)"
+                  ORDER BY id_outbox.entity_type_id, id_outbox.id LIMIT $3)"
             )
         })
         .collect();
@@ -221,7 +223,7 @@ pub(super) async fn list_everything(
     let sql = format!(
         "SELECT {VIEW_COLUMNS} FROM id_outbox \
          WHERE id > $1 {status} AND ($2::text IS NULL OR entity_type_id = $2) \
-         ORDER BY id LIMIT $3"
+         ORDER BY id_outbox.id LIMIT $3"
     );
     sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(after_row)

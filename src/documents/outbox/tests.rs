@@ -6,13 +6,18 @@
 use super::*;
 
 /// (document, project, type, status); seq is the position in this list.
-const DOCUMENTS: [(&str, &str, &str, DocumentStatus); 6] = [
-    ("AAA-T1-1", "AAA", "T1", DocumentStatus::Pending),
-    ("AAA-T1-2", "AAA", "T1", DocumentStatus::Committed),
-    ("AAA-T2-3", "AAA", "T2", DocumentStatus::DeadLetter),
-    ("AAA-T2-4", "AAA", "T2", DocumentStatus::Abandoned),
-    ("AAA-T2-5", "AAA", "T2", DocumentStatus::Pending),
-    ("BBB-T1-1", "BBB", "T1", DocumentStatus::Pending),
+/// IDs whose text sorts otherwise than the order they came in (9 before
+/// 10), as numbers past 9 do.
+const DOCUMENTS: [(&str, &str, &str, DocumentStatus); 9] = [
+    ("AAA-T1-9", "AAA", "T1", DocumentStatus::Pending),
+    ("AAA-T1-10", "AAA", "T1", DocumentStatus::Committed),
+    ("AAA-T1-11", "AAA", "T1", DocumentStatus::Pending),
+    ("AAA-T2-9", "AAA", "T2", DocumentStatus::DeadLetter),
+    ("AAA-T2-10", "AAA", "T2", DocumentStatus::DeadLetter),
+    ("AAA-T2-11", "AAA", "T2", DocumentStatus::Abandoned),
+    ("AAA-T2-12", "AAA", "T2", DocumentStatus::Pending),
+    ("BBB-T1-9", "BBB", "T1", DocumentStatus::Pending),
+    ("BBB-T1-10", "BBB", "T1", DocumentStatus::Pending),
 ];
 
 async fn seeded() -> PgPool {
@@ -73,11 +78,25 @@ async fn every_listing_filter_lists_what_it_names() {
                 };
                 let page = list(&db, &filter).await.expect("list");
                 let project = projects.map(|_| "AAA");
-                assert_eq!(
-                    ids(&page),
-                    expected(project, doc_type, status),
-                    "status {status:?}, type {doc_type:?}, projects {projects:?}"
-                );
+                let want = expected(project, doc_type, status);
+                let case = format!("status {status:?}, type {doc_type:?}, projects {projects:?}");
+                assert_eq!(ids(&page), want, "{case}");
+                // Page by page, each from the cursor of the one before.
+                let mut paged: Vec<String> = Vec::new();
+                loop {
+                    let one = ListFilter {
+                        after: paged.last().map(String::as_str),
+                        limit: 1,
+                        ..filter
+                    };
+                    let page = list(&db, &one).await.expect("a page");
+                    if page.is_empty() {
+                        break;
+                    }
+                    paged.extend(page.into_iter().map(|d| d.id));
+                    assert!(paged.len() <= want.len(), "{case}: pages repeat {paged:?}");
+                }
+                assert_eq!(paged, want, "{case}: paged");
             }
         }
     }
@@ -86,17 +105,17 @@ async fn every_listing_filter_lists_what_it_names() {
         projects: Some(&aaa),
         project: None,
         doc_type: None,
-        after: Some("AAA-T1-1"),
+        after: Some("AAA-T1-9"),
         limit: 2,
     };
     let page = list(&db, &after_first).await.expect("list after a cursor");
-    assert_eq!(ids(&page), ["AAA-T1-2", "AAA-T2-3"]);
+    assert_eq!(ids(&page), ["AAA-T1-10", "AAA-T1-11"]);
 }
 
 #[tokio::test]
 async fn a_document_is_found_only_by_a_caller_of_its_project() {
     let db = seeded().await;
-    let found = find(&db, "AAA-T2-3", None).await.expect("find");
+    let found = find(&db, "AAA-T2-9", None).await.expect("find");
     let found = found.expect("an admin finds any document");
     assert_eq!(
         (
@@ -107,21 +126,21 @@ async fn a_document_is_found_only_by_a_caller_of_its_project() {
         ("AAA", "T2", DocumentStatus::DeadLetter)
     );
     let bbb = ["BBB".to_owned()];
-    let hidden = find(&db, "AAA-T2-3", Some(&bbb)).await.expect("find");
+    let hidden = find(&db, "AAA-T2-9", Some(&bbb)).await.expect("find");
     assert!(hidden.is_none(), "another project's key sees nothing");
 }
 
 #[tokio::test]
 async fn retry_and_abandon_set_what_they_promise() {
     let db = seeded().await;
-    let retried = retry(&db, "AAA-T2-3", None).await.expect("retry");
+    let retried = retry(&db, "AAA-T2-9", None).await.expect("retry");
     assert_eq!(retried.status, DocumentStatus::Pending);
     assert_eq!(retried.retry_count, 0);
     assert!(retried.processed_at.is_none() && retried.next_retry_at.is_some());
-    let abandoned = abandon(&db, "AAA-T1-1", None).await.expect("abandon");
+    let abandoned = abandon(&db, "AAA-T1-9", None).await.expect("abandon");
     assert_eq!(abandoned.status, DocumentStatus::Abandoned);
     assert!(abandoned.processed_at.is_some() && abandoned.next_retry_at.is_none());
-    let refused = abandon(&db, "AAA-T1-2", None).await;
+    let refused = abandon(&db, "AAA-T1-10", None).await;
     assert!(
         matches!(refused, Err(TransitionError::NotAllowed { .. })),
         "a delivered document is not abandoned"
@@ -146,9 +165,11 @@ async fn a_claim_takes_due_pending_documents_with_or_without_payloads() {
         assert_eq!(
             claimed,
             [
-                ("AAA-T1-1", payload),
-                ("AAA-T2-5", payload),
-                ("BBB-T1-1", payload)
+                ("AAA-T1-11", payload),
+                ("AAA-T1-9", payload),
+                ("AAA-T2-12", payload),
+                ("BBB-T1-10", payload),
+                ("BBB-T1-9", payload)
             ],
             "with payload: {with_payload}"
         );
