@@ -111,6 +111,12 @@ impl Activity {
         self.body_unread.load(Ordering::Relaxed)
     }
 
+    /// Whether a request is being served whose body has not all arrived:
+    /// nothing was done for it yet, so closing it costs only a resend.
+    pub fn receiving_body(&self) -> bool {
+        matches!(*self.phase(), Phase::Serving) && self.is_body_unread()
+    }
+
     fn phase(&self) -> std::sync::MutexGuard<'_, Phase> {
         self.phase.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -4,8 +4,11 @@
 //! request head, or whose answer has stopped leaving. Connections that
 //! never carried a valid key go first, then those of the key holding the
 //! most. So idle connections, a stranger's or one key's, never keep a
-//! tenant from connecting; a new client waits only while every slot is
-//! busy serving a request.
+//! tenant from connecting. When none does nothing, a key holding more than
+//! half of the connections gives up one whose request body is still
+//! arriving (nothing was done for it yet): one key's slow bodies never
+//! keep others out. Otherwise a new client waits while every slot is busy
+//! serving a request.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -99,8 +102,10 @@ impl Connections {
     pub fn close_one_unused(&self) -> bool {
         let now = Instant::now();
         let state = self.state();
-        let candidates = unused(&state.open, now);
-        match choose(&candidates) {
+        let looked_at = looked_at(&state.open);
+        let candidates = unused(&state.open, &looked_at, now);
+        let chosen = choose(&candidates).or_else(|| hogging(&state.open, &looked_at));
+        match chosen {
             Some(index) => {
                 if let Some(open) = &state.open[index] {
                     open.close.cancel();
@@ -129,26 +134,60 @@ struct Candidate<'a> {
     since: Instant,
 }
 
-/// Connections doing nothing now among those looked at.
-fn unused(open: &[Option<Open>], now: Instant) -> Vec<Candidate<'_>> {
-    let candidate = |index: usize| {
-        let open = open[index].as_ref()?;
-        if open.close.is_cancelled() {
-            return None;
-        }
-        let since = open.activity.unused_since(now, STALL)?;
-        Some(Candidate {
-            index,
-            key: open.activity.key(),
-            since,
-        })
-    };
+/// The slots looked at: all of them up to `LOOKED_AT`, else a sample.
+fn looked_at(open: &[Option<Open>]) -> Vec<usize> {
     if open.len() <= LOOKED_AT {
-        return (0..open.len()).filter_map(candidate).collect();
+        return (0..open.len()).collect();
     }
     (0..LOOKED_AT)
-        .filter_map(|_| candidate(rand::random_range(0..open.len())))
+        .map(|_| rand::random_range(0..open.len()))
         .collect()
+}
+
+/// Open connections not told to close yet among `indexes`.
+fn live<'a>(
+    open: &'a [Option<Open>],
+    indexes: &'a [usize],
+) -> impl Iterator<Item = (usize, &'a Open)> {
+    indexes.iter().filter_map(|&index| {
+        let open = open[index].as_ref()?;
+        (!open.close.is_cancelled()).then_some((index, open))
+    })
+}
+
+/// Connections doing nothing now among those looked at.
+fn unused<'a>(
+    open: &'a [Option<Open>],
+    looked_at: &'a [usize],
+    now: Instant,
+) -> Vec<Candidate<'a>> {
+    live(open, looked_at)
+        .filter_map(|(index, open)| {
+            let since = open.activity.unused_since(now, STALL)?;
+            Some(Candidate {
+                index,
+                key: open.activity.key(),
+                since,
+            })
+        })
+        .collect()
+}
+
+/// A connection still receiving its request body, of the key holding more
+/// than half of the connections looked at, if one does.
+fn hogging(open: &[Option<Open>], looked_at: &[usize]) -> Option<usize> {
+    let mut held: HashMap<&str, usize> = HashMap::new();
+    let mut total = 0;
+    for (_, open) in live(open, looked_at) {
+        total += 1;
+        if let Some(key) = open.activity.key() {
+            *held.entry(key).or_default() += 1;
+        }
+    }
+    let (hog, _) = held.into_iter().find(|(_, n)| *n * 2 > total)?;
+    live(open, looked_at)
+        .find(|(_, o)| o.activity.receiving_body() && o.activity.key().map(|k| &**k) == Some(hog))
+        .map(|(index, _)| index)
 }
 
 /// Which connection gives up its slot: the one unused longest of those

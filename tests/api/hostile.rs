@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::helpers::{TestApp, TestEnv, assert_problem};
+use crate::helpers::{TestApp, TestEnv, assert_problem, create_key};
 use crate::redis_server::RedisServer;
 
 /// Slowest answer a well-behaved request may get while a hostile one runs
@@ -740,26 +740,14 @@ async fn connections_beyond_the_cap_wait_while_every_one_is_serving() {
     let mut env = TestEnv::new();
     env.max_connections = 4;
     let app = env.spawn().await;
-    let address = app.address.trim_start_matches("http://").to_owned();
-    // Four requests whose bodies are still coming: every slot is busy.
-    let head = format!(
-        "POST /documents HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
-         Content-Type: application/json\r\nContent-Length: 60\r\nExpect: 100-continue\r\n\r\n",
-        app.admin_key
-    );
+    // Four keys, each with one request whose body is still coming: every
+    // slot is busy, and none of them holds more than its share.
     let mut busy = Vec::new();
     for _ in 0..4 {
-        let mut stream = TcpStream::connect(&address).await.unwrap();
-        // The interim answer says the handler is reading the body: the
-        // connection is serving, not waiting for its head.
-        let interim = answer_on(&mut stream, head.as_bytes(), Duration::from_secs(2)).await;
-        assert!(
-            interim.is_some_and(|a| a.starts_with("HTTP/1.1 100")),
-            "no 100 Continue"
-        );
-        stream.write_all(b"{\"project\"").await.unwrap();
-        busy.push(stream);
+        let key = create_key(&app.state, &[], true).await;
+        busy.push(slow_body(&app, &key).await);
     }
+    let address = app.address.trim_start_matches("http://").to_owned();
     let mut waiting = TcpStream::connect(&address).await.unwrap();
     let health = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
     assert_eq!(
@@ -774,6 +762,70 @@ async fn connections_beyond_the_cap_wait_while_every_one_is_serving() {
         .expect("served once a busy one ended")
         .unwrap();
     assert!(String::from_utf8_lossy(&buffer[..n]).starts_with("HTTP/1.1 200"));
+}
+
+/// A connection whose `POST /documents` under `key` has begun (the server
+/// asked for the body) and whose body is still coming.
+async fn slow_body(app: &TestApp, key: &str) -> TcpStream {
+    let address = app.address.trim_start_matches("http://").to_owned();
+    let head = format!(
+        "POST /documents HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: 60\r\nExpect: 100-continue\r\n\r\n"
+    );
+    let mut stream = TcpStream::connect(&address).await.unwrap();
+    // The interim answer says the handler is reading the body: the
+    // connection is serving, not waiting for its head.
+    let interim = answer_on(&mut stream, head.as_bytes(), Duration::from_secs(2)).await;
+    assert!(
+        interim.is_some_and(|a| a.starts_with("HTTP/1.1 100")),
+        "no 100 Continue"
+    );
+    stream.write_all(b"{\"project\"").await.unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_sending_slow_bodies_on_every_slot_keeps_no_one_out() {
+    let mut env = TestEnv::new();
+    env.max_connections = 4;
+    let app = env.spawn().await;
+    let hog = create_key(&app.state, &[], true).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(slow_body(&app, &hog).await);
+    }
+    // Another tenant's request on a new connection is served at once: a
+    // connection of the key holding every slot gives its place up.
+    let other = create_key(&app.state, &["OTHER"], false).await;
+    let served = tokio::time::timeout(
+        Duration::from_secs(5),
+        app.client
+            .post(app.url("/ids"))
+            .bearer_auth(&other)
+            .json(&json!({"project": "OTHER", "type": "1"}))
+            .send(),
+    )
+    .await
+    .expect("served while one key held every slot")
+    .unwrap();
+    assert_eq!(served.status(), StatusCode::OK);
+    // One of the hog's requests was cut before its body arrived: nothing
+    // of it was written.
+    let mut cut = 0;
+    for stream in &mut held {
+        let mut buffer = [0u8; 256];
+        // Closed (end of stream or reset), or answered and closed; a
+        // connection still waiting for its body says nothing.
+        match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buffer)).await {
+            Ok(Ok(_)) | Ok(Err(_)) => cut += 1,
+            Err(_) => {}
+        }
+    }
+    assert!(
+        cut >= 1,
+        "no connection of the key holding every slot was closed"
+    );
+    assert_eq!(app.outbox_count(None).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
