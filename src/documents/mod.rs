@@ -20,6 +20,38 @@ use crate::sequence::{Layout, ProjectCode, TypeCode};
 
 /// Largest `metadata` object (SPEC).
 pub const MAX_METADATA_BYTES: usize = 256 * 1024;
+/// Deepest nesting of arrays and objects in metadata (the metadata object
+/// itself is level 1). Postgres parses the metadata as `jsonb`; far deeper
+/// nesting exhausts its stack, which must never be a request's doing.
+pub const MAX_METADATA_DEPTH: usize = 64;
+
+/// How deeply the arrays and objects of well-formed JSON `raw` nest: one
+/// pass over its bytes, brackets inside strings not counted.
+pub fn nesting_depth(raw: &str) -> usize {
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for byte in raw.bytes() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
 /// Most documents in one batch (SPEC).
 pub const MAX_BATCH: usize = 1000;
 
@@ -433,4 +465,19 @@ async fn attachable(
         "it was not issued by POST /ids for {}/{}",
         sequence.project, sequence.doc_type
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nesting_depth;
+
+    #[test]
+    fn nesting_counts_arrays_and_objects_but_not_brackets_in_strings() {
+        assert_eq!(nesting_depth("{}"), 1);
+        assert_eq!(nesting_depth(r#"{"a": [1, {"b": []}]}"#), 4);
+        assert_eq!(nesting_depth(r#"{"a": "[[[{{{", "b": "\"[[["}"#), 1);
+        assert_eq!(nesting_depth(r#"{"a": "\\", "b": [[]]}"#), 3);
+        let deep = format!("{{\"a\":{}{}}}", "[".repeat(500), "]".repeat(500));
+        assert_eq!(nesting_depth(&deep), 501);
+    }
 }

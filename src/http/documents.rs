@@ -21,7 +21,9 @@ use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentView};
-use crate::documents::{Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES};
+use crate::documents::{
+    Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, nesting_depth,
+};
 use crate::idempotency;
 use crate::ledger::outbox::DocumentStatus;
 use chrono::{DateTime, Utc};
@@ -171,6 +173,12 @@ fn document_input(
                 "metadata is {} bytes; the limit is {MAX_METADATA_BYTES}",
                 raw.len()
             ),
+        ));
+    }
+    if nesting_depth(raw) > MAX_METADATA_DEPTH {
+        return Err(ApiError::bad_request(
+            "invalid_metadata",
+            format!("metadata nests arrays and objects deeper than {MAX_METADATA_DEPTH} levels"),
         ));
     }
     if let Some(id) = id

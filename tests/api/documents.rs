@@ -491,7 +491,18 @@ async fn batch_items_with_keys_are_replayed_and_ids_from_post_ids_attach_once() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_documents_get_their_problems_and_change_nothing() {
     let app = TestEnv::new().spawn().await;
+    // Metadata nesting 65 levels (the object, then 64 arrays): one more
+    // than the bound (far deeper would exhaust Postgres' stack).
+    let mut deep = json!([]);
+    for _ in 1..64 {
+        deep = json!([deep]);
+    }
     let cases = vec![
+        (
+            json!({"project": "P", "type": "1", "metadata": {"a": deep}}),
+            StatusCode::BAD_REQUEST,
+            "invalid_metadata",
+        ),
         (
             json!({"project": "P-", "type": "1", "metadata": {}}),
             StatusCode::BAD_REQUEST,
