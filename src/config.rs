@@ -368,6 +368,17 @@ pub struct Config {
     )]
     pub leases: Switch,
 
+    /// Seconds a number reserved by `POST /ids` on a gapless sequence waits
+    /// for its document before it is voided as `reservation_expired`.
+    #[arg(
+        long = "idpool-reservation-ttl-s",
+        env = "IDPOOL_RESERVATION_TTL_S",
+        value_name = "IDPOOL_RESERVATION_TTL_S",
+        default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=31_536_000),
+    )]
+    pub reservation_ttl_s: u64,
+
     /// Requests one API key may have in flight at once (answers still being
     /// sent included); more wait for its own earlier ones to finish.
     #[arg(

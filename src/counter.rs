@@ -394,6 +394,41 @@ impl Counter {
     }
 }
 
+impl Counter {
+    /// The next `n` numbers of a gapless sequence's period, taken inside
+    /// the caller's transaction: the counter row stays locked until that
+    /// transaction ends, so numbers follow commit order and a rollback
+    /// gives them back (no block is recorded: nothing outside the
+    /// transaction ever holds them).
+    pub async fn take_gapless(
+        &self,
+        conn: &mut PgConnection,
+        sequence: &Sequence,
+        period: &Period,
+        n: i64,
+    ) -> Result<Reserved<SeqRange>, sqlx::Error> {
+        self.ensure_period(&mut *conn, sequence, period).await?;
+        let first = sqlx::query_scalar!(
+            "UPDATE counters SET next_seq = next_seq + $3 \
+             WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
+               AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $5 \
+                           AND numbering = 'gapless') \
+             RETURNING next_seq - $3 AS \"first!\"",
+            sequence.id,
+            period.key(),
+            n,
+            sequence.definition.max_seq(),
+            sequence.identity_version,
+        )
+        .fetch_optional(&mut *conn)
+        .await?;
+        match first {
+            Some(first) => Ok(Reserved::Got(SeqRange::new(first, first + n))),
+            None => self.why_not(&mut *conn, sequence).await,
+        }
+    }
+}
+
 /// The period's counter at its first number, unless it exists.
 async fn create_counter<'e, E: sqlx::PgExecutor<'e>>(
     db: E,

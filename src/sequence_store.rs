@@ -19,8 +19,8 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::sequence::pattern::{Part, Pattern};
 use crate::sequence::{
-    CounterFloor, DEFAULT_FORMAT, Definition, DefinitionError, Layout, ProjectCode, Reset,
-    Sequence, Template, TypeCode,
+    CounterFloor, DEFAULT_FORMAT, Definition, DefinitionError, Layout, Numbering, ProjectCode,
+    Reset, Sequence, Template, TypeCode,
 };
 
 /// Postgres channel that tells every instance a definition changed.
@@ -71,6 +71,10 @@ pub enum PutError {
         "the sequence has issued numbers; changing format, layout, reset or timezone needs \"force\": true"
     )]
     InUse,
+    #[error(
+        "the sequence has taken numbers from its counter; \"numbering\" cannot change, even with \"force\""
+    )]
+    NumberingInUse,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -112,6 +116,7 @@ struct SequenceRow {
     timezone: String,
     pool_size: i32,
     refill_at: f64,
+    numbering: String,
     version: i32,
     identity_version: i32,
     counter_floor: Option<i64>,
@@ -129,8 +134,8 @@ macro_rules! sequence_rows {
         sqlx::query_as!(
             SequenceRow,
             $before + " id, project, doc_type, format, layout, epoch, start_seq, max_seq, \
-             reset, timezone, pool_size, refill_at, version, identity_version, counter_floor, \
-             floor_until, created_at, updated_at " + $sql
+             reset, timezone, pool_size, refill_at, numbering, version, identity_version, \
+             counter_floor, floor_until, created_at, updated_at " + $sql
             $(, $arg)*
         )
     };
@@ -159,6 +164,7 @@ impl SequenceRow {
                 timezone: self.timezone.parse().map_err(|_| corrupt("timezone"))?,
                 pool_size: u32::try_from(self.pool_size).map_err(|_| corrupt("pool_size"))?,
                 refill_at: self.refill_at,
+                numbering: Numbering::parse(&self.numbering).ok_or_else(|| corrupt("numbering"))?,
             },
             version: self.version,
             identity_version: self.identity_version,

@@ -203,6 +203,7 @@ impl Parts {
                 enabled: config.leases.is_on(),
                 ..overrides.leases.clone().unwrap_or_default()
             },
+            reservation_ttl: Duration::from_secs(config.reservation_ttl_s),
             tasks: tasks.clone(),
         });
         let reconciler = Self::reconciler(
@@ -354,6 +355,10 @@ impl Parts {
         let key_stop = stop.clone();
         supervisor.spawn("keys", move || {
             crate::auth::maintain_keys(auth.clone(), key_stop.clone())
+        });
+        let (issuer, expiry_stop) = (self.issuer.clone(), stop.clone());
+        supervisor.spawn("reservation expiry", move || {
+            issuer.clone().expire_reservations(expiry_stop.clone())
         });
         let (prune_db, prune_stop) = (db.clone(), stop.clone());
         supervisor.spawn("idempotency pruning", move || {

@@ -42,6 +42,8 @@ pub struct Stats {
     refills_in_flight: Gauge,
     refills_in_flight_peak: Gauge,
     pub stale_numbers_rejected: Counter,
+    pub reservations_expired: Counter,
+    pub gapless_violations: Counter,
     pub pool_numbers_discarded: Counter,
     pub redis_trips: Counter,
     pub redis_resyncs: Counter,
@@ -113,6 +115,14 @@ const METRICS: &[(&str, &str)] = &[
     (
         "stale_numbers_rejected",
         "Popped numbers the issuance ledger refused as already issued",
+    ),
+    (
+        "reservations_expired",
+        "Reservations of gapless sequences voided because their deadline passed",
+    ),
+    (
+        "gapless_violations",
+        "Numbers of gapless sequences reconciliation found neither a document nor a void",
     ),
     (
         "pool_numbers_discarded",
@@ -215,6 +225,8 @@ impl Default for Stats {
             refills_in_flight: registered(r, "refills_in_flight", Gauge::default()),
             refills_in_flight_peak: registered(r, "refills_in_flight_peak", Gauge::default()),
             stale_numbers_rejected: registered(r, "stale_numbers_rejected", Counter::default()),
+            reservations_expired: registered(r, "reservations_expired", Counter::default()),
+            gapless_violations: registered(r, "gapless_violations", Counter::default()),
             pool_numbers_discarded: registered(r, "pool_numbers_discarded", Counter::default()),
             redis_trips: registered(r, "redis_trips", Counter::default()),
             redis_resyncs: registered(r, "redis_resyncs", Counter::default()),

@@ -14,9 +14,10 @@ use sqlx::PgConnection;
 
 use crate::issuance::{IssueError, Issuer, Want};
 use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
+use crate::ledger::reservations::{self, ReservationStatus};
 use crate::ledger::{self, LedgerError, Via};
 use crate::pool::Placement;
-use crate::sequence::{Layout, ProjectCode, TypeCode};
+use crate::sequence::{Numbering, ProjectCode, TypeCode};
 
 /// Largest `metadata` object (SPEC).
 pub const MAX_METADATA_BYTES: usize = 256 * 1024;
@@ -418,13 +419,13 @@ async fn attachable(
     let definition = &sequence.definition;
     // One pass over the ID: the number it carries, if it reads as this
     // sequence's format at all.
-    let candidate: Option<i64> = match definition.layout {
-        Layout::Text => definition
-            .pattern(sequence.project.as_str(), sequence.doc_type.as_str())
-            .ok()
-            .and_then(|pattern| pattern.seq_of(id)),
-        Layout::Int64 { .. } => id.parse::<i64>().ok().map(|n| n & 0xFFFF_FFFF),
-    };
+    let candidate = sequence.seq_of(id);
+    if definition.numbering == Numbering::Gapless {
+        let Some(seq) = candidate else {
+            return Err(not_attachable("it was not reserved by POST /ids"));
+        };
+        return confirm_reservation(conn, placement, input, id, seq).await;
+    }
     if let Some(seq) = candidate {
         let issued = ledger::issued_via_ids(conn, sequence.id, seq).await?;
         for (period_key, issued_at) in issued {
@@ -465,6 +466,75 @@ async fn attachable(
         "it was not issued by POST /ids for {}/{}",
         sequence.project, sequence.doc_type
     )))
+}
+
+/// Confirms the reservation of `seq` printed as `id` on a gapless
+/// sequence (locked until the caller's transaction ends): refused when it
+/// is not this sequence's, carries a document, was voided, or its
+/// deadline passed (the expiry sweep voids it). The outbox row that
+/// attaches it.
+async fn confirm_reservation(
+    conn: &mut PgConnection,
+    placement: &Placement,
+    input: &DocumentInput,
+    id: &str,
+    seq: i64,
+) -> Result<(i64, String, OutboxRow), DocumentError> {
+    let not_attachable = |reason: String| DocumentError::NotAttachable {
+        id: id.to_owned(),
+        reason,
+    };
+    let sequence = &placement.sequence;
+    let definition = &sequence.definition;
+    let reservation = reservations::lock(&mut *conn, sequence.id, seq, id)
+        .await?
+        .ok_or_else(|| {
+            not_attachable(format!(
+                "it was not reserved by POST /ids for {}/{}",
+                sequence.project, sequence.doc_type
+            ))
+        })?;
+    match reservation.status {
+        ReservationStatus::Reserved if reservation.reserved_until > placement.at => {}
+        ReservationStatus::Reserved => {
+            return Err(not_attachable(format!(
+                "its reservation expired at {}",
+                reservation.reserved_until.to_rfc3339()
+            )));
+        }
+        ReservationStatus::Confirmed => {
+            return Err(not_attachable("it carries a document already".into()));
+        }
+        ReservationStatus::Voided | ReservationStatus::ReservationExpired => {
+            return Err(not_attachable(format!(
+                "it was voided ({})",
+                reservation.status.as_str()
+            )));
+        }
+    }
+    let period = definition
+        .reset
+        .period_named(definition.timezone, &reservation.period)
+        .ok_or_else(|| not_attachable("its period no longer reads as this sequence's".into()))?;
+    let shape = definition
+        .shape(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            &period,
+            reservation.reserved_at,
+        )
+        .map_err(|e| not_attachable(e.to_string()))?;
+    reservations::confirm(&mut *conn, sequence.id, &reservation).await?;
+    let row = OutboxRow {
+        seq,
+        document_id: id.to_owned(),
+        project: input.project.to_string(),
+        doc_type: input.doc_type.to_string(),
+        seq_number: shape.number(seq),
+        payload: input.metadata.clone(),
+        source_id: input.source_id.clone(),
+    };
+    Ok((sequence.id, reservation.period, row))
 }
 
 #[cfg(test)]

@@ -41,16 +41,24 @@ pub enum Reason {
     /// Recorded as leased to an instance that stopped before reporting
     /// whether it handed the number out.
     LeaseLost,
+    /// Gapless sequences: reserved by `POST /ids`, voided by the caller
+    /// (their reason is the gap's `note`).
+    Voided,
+    /// Gapless sequences: reserved by `POST /ids`, neither confirmed nor
+    /// voided by its deadline.
+    ReservationExpired,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 6] = [
+    pub const ALL: [Reason; 8] = [
         Reason::IssuedUnattached,
         Reason::OutboxDlq,
         Reason::Abandoned,
         Reason::PoolDiscarded,
         Reason::UntrackedLoss,
         Reason::LeaseLost,
+        Reason::Voided,
+        Reason::ReservationExpired,
     ];
 
     pub fn as_str(self) -> &'static str {

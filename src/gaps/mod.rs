@@ -3,6 +3,7 @@
 
 pub mod classify;
 mod evidence;
+mod gapless;
 pub mod reconcile;
 mod store;
 
@@ -12,6 +13,8 @@ use sqlx::PgPool;
 use utoipa::ToSchema;
 
 pub use classify::Reason;
+
+use crate::ledger::reservations::{self, ReservationStatus};
 
 /// One range of contiguous numbers with one reason.
 #[derive(Debug, Clone, Serialize, ToSchema, sqlx::FromRow)]
@@ -31,6 +34,10 @@ pub struct Gap {
     pub count: i64,
     #[schema(value_type = Reason)]
     pub reason: String,
+    /// Voids of gapless sequences only: the caller's reason.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "customer cancelled the order")]
+    pub note: Option<String>,
     pub detected_at: DateTime<Utc>,
 }
 
@@ -42,16 +49,21 @@ pub struct GapQuery<'a> {
     /// (period, from_seq) of the last gap of the previous page.
     pub after: Option<(String, i64)>,
     pub limit: i64,
+    /// The sequence's id when it is gapless: its gaps are its voids.
+    pub gapless: Option<i64>,
 }
 
 /// Open gaps of a sequence in (period, position) order, from the index.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::Error> {
     let (after_period, after_seq) = query.after.clone().unwrap_or((String::new(), i64::MIN));
+    if let Some(sequence_id) = query.gapless {
+        return voids(db, query, sequence_id, (&after_period, after_seq)).await;
+    }
     sqlx::query_as!(
         Gap,
         "SELECT g.period, g.from_seq, g.to_seq, g.from_id, g.to_id, g.to_seq - g.from_seq + 1 AS \"count!\", \
-                g.reason, g.detected_at \
+                g.reason, NULL::text AS note, g.detected_at \
          FROM id_gaps g JOIN sequences s ON s.id = g.sequence_id \
          WHERE s.project = $1 AND s.doc_type = $2 AND g.resolved_at IS NULL \
            AND ($3::text IS NULL OR g.period = $3) AND ($4::text IS NULL OR g.reason = $4) \
@@ -67,6 +79,44 @@ pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::E
     )
     .fetch_all(db)
     .await
+}
+
+/// The voids of a gapless sequence, one gap per number: reason `voided`
+/// (with the caller's note) or `reservation_expired`.
+async fn voids(
+    db: &PgPool,
+    query: &GapQuery<'_>,
+    sequence_id: i64,
+    after: (&str, i64),
+) -> Result<Vec<Gap>, sqlx::Error> {
+    let status = match query.reason {
+        None => None,
+        Some(Reason::Voided) => Some(ReservationStatus::Voided),
+        Some(Reason::ReservationExpired) => Some(ReservationStatus::ReservationExpired),
+        // A gapless sequence has no gap of any other reason.
+        Some(_) => return Ok(Vec::new()),
+    };
+    let voids =
+        reservations::voids(db, sequence_id, query.period, status, after, query.limit).await?;
+    Ok(voids
+        .into_iter()
+        .map(|v| Gap {
+            period: v.period,
+            from_seq: v.seq,
+            to_seq: v.seq,
+            from_id: v.id.clone(),
+            to_id: v.id,
+            count: 1,
+            reason: match v.status {
+                ReservationStatus::Voided => Reason::Voided,
+                _ => Reason::ReservationExpired,
+            }
+            .as_str()
+            .to_owned(),
+            note: v.note,
+            detected_at: v.voided_at,
+        })
+        .collect())
 }
 
 /// Numbers of a sequence currently in open gaps.

@@ -66,6 +66,9 @@ pub struct Summary {
     pub gaps_resolved: BTreeMap<Reason, i64>,
     /// Pools of ended periods emptied (their numbers become pool_discarded).
     pub pools_closed: usize,
+    /// Numbers of gapless sequences that are neither a document nor a
+    /// reservation (each one a broken promise, logged as an error).
+    pub gapless_violations: i64,
     pub duration_ms: u64,
 }
 
@@ -216,6 +219,7 @@ impl Reconciler {
                     .await?;
             }
         }
+        summary.gapless_violations = self.check_gapless(conn, &mut sequences).await?;
         let record = serde_json::to_value(&summary).unwrap_or_default();
         store::finish_run(conn, run.id, record).await?;
         Ok(summary)
@@ -248,7 +252,11 @@ impl Reconciler {
         Ok(())
     }
 
-    async fn sequence(
+    pub(super) fn count_gapless_violations(&self, n: i64) {
+        self.stats.gapless_violations.inc_by(n.max(0) as u64);
+    }
+
+    pub(super) async fn sequence(
         &self,
         cache: &mut HashMap<i64, Arc<Sequence>>,
         id: i64,

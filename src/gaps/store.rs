@@ -161,7 +161,8 @@ pub(super) async fn active_periods(
                 CASE WHEN r.checkpoint IS NULL THEN \
                     (SELECT min(lower(b.seqs)) FROM blocks b WHERE b.sequence_id = c.sequence_id AND b.period = c.period) \
                 END AS first_block \
-         FROM counters c LEFT JOIN reconcile_periods r USING (sequence_id, period) \
+         FROM counters c JOIN sequences s ON s.id = c.sequence_id AND s.numbering = 'pooled' \
+              LEFT JOIN reconcile_periods r USING (sequence_id, period) \
          WHERE r.checkpoint IS NULL OR r.checkpoint < c.next_seq OR r.pool_closed_at IS NULL \
          ORDER BY c.sequence_id, c.period",
     )
@@ -401,6 +402,72 @@ pub(super) async fn issue_time(
     )
     .fetch_one(&mut *conn)
     .await
+}
+
+/// A period of a gapless sequence with numbers not checked yet.
+pub(super) struct GaplessPeriod {
+    pub(super) sequence_id: i64,
+    pub(super) period: String,
+    pub(super) next_seq: i64,
+    /// Every number below was checked (None: none was).
+    pub(super) checked_below: Option<i64>,
+}
+
+pub(super) async fn gapless_periods(
+    conn: &mut PgConnection,
+) -> Result<Vec<GaplessPeriod>, sqlx::Error> {
+    sqlx::query_as!(
+        GaplessPeriod,
+        "SELECT c.sequence_id, c.period, c.next_seq, k.checked_below AS \"checked_below?\" \
+         FROM counters c JOIN sequences s ON s.id = c.sequence_id AND s.numbering = 'gapless' \
+              LEFT JOIN gapless_checkpoints k USING (sequence_id, period) \
+         WHERE k.checked_below IS NULL OR k.checked_below < c.next_seq \
+         ORDER BY c.sequence_id, c.period",
+    )
+    .fetch_all(&mut *conn)
+    .await
+}
+
+/// Numbers of `[from, to)` of a gapless period that are neither a
+/// document nor a reservation, ascending (at most `limit`).
+pub(super) async fn gapless_holes(
+    conn: &mut PgConnection,
+    period: &GaplessPeriod,
+    (from, to): (i64, i64),
+    limit: i64,
+) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
+        "SELECT n AS \"n!\" FROM generate_series($3::bigint, $4::bigint - 1) AS n \
+         WHERE NOT EXISTS (SELECT 1 FROM id_outbox o \
+                           WHERE o.sequence_id = $1 AND o.period = $2 AND o.seq = n) \
+           AND NOT EXISTS (SELECT 1 FROM gapless_reservations r \
+                           WHERE r.sequence_id = $1 AND r.period = $2 AND r.seq = n) \
+         ORDER BY n LIMIT $5",
+        period.sequence_id,
+        &period.period,
+        from,
+        to,
+        limit,
+    )
+    .fetch_all(&mut *conn)
+    .await
+}
+
+pub(super) async fn move_gapless_checkpoint(
+    conn: &mut PgConnection,
+    period: &GaplessPeriod,
+    checked_below: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "INSERT INTO gapless_checkpoints (sequence_id, period, checked_below) VALUES ($1, $2, $3) \
+         ON CONFLICT (sequence_id, period) DO UPDATE SET checked_below = EXCLUDED.checked_below",
+        period.sequence_id,
+        &period.period,
+        checked_below,
+    )
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 #[cfg(test)]

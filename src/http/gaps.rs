@@ -1,5 +1,6 @@
 //! `GET /api/v1/ids/gaps` and `POST /api/v1/ids/gaps/reconcile`.
 
+use crate::sequence::Numbering;
 use std::collections::BTreeMap;
 
 use axum::extract::State;
@@ -123,8 +124,8 @@ pub async fn list_gaps(
     } else {
         None
     };
-    if let (Some(period), Some(sequence)) = (&query.period, sequence) {
-        check_period_of(&sequence, period)?;
+    if let (Some(period), Some(sequence)) = (&query.period, &sequence) {
+        check_period_of(sequence, period)?;
     }
     let gaps = if !in_scope {
         Vec::new()
@@ -143,6 +144,10 @@ pub async fn list_gaps(
                         reason,
                         after: page.after.clone(),
                         limit: page.limit,
+                        gapless: sequence
+                            .as_ref()
+                            .filter(|s| s.definition.numbering == Numbering::Gapless)
+                            .map(|s| s.id),
                     },
                 )
                 .await
@@ -253,6 +258,8 @@ pub struct Summary {
     pub gaps_resolved: BTreeMap<&'static str, i64>,
     /// Pools of ended periods emptied (their numbers become pool_discarded).
     pub pools_closed: usize,
+    /// Numbers of gapless sequences that are neither a document nor a void.
+    pub gapless_violations: i64,
     pub duration_ms: u64,
 }
 
@@ -273,6 +280,7 @@ impl From<reconcile::Summary> for Summary {
             gaps_added: words(run.gaps_added),
             gaps_resolved: words(run.gaps_resolved),
             pools_closed: run.pools_closed,
+            gapless_violations: run.gapless_violations,
             duration_ms: run.duration_ms,
         }
     }

@@ -3,6 +3,7 @@
 use axum::extract::State;
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -62,6 +63,11 @@ pub struct IssuedIds {
     /// The same IDs as numbers (the whole 64-bit value for the int64 layout).
     #[schema(example = json!([1001]))]
     pub seqs: Vec<i64>,
+    /// Gapless sequences only: the IDs are reserved until then; attach a
+    /// document to each (`POST /documents` with `"id"`) or void it
+    /// (`POST /ids/void`) before, or it is voided as `reservation_expired`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_until: Option<DateTime<Utc>>,
 }
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -183,6 +189,7 @@ fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {
         doc_type: input.doc_type.to_string(),
         ids: issued.ids(),
         seqs: issued.numbers(),
+        reserved_until: issued.reserved_until,
     }
 }
 

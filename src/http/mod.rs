@@ -16,6 +16,7 @@ pub mod problem;
 mod schema;
 mod sequences;
 pub mod server;
+mod voids;
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -119,6 +120,7 @@ struct ApiDoc;
 pub fn api_router() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(ids::router())
+        .merge(voids::router())
         .merge(documents::router())
         .merge(outbox::router())
         .merge(gaps::router())

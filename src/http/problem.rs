@@ -196,7 +196,9 @@ impl From<StoreError> for ApiError {
 impl From<PutError> for ApiError {
     fn from(e: PutError) -> Self {
         match e {
-            PutError::InUse => Self::conflict("sequence_in_use", e.to_string()),
+            PutError::InUse | PutError::NumberingInUse => {
+                Self::conflict("sequence_in_use", e.to_string())
+            }
             PutError::Store(e) => e.into(),
         }
     }
@@ -236,6 +238,13 @@ impl From<LedgerError> for ApiError {
             LedgerError::DocumentIdTaken => Self::conflict("document_id_taken", e.to_string()),
             LedgerError::AlreadyAttached => Self::conflict("id_not_attachable", e.to_string()),
             LedgerError::SourceIdTaken => Self::conflict("source_id_in_use", e.to_string()),
+            LedgerError::Exhausted => Self::conflict("sequence_exhausted", e.to_string()),
+            LedgerError::DefinitionChanged => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "definition_changed",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             LedgerError::Db(_)
             | LedgerError::Statement(_)
             | LedgerError::Waited(_)

@@ -15,7 +15,7 @@ use super::ids::parse_codes;
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
-use crate::sequence::{Definition, DefinitionInput, LayoutKind, Reset, Sequence};
+use crate::sequence::{Definition, DefinitionInput, LayoutKind, Numbering, Reset, Sequence};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct SequenceView {
@@ -36,6 +36,7 @@ pub struct SequenceView {
     pub timezone: String,
     pub pool_size: u32,
     pub refill_at: f64,
+    pub numbering: Numbering,
     /// Bumped by every PUT.
     pub version: i32,
     pub created_at: DateTime<Utc>,
@@ -76,6 +77,7 @@ impl SequenceView {
             timezone: d.timezone.name().to_owned(),
             pool_size: d.pool_size,
             refill_at: d.refill_at,
+            numbering: d.numbering,
             version: sequence.version,
             created_at: sequence.created_at,
             updated_at: sequence.updated_at,

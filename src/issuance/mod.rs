@@ -9,6 +9,7 @@
 //! before anything leaves. Work that must outlive a caller who hangs up is
 //! detached in one place, [`Issuer::detached`], on the one task tracker.
 
+pub mod gapless;
 mod handouts;
 mod leased;
 mod obtain;
@@ -28,7 +29,7 @@ use crate::lease::{LeaseSettings, Leases};
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{LedgerError, Via};
 use crate::pool::{Placement, PoolService};
-use crate::sequence::{LayoutRangeError, MAX_ID_LEN, ProjectCode, TypeCode};
+use crate::sequence::{LayoutRangeError, MAX_ID_LEN, Numbering, ProjectCode, TypeCode};
 use crate::sequence_store::{SequenceStore, StoreError};
 use crate::stats::Stats;
 
@@ -94,6 +95,9 @@ pub struct Issued {
     pub placement: Arc<Placement>,
     pub seqs: Vec<i64>,
     pub document: Option<(OutboxRow, DateTime<Utc>)>,
+    /// Numbers of a gapless sequence for `POST /ids` are reserved until
+    /// then.
+    pub reserved_until: Option<DateTime<Utc>>,
 }
 
 impl Issued {
@@ -102,6 +106,7 @@ impl Issued {
             placement,
             seqs,
             document: None,
+            reserved_until: None,
         }
     }
 
@@ -128,6 +133,8 @@ pub struct IssuerParts {
     pub stats: Arc<Stats>,
     pub db: PgPool,
     pub leases: LeaseSettings,
+    /// How long a gapless reservation waits for its document.
+    pub reservation_ttl: std::time::Duration,
     /// The one tracker every task of the issuer is spawned on.
     pub tasks: TaskTracker,
 }
@@ -142,6 +149,7 @@ pub struct Issuer {
     clock: Arc<dyn Clock>,
     stats: Arc<Stats>,
     db: PgPool,
+    reservation_ttl: std::time::Duration,
     tasks: TaskTracker,
 }
 
@@ -156,6 +164,7 @@ impl Issuer {
             stats,
             db,
             leases,
+            reservation_ttl,
             tasks,
         } = parts;
         Arc::new(Self {
@@ -168,6 +177,7 @@ impl Issuer {
             clock,
             stats,
             db,
+            reservation_ttl,
             tasks,
         })
     }
@@ -219,6 +229,9 @@ impl Issuer {
         placement: Arc<Placement>,
         want: Want,
     ) -> Result<Issued, IssueError> {
+        if placement.sequence.definition.numbering == Numbering::Gapless {
+            return self.issue_gapless(placement, want).await;
+        }
         match want {
             Want::Ids { count } => {
                 let begun = self.begin_ids(&placement, count);
@@ -241,6 +254,7 @@ impl Issuer {
                         placement,
                         seqs: vec![row.seq],
                         document: Some((row, created_at)),
+                        reserved_until: None,
                     })
                 })
                 .await?
@@ -261,14 +275,13 @@ impl Issuer {
         count: usize,
         via: Via,
     ) -> Result<Issued, IssueError> {
+        if placement.sequence.definition.numbering == Numbering::Gapless {
+            return self.gapless_in(conn, placement, count, via).await;
+        }
         let seqs = self
             .issue_with(placement, count, LedgerTarget::Transaction(conn, via))
             .await?;
-        Ok(Issued {
-            placement: placement.clone(),
-            seqs,
-            document: None,
-        })
+        Ok(Issued::numbers_of(placement.clone(), seqs))
     }
 
     /// Runs `work` to its end whether or not its caller still waits: the

@@ -147,7 +147,7 @@ impl Issuer {
             .await;
     }
 
-    fn exhausted(&self, pool: &PoolRef, count: usize) -> IssueError {
+    pub(super) fn exhausted(&self, pool: &PoolRef, count: usize) -> IssueError {
         IssueError::Exhausted {
             project: pool.sequence.project.to_string(),
             doc_type: pool.sequence.doc_type.to_string(),

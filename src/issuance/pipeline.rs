@@ -23,8 +23,9 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 use crate::batch::Batcher;
+use crate::counter::{Counter, Reserved};
 use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{self, LedgerError, LedgerWrite, Recorded, Via};
+use crate::ledger::{self, GaplessCounter, LedgerError, LedgerWrite, Recorded, Unnumbered, Via};
 use crate::numbers::without;
 use crate::pool::{Placement, PoolService};
 use crate::stats::Stats;
@@ -47,6 +48,11 @@ pub enum Demand {
     LeasedDocument {
         attachment: Arc<Attachment>,
     },
+    /// A document of a gapless sequence, numbered in the commit that
+    /// writes it.
+    Gapless {
+        attachment: Arc<Attachment>,
+    },
 }
 
 impl Demand {
@@ -54,6 +60,7 @@ impl Demand {
         match self {
             Demand::Ids { count } | Demand::Lease { count } => *count,
             Demand::Document { .. } | Demand::LeasedDocument { .. } => 1,
+            Demand::Gapless { .. } => 0,
         }
     }
 }
@@ -86,6 +93,10 @@ pub struct Pipeline {
     pools: Arc<PoolService>,
     stats: Arc<Stats>,
     writes: Batcher<Vec<Popped>>,
+    /// Documents of gapless sequences commit in a write stage of their
+    /// own: their counter rows may be held by another transaction (a batch,
+    /// another instance), and a pooled request must never wait for that.
+    gapless_writes: Batcher<Vec<Popped>>,
 }
 
 impl Pipeline {
@@ -95,24 +106,26 @@ impl Pipeline {
         stats: Arc<Stats>,
         tasks: &TaskTracker,
     ) -> Self {
-        let writer = Arc::new(Writer {
-            db,
-            stats: stats.clone(),
-            conn: tokio::sync::Mutex::new(None),
-        });
-        // One commit at a time: a commit costs Postgres far more than the
-        // rows it carries, so everything popped while one runs waits for
-        // the next (two at a time measured slower: smaller commits).
-        let writes = Batcher::spawn(
-            tasks,
-            "ledger writes",
-            4096,
-            move |batches: Vec<Vec<Popped>>| writer.clone().write(batches),
-        );
+        let stage = |name: &'static str| {
+            let writer = Arc::new(Writer {
+                db: db.clone(),
+                counter: pools.counter().clone(),
+                stats: stats.clone(),
+                conn: tokio::sync::Mutex::new(None),
+            });
+            // One commit at a time: a commit costs Postgres far more than
+            // the rows it carries, so everything popped while one runs
+            // waits for the next (two at a time measured slower: smaller
+            // commits).
+            Batcher::spawn(tasks, name, 4096, move |batches: Vec<Vec<Popped>>| {
+                writer.clone().write(batches)
+            })
+        };
         Self {
+            writes: stage("ledger writes"),
+            gapless_writes: stage("gapless writes"),
             pools,
             stats,
-            writes,
         }
     }
 
@@ -146,12 +159,16 @@ impl Pipeline {
         seqs: Vec<i64>,
     ) -> Result<Served, LedgerError> {
         let (reply, answer) = oneshot::channel();
+        let stage = match demand {
+            Demand::Gapless { .. } => &self.gapless_writes,
+            _ => &self.writes,
+        };
         let job = Job {
             placement,
             demand,
             reply,
         };
-        self.writes
+        stage
             .submit(vec![Popped { job, seqs }])
             .await
             .map_err(|_| LedgerError::Closed)?;
@@ -163,6 +180,7 @@ impl Pipeline {
 /// a time uses it), so a batch costs no pool checkout and return.
 struct Writer {
     db: PgPool,
+    counter: Arc<Counter>,
     stats: Arc<Stats>,
     conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
 }
@@ -178,6 +196,7 @@ impl Writer {
             .map(|Popped { job, seqs }| {
                 let placement = &job.placement;
                 let row = |attachment: &Attachment| vec![attachment.row(&placement.shape, seqs[0])];
+                let mut unnumbered = Vec::new();
                 let (via, ledger_seqs, documents) = match &job.demand {
                     Demand::Ids { .. } => (Via::Ids, seqs.clone(), Vec::new()),
                     Demand::Lease { .. } => (Via::Lease, seqs.clone(), Vec::new()),
@@ -187,6 +206,13 @@ impl Writer {
                     Demand::LeasedDocument { attachment } => {
                         (Via::Document, Vec::new(), row(attachment))
                     }
+                    Demand::Gapless { attachment } => {
+                        unnumbered.push(Unnumbered {
+                            attachment: attachment.clone(),
+                            shape: placement.shape.clone(),
+                        });
+                        (Via::Document, Vec::new(), Vec::new())
+                    }
                 };
                 LedgerWrite {
                     sequence_id: placement.sequence.id,
@@ -194,14 +220,19 @@ impl Writer {
                     seqs: ledger_seqs,
                     via,
                     documents,
+                    unnumbered,
                 }
             })
             .collect();
-        let outcomes = self.record(&writes).await;
+        let outcomes = self.record(&writes, &popped).await;
         answer(popped, writes, outcomes);
     }
 
-    async fn record(&self, writes: &[LedgerWrite]) -> Vec<Result<Recorded, LedgerError>> {
+    async fn record(
+        &self,
+        writes: &[LedgerWrite],
+        popped: &[Popped],
+    ) -> Vec<Result<Recorded, LedgerError>> {
         let mut held = self.conn.lock().await;
         let conn = match held.as_mut() {
             Some(conn) => conn,
@@ -210,7 +241,11 @@ impl Writer {
                 Err(e) => return ledger::failed_all(writes, &e.into()),
             },
         };
-        let outcomes = ledger::write_shared(conn, &self.stats, writes).await;
+        let gapless = GaplessOf {
+            counter: &self.counter,
+            popped,
+        };
+        let outcomes = ledger::write_shared_numbering(conn, &self.stats, writes, &gapless).await;
         if outcomes
             .iter()
             .any(|o| matches!(o, Err(LedgerError::Db(_))))
@@ -223,6 +258,32 @@ impl Writer {
             }
         }
         outcomes
+    }
+}
+
+/// The counters of the batch's gapless sequences, by write.
+struct GaplessOf<'a> {
+    counter: &'a Counter,
+    popped: &'a [Popped],
+}
+
+impl GaplessCounter for GaplessOf<'_> {
+    async fn take(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        index: usize,
+        n: i64,
+    ) -> Result<i64, LedgerError> {
+        let placement = &self.popped[index].job.placement;
+        let taken = self
+            .counter
+            .take_gapless(conn, &placement.sequence, &placement.period, n)
+            .await?;
+        match taken {
+            Reserved::Got(range) => Ok(range.start),
+            Reserved::Exhausted => Err(LedgerError::Exhausted),
+            Reserved::Stale | Reserved::Unfenced => Err(LedgerError::DefinitionChanged),
+        }
     }
 }
 
@@ -247,7 +308,11 @@ fn answer(
 ) {
     for ((popped, write), outcome) in popped.into_iter().zip(writes).zip(outcomes) {
         let answer = outcome.map(|recorded| {
-            let document = write.documents.into_iter().next().and_then(|row| {
+            let rows = match recorded.numbered.is_empty() {
+                true => write.documents,
+                false => recorded.numbered,
+            };
+            let document = rows.into_iter().next().and_then(|row| {
                 let created_at = *recorded.documents.get(&row.document_id)?;
                 Some((row, created_at))
             });

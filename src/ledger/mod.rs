@@ -10,8 +10,10 @@
 
 mod leases;
 pub mod outbox;
+pub mod reservations;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -20,8 +22,9 @@ use sqlx::PgConnection;
 use crate::db::sqlstate;
 use crate::log_limit::Repeated;
 use crate::numbers::{SeqRange, runs, subtract};
+use crate::sequence::IdShape;
 use crate::stats::Stats;
-use outbox::OutboxRow;
+use outbox::{Attachment, OutboxRow};
 
 pub use leases::{LeaseReport, record_handouts, release_lease};
 
@@ -74,6 +77,13 @@ pub enum LedgerError {
     /// Another document of the project and type has this source id.
     #[error("another document has this source_id")]
     SourceIdTaken,
+    /// A gapless sequence's counter has fewer numbers left than asked.
+    #[error("the sequence has no numbers left in this period")]
+    Exhausted,
+    /// A gapless sequence's definition changed since the request placed
+    /// its numbers.
+    #[error("the sequence's definition changed while this request ran")]
+    DefinitionChanged,
 }
 
 /// What the database said, without sqlx's prefix.
@@ -128,6 +138,7 @@ impl LedgerError {
                 LedgerError::DocumentIdTaken
                     | LedgerError::AlreadyAttached
                     | LedgerError::SourceIdTaken
+                    | LedgerError::Exhausted
             )
     }
 }
@@ -138,6 +149,8 @@ impl LedgerError {
 pub struct Recorded {
     pub refused: Vec<i64>,
     pub documents: HashMap<String, DateTime<Utc>>,
+    /// The rows written for the write's unnumbered documents, numbered.
+    pub numbered: Vec<OutboxRow>,
 }
 
 /// Numbers of one sequence period to record, and the documents they carry.
@@ -149,6 +162,40 @@ pub struct LedgerWrite {
     pub seqs: Vec<i64>,
     pub via: Via,
     pub documents: Vec<OutboxRow>,
+    /// Documents of a gapless sequence: numbered inside the write's
+    /// transaction, from its counter, in commit order (no ledger row: the
+    /// counter and the documents are the record).
+    pub unnumbered: Vec<Unnumbered>,
+}
+
+/// A document whose number is taken when it is written.
+#[derive(Debug, Clone)]
+pub struct Unnumbered {
+    pub attachment: Arc<Attachment>,
+    /// How its ID prints.
+    pub shape: IdShape,
+}
+
+/// Takes numbers of gapless sequences for a shared write, inside its
+/// transaction (the counter row stays locked until the commit).
+pub trait GaplessCounter: Sync {
+    /// `n` numbers of the sequence period of write `index` (of the writes
+    /// given to [`write_shared`]); the first of them.
+    fn take(
+        &self,
+        conn: &mut PgConnection,
+        index: usize,
+        n: i64,
+    ) -> impl Future<Output = Result<i64, LedgerError>> + Send;
+}
+
+/// For writes that carry no unnumbered document.
+pub struct NoGapless;
+
+impl GaplessCounter for NoGapless {
+    async fn take(&self, _: &mut PgConnection, _: usize, _: i64) -> Result<i64, LedgerError> {
+        Err(LedgerError::DefinitionChanged)
+    }
 }
 
 /// Rounds of "find what is taken, insert the rest" before a number that
@@ -224,6 +271,19 @@ pub async fn write_shared(
     stats: &Stats,
     writes: &[LedgerWrite],
 ) -> Vec<Result<Recorded, LedgerError>> {
+    write_shared_numbering(conn, stats, writes, &NoGapless).await
+}
+
+/// [`write_shared`], numbering the writes' unnumbered documents through
+/// `gapless` inside each attempt's transaction: when a shared write must
+/// be split to find the request at fault, what commits is numbered again.
+#[tracing::instrument(skip_all, level = "debug")]
+pub async fn write_shared_numbering(
+    conn: &mut PgConnection,
+    stats: &Stats,
+    writes: &[LedgerWrite],
+    gapless: &impl GaplessCounter,
+) -> Vec<Result<Recorded, LedgerError>> {
     let mut outcomes: Vec<Option<Result<Recorded, LedgerError>>> =
         writes.iter().map(|_| None).collect();
     // One request may spoil a shared statement (a value the database
@@ -239,7 +299,7 @@ pub async fn write_shared(
     let mut split = false;
     while let Some(range) = pending.pop() {
         let part = &writes[range.clone()];
-        match write_part(conn, stats, part).await {
+        match write_part(conn, stats, part, range.start, gapless).await {
             Ok(recorded) => {
                 for (slot, recorded) in outcomes[range].iter_mut().zip(recorded) {
                     *slot = Some(Ok(recorded));
@@ -279,22 +339,77 @@ pub async fn write_shared(
         .collect()
 }
 
-/// One statement (and, with documents, one transaction) for `writes`.
+/// One statement (and, with documents, one transaction) for `writes`,
+/// which start at `offset` of the shared write.
 async fn write_part(
     conn: &mut PgConnection,
     stats: &Stats,
     writes: &[LedgerWrite],
+    offset: usize,
+    gapless: &impl GaplessCounter,
 ) -> Result<Vec<Recorded>, LedgerError> {
+    let unnumbered = writes.iter().any(|w| !w.unnumbered.is_empty());
     let documents = writes.iter().any(|w| !w.documents.is_empty());
     let ledger_rows = writes.iter().any(|w| !w.seqs.is_empty());
-    if !(documents && ledger_rows) {
+    let one_statement = !(unnumbered || documents && ledger_rows);
+    if one_statement {
         // A single INSERT commits by itself: one round trip.
-        write_together(&mut *conn, stats, writes).await
-    } else {
-        // The writer keeps its connection between batches: a failed write
-        // must leave no transaction open on it.
-        crate::db::in_transaction(conn, async |tx| write_together(tx, stats, writes).await).await
+        return write_together(&mut *conn, stats, writes).await;
     }
+    // The writer keeps its connection between batches: a failed write
+    // must leave no transaction open on it.
+    crate::db::in_transaction(conn, async |tx| {
+        if !unnumbered {
+            return write_together(tx, stats, writes).await;
+        }
+        let numbered = number(&mut *tx, writes, offset, gapless).await?;
+        let mut recorded = write_together(tx, stats, &numbered).await?;
+        for ((recorded, write), given) in recorded.iter_mut().zip(&numbered).zip(writes) {
+            if !given.unnumbered.is_empty() {
+                recorded.numbered = write.documents[given.documents.len()..].to_vec();
+            }
+        }
+        Ok(recorded)
+    })
+    .await
+}
+
+/// The writes with their unnumbered documents numbered: one counter
+/// update per sequence period for all of them, in the order of the writes,
+/// periods taken in one order (so two writers never wait on each other's
+/// counters crosswise).
+async fn number(
+    conn: &mut PgConnection,
+    writes: &[LedgerWrite],
+    offset: usize,
+    gapless: &impl GaplessCounter,
+) -> Result<Vec<LedgerWrite>, LedgerError> {
+    let mut groups: BTreeMap<(i64, &str), Vec<usize>> = BTreeMap::new();
+    for (index, write) in writes.iter().enumerate() {
+        if !write.unnumbered.is_empty() {
+            groups
+                .entry((write.sequence_id, write.period.as_str()))
+                .or_default()
+                .push(index);
+        }
+    }
+    let mut numbered = writes.to_vec();
+    for indexes in groups.values() {
+        let n: usize = indexes.iter().map(|i| writes[*i].unnumbered.len()).sum();
+        let mut next = gapless
+            .take(&mut *conn, offset + indexes[0], n as i64)
+            .await?;
+        for index in indexes {
+            let write = &mut numbered[*index];
+            for document in std::mem::take(&mut write.unnumbered) {
+                write
+                    .documents
+                    .push(document.attachment.row(&document.shape, next));
+                next += 1;
+            }
+        }
+    }
+    Ok(numbered)
 }
 
 /// Ledger rows for every write, then the outbox rows of documents whose
@@ -328,6 +443,7 @@ async fn write_together(
         answers.push(Recorded {
             refused: refused_here,
             documents: HashMap::new(),
+            numbered: Vec::new(),
         });
     }
     if !documents.is_empty() {

@@ -148,3 +148,19 @@ pub async fn insert(
         })
         .collect()
 }
+
+/// Whether a document of the sequence carries the ID `document_id`.
+pub async fn carries_id(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    document_id: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar!(
+        "SELECT EXISTS (SELECT 1 FROM id_outbox WHERE document_id = $1 AND sequence_id = $2) \
+         AS \"carries!\"",
+        document_id,
+        sequence_id,
+    )
+    .fetch_one(conn)
+    .await
+}

@@ -40,6 +40,45 @@ pub enum LayoutKind {
     Int64,
 }
 
+/// Where a sequence's numbers come from (SPEC "Gapless sequences").
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    ToSchema,
+    Default,
+    strum::IntoStaticStr,
+)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
+pub enum Numbering {
+    /// Redis pools and leases over the counter; every gap explained.
+    #[default]
+    Pooled,
+    /// Taken inside the transaction that writes the documents: no hole,
+    /// every number a document or a recorded void.
+    Gapless,
+}
+
+impl Numbering {
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+
+    pub fn parse(word: &str) -> Option<Self> {
+        match word {
+            "pooled" => Some(Self::Pooled),
+            "gapless" => Some(Self::Gapless),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Layout {
     Text,
@@ -87,6 +126,9 @@ pub struct DefinitionInput {
     /// Fraction of the pool consumed that triggers a refill (default 0.75).
     #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     pub refill_at: Option<f64>,
+    /// `pooled` (default) or `gapless`; cannot change once numbers were
+    /// issued, even with `force`.
+    pub numbering: Option<Numbering>,
     /// Allow changing `format`, `layout`, `reset` or `timezone` after numbers were issued.
     #[serde(default)]
     pub force: bool,
@@ -130,6 +172,7 @@ pub struct Definition {
     pub timezone: Tz,
     pub pool_size: u32,
     pub refill_at: f64,
+    pub numbering: Numbering,
 }
 
 impl Definition {
@@ -191,6 +234,7 @@ impl Definition {
             timezone,
             pool_size,
             refill_at,
+            numbering: input.numbering.unwrap_or_default(),
         };
         definition.check_periods_distinct()?;
         definition.check_pattern(project, doc_type)?;
@@ -227,13 +271,15 @@ impl Definition {
         self.reset.period_at(self.timezone, now)
     }
 
-    /// Whether going from `self` to `next` changes how existing numbers read,
-    /// which SPEC refuses without `force` once numbers were issued.
+    /// Whether going from `self` to `next` changes how existing numbers read
+    /// or where numbers come from, which SPEC refuses without `force` once
+    /// numbers were issued (and a change of `numbering` even with it).
     pub fn changes_identity(&self, next: &Definition) -> bool {
         self.format != next.format
             || self.layout != next.layout
             || self.reset != next.reset
             || self.timezone != next.timezone
+            || self.numbering != next.numbering
     }
 
     /// The instant to print a number of `period` at, given when it was
@@ -423,6 +469,19 @@ pub struct CounterFloor {
 }
 
 impl Sequence {
+    /// The number `id` carries, if it reads as an ID of this sequence's
+    /// current definition at all (its period is not checked).
+    pub fn seq_of(&self, id: &str) -> Option<i64> {
+        let definition = &self.definition;
+        match definition.layout {
+            Layout::Text => definition
+                .pattern(self.project.as_str(), self.doc_type.as_str())
+                .ok()
+                .and_then(|pattern| pattern.seq_of(id)),
+            Layout::Int64 { .. } => id.parse::<i64>().ok().map(|n| n & 0xFFFF_FFFF),
+        }
+    }
+
     /// First number of a period's counter.
     pub fn first_number(&self, period: &Period) -> i64 {
         let start = self.definition.start;

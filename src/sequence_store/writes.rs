@@ -107,13 +107,14 @@ pub(super) async fn replace_definition(
     let changes_identity = current.definition.changes_identity(next);
     let mut replaced_identity = None;
     if changes_identity {
-        let issued = sqlx::query_scalar!(
-            "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1) AS \"issued!\"",
-            current.id,
-        )
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(StoreError::from)?;
+        if current.definition.numbering != next.numbering
+            && numbers_taken(&mut *conn, current.id).await?
+        {
+            // Pooled numbers left in pools, or a gapless register continued
+            // by pools: either way a hole nobody could account for.
+            return Err(PutError::NumberingInUse);
+        }
+        let issued = numbers_issued(&mut *conn, current.id).await?;
         if issued && !force {
             return Err(PutError::InUse);
         }
@@ -128,6 +129,31 @@ pub(super) async fn replace_definition(
     Ok(replaced_identity)
 }
 
+/// Whether any number of the sequence was issued: recorded in the ledger
+/// (pooled), or written with a document or reserved (gapless).
+async fn numbers_issued(conn: &mut PgConnection, sequence_id: i64) -> Result<bool, StoreError> {
+    Ok(sqlx::query_scalar!(
+        "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1) \
+             OR EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1) \
+             OR EXISTS (SELECT 1 FROM gapless_reservations WHERE sequence_id = $1) AS \"issued!\"",
+        sequence_id,
+    )
+    .fetch_one(&mut *conn)
+    .await?)
+}
+
+/// Whether any number of the sequence left its counter: issued, or
+/// reserved for a pool or a caller (blocks).
+async fn numbers_taken(conn: &mut PgConnection, sequence_id: i64) -> Result<bool, StoreError> {
+    Ok(numbers_issued(&mut *conn, sequence_id).await?
+        || sqlx::query_scalar!(
+            "SELECT EXISTS (SELECT 1 FROM blocks WHERE sequence_id = $1) AS \"taken!\"",
+            sequence_id,
+        )
+        .fetch_one(&mut *conn)
+        .await?)
+}
+
 /// What decides the strings a definition prints, as kept in
 /// `sequence_formats`: the format, or for the int64 layout its epoch (a new
 /// epoch moves every day's base onto another day's).
@@ -139,7 +165,7 @@ pub(super) fn printed_as(d: &Definition) -> (String, String) {
 }
 
 /// `$query!($sql…)` (a query macro and its literal) binding `$before`,
-/// then the nine columns of definition `$d` in the order both statements
+/// then the ten columns of definition `$d` in the order both statements
 /// below list them, then `$after`.
 macro_rules! with_definition_columns {
     ($($query:ident)::+ ! ($($sql:tt),+), [$($before:expr),*], $d:expr, [$($after:expr),*]) => {
@@ -154,7 +180,8 @@ macro_rules! with_definition_columns {
             $d.reset.as_str(),
             $d.timezone.name(),
             $d.pool_size as i32,
-            $d.refill_at
+            $d.refill_at,
+            $d.numbering.as_str()
             $(, $after)*
         )
     };
@@ -169,8 +196,8 @@ pub(super) async fn insert_definition(
     Ok(with_definition_columns!(
         sequence_rows!(
             "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, max_seq, \
-             reset, timezone, pool_size, refill_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING",
+             reset, timezone, pool_size, refill_at, numbering) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING",
             ""
         ),
         [project.as_str(), doc_type.as_str()],
@@ -191,7 +218,7 @@ pub(super) async fn update_definition(
         sqlx::query!(
             "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, \
              max_seq = $6, reset = $7, timezone = $8, pool_size = $9, refill_at = $10, \
-             version = version + 1, identity_version = identity_version + $11::int, \
+             numbering = $11, version = version + 1, identity_version = identity_version + $12::int, \
              updated_at = now() WHERE id = $1"
         ),
         [id],

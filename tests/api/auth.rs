@@ -74,6 +74,11 @@ fn aim(operation: &str, project: &str) -> Option<Aimed> {
             format!("/api/v1/outbox/{document}/abandon"),
             None,
         ),
+        "void_id" => (
+            Method::POST,
+            "/api/v1/ids/void".to_owned(),
+            Some(json!({"project": project, "type": "T", "id": document, "reason": "r"})),
+        ),
         "list_sequences" => (Method::GET, "/api/v1/sequences".to_owned(), None),
         "get_sequence" => (Method::GET, format!("/api/v1/sequences/{project}/T"), None),
         "put_sequence" => (

@@ -105,6 +105,8 @@ pub struct TestEnv {
     pub redis_start_wait_ms: u64,
     /// `IDPOOL_LEASES` (on by default, as in production).
     pub leases: bool,
+    /// `IDPOOL_RESERVATION_TTL_S`.
+    pub reservation_ttl_s: u64,
     /// More environment for `ServeProcess` (after the settings above).
     pub extra_env: Vec<(String, String)>,
 }
@@ -143,6 +145,7 @@ impl TestEnv {
             numbers_per_key: 50_000,
             redis_start_wait_ms: 5000,
             leases: true,
+            reservation_ttl_s: 300,
             extra_env: Vec::new(),
         }
     }
@@ -202,6 +205,10 @@ impl TestEnv {
                 "IDPOOL_LEASES",
                 if self.leases { "on" } else { "off" }.to_owned(),
             ),
+            (
+                "IDPOOL_RESERVATION_TTL_S",
+                self.reservation_ttl_s.to_string(),
+            ),
             ("RUST_LOG", "warn".to_owned()),
         ]
         .into_iter()
@@ -260,6 +267,7 @@ impl TestEnv {
             numbers_per_key: self.numbers_per_key,
             redis_start_wait_ms: self.redis_start_wait_ms,
             leases: if self.leases { Switch::On } else { Switch::Off },
+            reservation_ttl_s: self.reservation_ttl_s,
         }
     }
 

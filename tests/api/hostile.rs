@@ -1071,6 +1071,7 @@ async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
             seqs: vec![5000],
             via: Via::Ids,
             documents: vec![],
+            unnumbered: vec![],
         },
         LedgerWrite {
             sequence_id,
@@ -1086,6 +1087,7 @@ async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
                 payload: "{}".into(),
                 source_id: None,
             }],
+            unnumbered: vec![],
         },
     ];
     let mut conn = app.state.db.acquire().await.unwrap();

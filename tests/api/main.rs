@@ -5,6 +5,7 @@ mod clients;
 mod config;
 mod documents;
 mod failover;
+mod gapless;
 mod gaps;
 mod helpers;
 mod hostile;

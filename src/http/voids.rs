@@ -1,0 +1,212 @@
+//! `POST /api/v1/ids/void`: a reserved ID of a gapless sequence voided with
+//! the caller's reason.
+
+use axum::extract::State;
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::auth::within_scope;
+use super::extract::Json;
+use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
+use super::ids::parse_codes;
+use super::problem::{ApiError, Problem};
+use crate::auth::Caller;
+use crate::idempotency;
+use crate::issuance::gapless::{VoidError, Voided};
+use crate::sequence::MAX_ID_LEN;
+
+/// Longest reason of a void, in characters (SPEC).
+const MAX_REASON_CHARS: usize = 200;
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VoidRequest {
+    /// Project code, `[A-Za-z0-9_]{1,32}`.
+    #[schema(
+        example = "INV",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
+    pub project: String,
+    /// Document type code, `[A-Za-z0-9_]{1,32}`.
+    #[serde(rename = "type")]
+    #[schema(
+        example = "2026",
+        pattern = r"^[A-Za-z0-9_]{1,32}$",
+        min_length = 1,
+        max_length = 32
+    )]
+    pub doc_type: String,
+    /// An ID `POST /ids` reserved on this gapless sequence.
+    #[schema(
+        example = "INV-2026-0042",
+        min_length = 1,
+        max_length = 64,
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f]*$"
+    )]
+    pub id: String,
+    /// Why the number is not used: 1 to 200 printable characters, kept for
+    /// the auditor and shown as the gap's `note`.
+    #[schema(
+        example = "customer cancelled the order",
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f]*$"
+    )]
+    pub reason: String,
+}
+
+/// Always `voided`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum VoidStatus {
+    Voided,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct VoidedId {
+    #[schema(example = "INV-2026-0042")]
+    pub id: String,
+    pub status: VoidStatus,
+    /// The caller's reason, or `reservation_expired` when the deadline had
+    /// passed.
+    #[schema(example = "customer cancelled the order")]
+    pub reason: String,
+    pub voided_at: DateTime<Utc>,
+}
+
+impl From<Voided> for VoidedId {
+    fn from(v: Voided) -> Self {
+        Self {
+            id: v.id,
+            status: VoidStatus::Voided,
+            reason: v.reason,
+            voided_at: v.voided_at,
+        }
+    }
+}
+
+impl From<VoidError> for ApiError {
+    fn from(e: VoidError) -> Self {
+        match e {
+            VoidError::NotFound { .. } => Self::not_found("id_not_found", e.to_string()),
+            VoidError::Attached(_) => Self::conflict("id_attached", e.to_string()),
+            VoidError::Store(e) => e.into(),
+            VoidError::Db(e) => super::problem::db_error(e),
+        }
+    }
+}
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(void_id))
+}
+
+fn printable(text: &str) -> bool {
+    !text.chars().any(char::is_control)
+}
+
+/// Void a reserved ID.
+///
+/// A number `POST /ids` reserved on a gapless sequence that will carry no
+/// document: it becomes a gap with reason `voided` and the caller's text
+/// as its note. Voiding it again answers the first void; a reservation
+/// whose deadline passed is voided as `reservation_expired`.
+#[utoipa::path(
+    post,
+    path = "/api/v1/ids/void",
+    tag = "ids",
+    operation_id = "void_id",
+    request_body = VoidRequest,
+    params(
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same answer (kept 24 h)", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
+    ),
+    responses(
+        (status = 200, description = "The ID is voided", body = VoidedId,
+         headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
+        (status = 400, description = "Invalid project, type, id, reason or body", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "project_not_found (not one of the key's) or id_not_found (no reservation of a gapless sequence prints it)", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "id_attached (it carries a document), idempotency_key_in_use", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Postgres unavailable or the request timed out (retry)", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+#[tracing::instrument(skip_all, level = "debug")]
+pub async fn void_id(
+    State(state): State<AppState>,
+    caller: Caller,
+    IdempotencyKey(key): IdempotencyKey,
+    Json(body): Json<VoidRequest>,
+) -> Result<Response, ApiError> {
+    let (project, doc_type) = parse_codes(&body.project, &body.doc_type)?;
+    let id_chars = body.id.chars().count();
+    if !(1..=MAX_ID_LEN).contains(&id_chars) || !printable(&body.id) {
+        return Err(ApiError::bad_request(
+            "invalid_id",
+            format!("id must be 1 to {MAX_ID_LEN} printable characters"),
+        ));
+    }
+    let reason_chars = body.reason.chars().count();
+    if !(1..=MAX_REASON_CHARS).contains(&reason_chars) || !printable(&body.reason) {
+        return Err(ApiError::bad_request(
+            "invalid_reason",
+            format!("reason must be 1 to {MAX_REASON_CHARS} printable characters"),
+        ));
+    }
+    within_scope(&caller, project.as_str())?;
+    let keyed = key.map(|key| Keyed {
+        key,
+        fingerprint: idempotency::fingerprint(
+            "void",
+            &serde_json::json!({
+                "project": project.as_str(),
+                "type": doc_type.as_str(),
+                "id": body.id,
+                "reason": body.reason,
+            }),
+        ),
+    });
+    // The transaction holds a connection: a database turn first, and
+    // detached, so a client hanging up cannot cut it short.
+    let db_turn = state.db_turn(&caller).await;
+    let caller = idempotency::Caller::key(caller.id());
+    let issuer = state.issuer.clone();
+    issuer
+        .detached(async move {
+            let issuer = state.issuer.clone();
+            let answers = idempotent::run(&state, &caller, &[keyed], 200, false, async |tx, _| {
+                let voided = issuer
+                    .void_in(tx, &project, &doc_type, &body.id, &body.reason)
+                    .await?;
+                let body =
+                    serde_json::to_value(VoidedId::from(voided)).map_err(ApiError::internal)?;
+                Ok(vec![Answer {
+                    body,
+                    replayed: false,
+                }])
+            })
+            .await;
+            drop(db_turn);
+            let Some(Answer { body, replayed }) = answers?.into_iter().next() else {
+                return Err(ApiError::internal("no answer"));
+            };
+            let mut response = axum::Json(body).into_response();
+            if replayed {
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            Ok(response)
+        })
+        .await
+        .map_err(ApiError::internal)?
+}

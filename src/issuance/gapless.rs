@@ -1,0 +1,243 @@
+//! Gapless sequences: numbers taken from the counter inside the
+//! transaction that writes their documents (or records their
+//! reservations), never from a pool or a lease. A transaction that rolls
+//! back gives its numbers back, so every number that exists is a document
+//! or a reservation.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, SubsecRound, Utc};
+use sqlx::PgConnection;
+
+use super::pipeline::Demand;
+use super::{IssueError, Issued, Issuer, Want};
+use crate::counter::Reserved;
+use crate::ledger::outbox::carries_id;
+use crate::ledger::reservations::{self, NewReservations, ReservationStatus};
+use crate::ledger::{LedgerError, Via};
+use crate::pool::Placement;
+use crate::sequence::{Numbering, ProjectCode, TypeCode};
+use crate::sequence_store::StoreError;
+
+impl Issuer {
+    /// The shared path for a gapless sequence: a document numbered in the
+    /// shared commit that writes it; numbers for `POST /ids` reserved in a
+    /// transaction of their own.
+    pub(super) async fn issue_gapless(
+        self: &Arc<Self>,
+        placement: Arc<Placement>,
+        want: Want,
+    ) -> Result<Issued, IssueError> {
+        let issuer = self.clone();
+        self.detached(async move {
+            match want {
+                Want::Document { attachment } => {
+                    let demand = Demand::Gapless { attachment };
+                    let served = issuer
+                        .pipeline
+                        .record(placement.clone(), demand, Vec::new())
+                        .await
+                        .map_err(|e| issuer.gapless_error(&placement, 1, e))?;
+                    let (row, created_at) = served.document.ok_or(LedgerError::Closed)?;
+                    issuer.stats.ids_direct.inc();
+                    Ok(Issued {
+                        placement,
+                        seqs: vec![row.seq],
+                        document: Some((row, created_at)),
+                        reserved_until: None,
+                    })
+                }
+                Want::Ids { count } => {
+                    let mut conn = issuer.db.acquire().await?;
+                    crate::db::in_transaction(&mut conn, async |tx| {
+                        issuer.gapless_in(tx, &placement, count, Via::Ids).await
+                    })
+                    .await
+                }
+            }
+        })
+        .await?
+    }
+
+    /// `count` numbers of a gapless sequence taken in the caller's
+    /// transaction (the counter row stays locked until it ends). For
+    /// `POST /ids` they are reserved, in the same transaction, until the
+    /// deadline.
+    pub(super) async fn gapless_in(
+        &self,
+        conn: &mut PgConnection,
+        placement: &Arc<Placement>,
+        count: usize,
+        via: Via,
+    ) -> Result<Issued, IssueError> {
+        let (sequence, period) = (&placement.sequence, &placement.period);
+        let taken = self
+            .counter
+            .take_gapless(&mut *conn, sequence, period, count as i64)
+            .await?;
+        let range = match taken {
+            Reserved::Got(range) => range,
+            Reserved::Exhausted => {
+                return Err(self.gapless_error(placement, count, LedgerError::Exhausted));
+            }
+            Reserved::Stale | Reserved::Unfenced => {
+                return Err(self.gapless_error(placement, count, LedgerError::DefinitionChanged));
+            }
+        };
+        self.stats.ids_direct.inc_by(count as u64);
+        let mut issued = Issued::numbers_of(placement.clone(), range.iter().collect());
+        if via == Via::Ids {
+            // Microseconds, as Postgres keeps them: the answer says what
+            // the record says.
+            let reserved_at = self.clock.now().trunc_subsecs(6);
+            let ttl =
+                chrono::Duration::from_std(self.reservation_ttl).unwrap_or(chrono::Duration::MAX);
+            let reserved_until = reserved_at + ttl;
+            let ids = issued.ids();
+            let new = NewReservations {
+                sequence_id: sequence.id,
+                period: period.key(),
+                seqs: &issued.seqs,
+                ids: &ids,
+                reserved_at,
+                reserved_until,
+            };
+            reservations::insert(&mut *conn, &new).await?;
+            issued.reserved_until = Some(reserved_until);
+        }
+        Ok(issued)
+    }
+
+    /// What a refusal of a gapless counter means to the caller.
+    fn gapless_error(&self, placement: &Placement, count: usize, e: LedgerError) -> IssueError {
+        let pool = &placement.pool;
+        match e {
+            LedgerError::Exhausted => self.exhausted(pool, count),
+            LedgerError::DefinitionChanged => {
+                self.sequences.forget(&pool.sequence);
+                IssueError::DefinitionChanged {
+                    project: pool.sequence.project.to_string(),
+                    doc_type: pool.sequence.doc_type.to_string(),
+                }
+            }
+            e => e.into(),
+        }
+    }
+}
+
+/// A reservation voided (now, or earlier: a void answers the same again).
+#[derive(Debug)]
+pub struct Voided {
+    pub id: String,
+    /// The caller's reason, or `reservation_expired`.
+    pub reason: String,
+    pub voided_at: DateTime<Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VoidError {
+    /// No reservation of a gapless sequence prints this ID (another
+    /// tenant's IDs get this too: nothing tells them apart).
+    #[error("{id} is not an ID reserved by POST /ids for {sequence}")]
+    NotFound { id: String, sequence: String },
+    #[error("{0} carries a document; a document's number is never voided")]
+    Attached(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+impl Issuer {
+    /// Voids the reservation of `id` on the gapless sequence
+    /// `project`/`doc_type` with the caller's `reason`, in the caller's
+    /// transaction. A reservation past its deadline is voided as
+    /// `reservation_expired`, as the sweep would; one voided before
+    /// answers as it was voided.
+    pub async fn void_in(
+        &self,
+        conn: &mut PgConnection,
+        project: &ProjectCode,
+        doc_type: &TypeCode,
+        id: &str,
+        reason: &str,
+    ) -> Result<Voided, VoidError> {
+        let not_found = || VoidError::NotFound {
+            id: id.to_owned(),
+            sequence: format!("{project}/{doc_type}"),
+        };
+        let sequence = self
+            .sequences
+            .get(project.as_str(), doc_type.as_str())
+            .await?
+            .filter(|s| s.definition.numbering == Numbering::Gapless)
+            .ok_or_else(not_found)?;
+        let seq = sequence.seq_of(id).ok_or_else(not_found)?;
+        let Some(reservation) = reservations::lock(&mut *conn, sequence.id, seq, id).await? else {
+            // A document numbered when it was written.
+            return Err(if carries_id(&mut *conn, sequence.id, id).await? {
+                VoidError::Attached(id.to_owned())
+            } else {
+                not_found()
+            });
+        };
+        let earlier = |reservation: &reservations::Reservation| Voided {
+            id: id.to_owned(),
+            reason: reservation
+                .reason
+                .clone()
+                .unwrap_or_else(|| ReservationStatus::ReservationExpired.as_str().to_owned()),
+            voided_at: reservation.voided_at.unwrap_or(reservation.reserved_until),
+        };
+        let now = self.clock.now().trunc_subsecs(6);
+        let (status, note) = match reservation.status {
+            ReservationStatus::Confirmed => return Err(VoidError::Attached(id.to_owned())),
+            ReservationStatus::Voided | ReservationStatus::ReservationExpired => {
+                return Ok(earlier(&reservation));
+            }
+            ReservationStatus::Reserved if reservation.reserved_until <= now => {
+                (ReservationStatus::ReservationExpired, None)
+            }
+            ReservationStatus::Reserved => (ReservationStatus::Voided, Some(reason)),
+        };
+        let voided_at =
+            reservations::void(&mut *conn, sequence.id, &reservation, status, note, now).await?;
+        Ok(Voided {
+            id: id.to_owned(),
+            reason: note.unwrap_or(status.as_str()).to_owned(),
+            voided_at,
+        })
+    }
+}
+
+/// Most reservations one sweep statement voids (the sweep goes on while
+/// it finds this many).
+const SWEEP_BATCH: i64 = 1000;
+
+impl Issuer {
+    /// Voids reservations whose deadline passed, as `reservation_expired`,
+    /// until `stop`: whichever instance's sweep reaches one first, once.
+    /// Looks every second, or sooner with a short deadline.
+    pub async fn expire_reservations(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        let pause = (self.reservation_ttl / 4).clamp(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(1),
+        );
+        let failures = crate::log_limit::Repeated::new("expired reservations could not be voided");
+        loop {
+            match reservations::expire_due(&self.db, self.clock.now(), SWEEP_BATCH).await {
+                Ok(n) => {
+                    self.stats.reservations_expired.inc_by(n);
+                    if n as i64 == SWEEP_BATCH {
+                        continue;
+                    }
+                }
+                Err(e) => failures.warn(&e),
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! Gapless sequences (SPEC "Gapless sequences", promise 9): every number
+//! from the start to the last one issued is a committed document or a
+//! recorded void.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, TestEnv, assert_problem, create_key};
+
+async fn gapless(app: &TestApp, project: &str, doc_type: &str, extra: Value) -> Value {
+    let mut body = json!({"numbering": "gapless", "format": "{project}-{type}-{seq:4}"});
+    if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+        body.extend(extra.clone());
+    }
+    app.define(project, doc_type, body).await
+}
+
+/// The numbers of the sequence's documents, ascending.
+async fn document_numbers(app: &TestApp, project: &str, doc_type: &str) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT seq_number FROM id_outbox WHERE tenant_code = $1 AND entity_type_id = $2 \
+         ORDER BY seq_number",
+    )
+    .bind(project)
+    .bind(doc_type)
+    .fetch_all(&app.db)
+    .await
+    .expect("document numbers")
+}
+
+async fn void(app: &TestApp, key: Option<&str>, body: Value) -> reqwest::Response {
+    let mut request = app.client.post(app.url("/api/v1/ids/void")).json(&body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    request.send().await.expect("void")
+}
+
+fn accepted_id(body: &Value) -> String {
+    body["id"].as_str().expect("id").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_on_two_instances_leave_exactly_start_to_n() {
+    let env = TestEnv::new();
+    let apps = Arc::new([env.spawn().await, env.spawn().await]);
+    gapless(&apps[0], "GL", "1", json!({})).await;
+    let mut tasks = Vec::new();
+    for writer in 0..16usize {
+        let apps = apps.clone();
+        tasks.push(tokio::spawn(async move {
+            let app = &apps[writer % 2];
+            let mut accepted = 0;
+            for i in 0..40 {
+                let response = match i % 4 {
+                    // Single documents, through the shared commit.
+                    0 | 1 => {
+                        let body = json!({"project": "GL", "type": "1", "metadata": {"w": writer}});
+                        app.post_document(&body, None).await
+                    }
+                    // Keyed: in a transaction of its own.
+                    2 => {
+                        let body = json!({"project": "GL", "type": "1", "metadata": {"i": i}});
+                        app.post_document(&body, Some(&format!("k-{writer}-{i}")))
+                            .await
+                    }
+                    // A batch of three.
+                    _ => {
+                        let doc = json!({"project": "GL", "type": "1", "metadata": {}});
+                        app.post_batch(vec![doc.clone(), doc.clone(), doc]).await
+                    }
+                };
+                let status = response.status();
+                assert_eq!(
+                    status,
+                    StatusCode::ACCEPTED,
+                    "{}",
+                    response.text().await.unwrap()
+                );
+                accepted += if i % 4 == 3 { 3 } else { 1 };
+            }
+            accepted
+        }));
+    }
+    let mut accepted = 0;
+    for task in tasks {
+        accepted += task.await.unwrap();
+    }
+    let numbers = document_numbers(&apps[0], "GL", "1").await;
+    assert_eq!(
+        numbers,
+        (1..=accepted).collect::<Vec<i64>>(),
+        "not exactly 1..={accepted}"
+    );
+    // No pool, no lease, no ledger rows: Postgres alone.
+    let ledger: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM issuance_ledger l JOIN sequences s ON s.id = l.sequence_id \
+         WHERE s.project = 'GL'",
+    )
+    .fetch_one(&apps[0].db)
+    .await
+    .unwrap();
+    assert_eq!(ledger, 0);
+    let summary = apps[1].reconcile().await;
+    assert_eq!(summary["gapless_violations"], 0, "{summary}");
+    assert!(apps[0].gaps("GL", "1").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_fails_takes_no_number() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GF", "1", json!({})).await;
+    let doc =
+        |source: &str| json!({"project": "GF", "type": "1", "metadata": {}, "source_id": source});
+    let first = app.post_batch(vec![doc("a"), doc("b")]).await;
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    // An item refused in the middle of a batch: nothing of it is written,
+    // and its numbers go to the next writer.
+    let refused = app
+        .post_batch(vec![
+            doc("c"),
+            json!({"project": "GF", "type": "1", "metadata": []}),
+        ])
+        .await;
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    let again = app
+        .post_document(&json!({"project": "GF", "type": "1", "metadata": {}}), None)
+        .await;
+    assert_eq!(again.status(), StatusCode::ACCEPTED);
+    let body: Value = again.json().await.unwrap();
+    assert_eq!(body["id"], "GF-1-0003");
+    assert_eq!(document_numbers(&app, "GF", "1").await, [1, 2, 3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_is_confirmed_by_its_document_or_voided_with_its_reason() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GR", "1", json!({})).await;
+    let before = chrono::Utc::now();
+    let response = app.post_ids("GR", "1", 3).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let reserved: Value = response.json().await.unwrap();
+    assert_eq!(
+        reserved["ids"],
+        json!(["GR-1-0001", "GR-1-0002", "GR-1-0003"])
+    );
+    let until: chrono::DateTime<chrono::Utc> = reserved["reserved_until"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ttl = until - before;
+    assert!(
+        ttl > chrono::Duration::seconds(290) && ttl <= chrono::Duration::seconds(301),
+        "reserved for {ttl}"
+    );
+    // Confirm the first.
+    let attach = json!({"project": "GR", "type": "1", "metadata": {}, "id": "GR-1-0001"});
+    let attached = app.post_document(&attach, None).await;
+    assert_eq!(attached.status(), StatusCode::ACCEPTED);
+    assert_eq!(accepted_id(&attached.json().await.unwrap()), "GR-1-0001");
+    // Void the second; again answers the first void.
+    let body =
+        json!({"project": "GR", "type": "1", "id": "GR-1-0002", "reason": "order cancelled"});
+    let voided = void(&app, None, body.clone()).await;
+    assert_eq!(voided.status(), StatusCode::OK);
+    let voided: Value = voided.json().await.unwrap();
+    assert_eq!(voided["status"], "voided");
+    assert_eq!(voided["reason"], "order cancelled");
+    assert_eq!(voided["id"], "GR-1-0002");
+    let mut again = body.clone();
+    again["reason"] = json!("said twice");
+    let twice: Value = void(&app, None, again).await.json().await.unwrap();
+    assert_eq!(
+        (twice["reason"].clone(), twice["voided_at"].clone()),
+        (json!("order cancelled"), voided["voided_at"].clone())
+    );
+    // A voided number is not attached, an attached one not voided.
+    let late = json!({"project": "GR", "type": "1", "metadata": {}, "id": "GR-1-0002"});
+    assert_problem(
+        app.post_document(&late, None).await,
+        StatusCode::CONFLICT,
+        "id_not_attachable",
+    )
+    .await;
+    let attached_void = json!({"project": "GR", "type": "1", "id": "GR-1-0001", "reason": "x"});
+    assert_problem(
+        void(&app, None, attached_void).await,
+        StatusCode::CONFLICT,
+        "id_attached",
+    )
+    .await;
+    let unknown = json!({"project": "GR", "type": "1", "id": "GR-1-0099", "reason": "x"});
+    assert_problem(
+        void(&app, None, unknown).await,
+        StatusCode::NOT_FOUND,
+        "id_not_found",
+    )
+    .await;
+    // A document written without a reservation is attached too.
+    let direct = app
+        .post_document(&json!({"project": "GR", "type": "1", "metadata": {}}), None)
+        .await;
+    let direct_id = accepted_id(&direct.json().await.unwrap());
+    assert_eq!(direct_id, "GR-1-0004");
+    let direct_void = json!({"project": "GR", "type": "1", "id": direct_id, "reason": "x"});
+    assert_problem(
+        void(&app, None, direct_void).await,
+        StatusCode::CONFLICT,
+        "id_attached",
+    )
+    .await;
+    // The gaps are the voids, with the caller's note.
+    let gaps = app.gaps("GR", "1").await;
+    assert_eq!(gaps.len(), 1, "{gaps:?}");
+    assert_eq!(gaps[0]["reason"], "voided");
+    assert_eq!(gaps[0]["note"], "order cancelled");
+    assert_eq!(gaps[0]["from_id"], "GR-1-0002");
+    // 0003 is still reserved: neither a gap nor a violation.
+    let summary = app.reconcile().await;
+    assert_eq!(summary["gapless_violations"], 0, "{summary}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_past_its_deadline_is_voided_once_and_cannot_be_attached() {
+    let mut env = TestEnv::new();
+    env.reservation_ttl_s = 1;
+    let apps = [env.spawn().await, env.spawn().await];
+    gapless(&apps[0], "GE", "1", json!({})).await;
+    let (ids, _) = apps[0].issue("GE", "1", 2).await;
+    let started = Instant::now();
+    let gaps = loop {
+        let gaps = apps[1].gaps("GE", "1").await;
+        if gaps.len() == 2 {
+            break gaps;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "not expired: {gaps:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for (gap, id) in gaps.iter().zip(&ids) {
+        assert_eq!(gap["reason"], "reservation_expired");
+        assert_eq!(&gap["from_id"], id);
+        assert!(gap.get("note").is_none(), "{gap}");
+    }
+    // Exactly once: two instances swept, each reservation counted once.
+    let mut expired = 0.0;
+    for app in &apps {
+        expired += app
+            .metrics()
+            .await
+            .get("idpool_reservations_expired_total")
+            .copied()
+            .unwrap_or(0.0);
+    }
+    assert_eq!(expired, 2.0);
+    let attach = json!({"project": "GE", "type": "1", "metadata": {}, "id": ids[0]});
+    assert_problem(
+        apps[0].post_document(&attach, None).await,
+        StatusCode::CONFLICT,
+        "id_not_attachable",
+    )
+    .await;
+    let void_late = json!({"project": "GE", "type": "1", "id": ids[1], "reason": "too late"});
+    let answer: Value = void(&apps[0], None, void_late).await.json().await.unwrap();
+    assert_eq!(answer["reason"], "reservation_expired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_voids_get_their_problems_and_change_nothing() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GH", "1", json!({})).await;
+    gapless(&app, "GO", "1", json!({})).await;
+    let (ids, _) = app.issue("GH", "1", 1).await;
+    let (other_ids, _) = app.issue("GO", "1", 1).await;
+    let cases = [
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": "a\u{0}b"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_character",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": "line\nbreak"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_reason",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": "x".repeat(10_000)}),
+            StatusCode::BAD_REQUEST,
+            "invalid_reason",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": ""}),
+            StatusCode::BAD_REQUEST,
+            "invalid_reason",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": "GH-1-\u{7}", "reason": "x"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": "x".repeat(65), "reason": "x"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            json!({"project": "G-H", "type": "1", "id": ids[0], "reason": "x"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_project",
+        ),
+        // Another sequence's reservation, named under this one.
+        (
+            json!({"project": "GH", "type": "1", "id": other_ids[0], "reason": "x"}),
+            StatusCode::NOT_FOUND,
+            "id_not_found",
+        ),
+    ];
+    for (body, status, code) in cases {
+        assert_problem(void(&app, None, body).await, status, code).await;
+    }
+    // A key of another project: its reservation does not exist for it.
+    let stranger = create_key(&app.state, &["GO"], false).await;
+    let theirs = json!({"project": "GH", "type": "1", "id": ids[0], "reason": "x"});
+    assert_problem(
+        void(&app, Some(&stranger), theirs).await,
+        StatusCode::NOT_FOUND,
+        "project_not_found",
+    )
+    .await;
+    let voided: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM gapless_reservations WHERE status <> 'reserved'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(voided, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbering_cannot_change_once_numbers_were_taken() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GN", "1", json!({})).await;
+    app.issue("GN", "1", 1).await;
+    let back = app
+        .put_sequence(
+            "GN",
+            "1",
+            json!({"numbering": "pooled", "force": true, "format": "{project}-{type}-{seq:4}"}),
+        )
+        .await;
+    assert_problem(back, StatusCode::CONFLICT, "sequence_in_use").await;
+    app.issue("GP", "1", 1).await;
+    let to_gapless = app
+        .put_sequence("GP", "1", json!({"numbering": "gapless", "force": true}))
+        .await;
+    assert_problem(to_gapless, StatusCode::CONFLICT, "sequence_in_use").await;
+    let view = app.ok_json("/api/v1/sequences/GN/1").await;
+    assert_eq!(view["numbering"], "gapless");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_gone_gapless_documents_and_reservations_carry_on() {
+    let mut redis = crate::redis_server::RedisServer::start();
+    let app = TestEnv::new().with_redis(&redis.url()).spawn().await;
+    gapless(&app, "GD", "1", json!({})).await;
+    let doc = json!({"project": "GD", "type": "1", "metadata": {}});
+    assert_eq!(
+        app.post_document(&doc, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    redis.kill();
+    // Postgres alone: the same answers, no fallback, no hole.
+    for _ in 0..5 {
+        let response = app.post_document(&doc, None).await;
+        assert_eq!(
+            response.status(),
+            StatusCode::ACCEPTED,
+            "{}",
+            response.text().await.unwrap()
+        );
+    }
+    let (ids, _) = app.issue("GD", "1", 2).await;
+    assert_eq!(ids, ["GD-1-0007", "GD-1-0008"]);
+    let batch = app.post_batch(vec![doc.clone(), doc.clone()]).await;
+    assert_eq!(batch.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        document_numbers(&app, "GD", "1").await,
+        [1, 2, 3, 4, 5, 6, 9, 10]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_gapless_sequence_starts_again_at_one_after_midnight_in_its_time_zone() {
+    use chrono::TimeZone;
+    use idpool::clock::ManualClock;
+    // 23:59:59 in Berlin (UTC+1 in November).
+    let before = chrono::Utc
+        .with_ymd_and_hms(2026, 11, 25, 22, 59, 59)
+        .unwrap();
+    let clock = Arc::new(ManualClock::new(before));
+    let app = TestEnv::new().spawn_with_clock(clock.clone()).await;
+    gapless(
+        &app,
+        "GM",
+        "1",
+        json!({"reset": "daily", "timezone": "Europe/Berlin", "format": "{project}-{date:%Y%m%d}-{seq:4}"}),
+    )
+    .await;
+    let doc = json!({"project": "GM", "type": "1", "metadata": {}});
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let response = app.post_document(&doc, None).await;
+        ids.push(accepted_id(&response.json().await.unwrap()));
+    }
+    let (reserved, _) = app.issue("GM", "1", 1).await;
+    clock.advance(chrono::Duration::seconds(2));
+    for _ in 0..2 {
+        let response = app.post_document(&doc, None).await;
+        ids.push(accepted_id(&response.json().await.unwrap()));
+    }
+    assert_eq!(
+        ids,
+        [
+            "GM-20261125-0001",
+            "GM-20261125-0002",
+            "GM-20261126-0001",
+            "GM-20261126-0002"
+        ]
+    );
+    assert_eq!(reserved, ["GM-20261125-0003"]);
+    // The reservation of the day before is still attached to its own day.
+    let attach = json!({"project": "GM", "type": "1", "metadata": {}, "id": reserved[0]});
+    assert_eq!(
+        app.post_document(&attach, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let summary = app.reconcile().await;
+    assert_eq!(summary["gapless_violations"], 0, "{summary}");
+}
