@@ -144,10 +144,7 @@ pub async fn list_gaps(
                         reason,
                         after: page.after.clone(),
                         limit: page.limit,
-                        gapless: sequence
-                            .as_ref()
-                            .filter(|s| s.definition.numbering == Numbering::Gapless)
-                            .map(|s| s.id),
+                        gapless: gapless_id(sequence.as_deref()),
                     },
                 )
                 .await
@@ -162,6 +159,13 @@ pub async fn list_gaps(
         gaps,
         next_cursor,
     }))
+}
+
+/// The sequence's id when it is gapless (its gaps are its voids).
+fn gapless_id(sequence: Option<&crate::sequence::Sequence>) -> Option<i64> {
+    sequence
+        .filter(|s| s.definition.numbering == Numbering::Gapless)
+        .map(|s| s.id)
 }
 
 /// `""`, `YYYY`, `YYYYMM` or `YYYYMMDD`: what a period key can look like.

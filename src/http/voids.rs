@@ -112,6 +112,24 @@ fn printable(text: &str) -> bool {
     !text.chars().any(char::is_control)
 }
 
+fn check_id_and_reason(body: &VoidRequest) -> Result<(), ApiError> {
+    let id_chars = body.id.chars().count();
+    if !(1..=MAX_ID_LEN).contains(&id_chars) || !printable(&body.id) {
+        return Err(ApiError::bad_request(
+            "invalid_id",
+            format!("id must be 1 to {MAX_ID_LEN} printable characters"),
+        ));
+    }
+    let reason_chars = body.reason.chars().count();
+    if !(1..=MAX_REASON_CHARS).contains(&reason_chars) || !printable(&body.reason) {
+        return Err(ApiError::bad_request(
+            "invalid_reason",
+            format!("reason must be 1 to {MAX_REASON_CHARS} printable characters"),
+        ));
+    }
+    Ok(())
+}
+
 /// Void a reserved ID.
 ///
 /// A number `POST /ids` reserved on a gapless sequence that will carry no
@@ -148,20 +166,7 @@ pub async fn void_id(
     Json(body): Json<VoidRequest>,
 ) -> Result<Response, ApiError> {
     let (project, doc_type) = parse_codes(&body.project, &body.doc_type)?;
-    let id_chars = body.id.chars().count();
-    if !(1..=MAX_ID_LEN).contains(&id_chars) || !printable(&body.id) {
-        return Err(ApiError::bad_request(
-            "invalid_id",
-            format!("id must be 1 to {MAX_ID_LEN} printable characters"),
-        ));
-    }
-    let reason_chars = body.reason.chars().count();
-    if !(1..=MAX_REASON_CHARS).contains(&reason_chars) || !printable(&body.reason) {
-        return Err(ApiError::bad_request(
-            "invalid_reason",
-            format!("reason must be 1 to {MAX_REASON_CHARS} printable characters"),
-        ));
-    }
+    check_id_and_reason(&body)?;
     within_scope(&caller, project.as_str())?;
     let keyed = key.map(|key| Keyed {
         key,

@@ -8,12 +8,13 @@
 //! The table's exclusion constraint refuses any number issued before; such a
 //! number (a stale pool list) is reported back so the caller takes another.
 
+mod grouped;
 mod leases;
+mod numbering;
 pub mod outbox;
 pub mod reservations;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::future::Future;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -22,11 +23,13 @@ use sqlx::PgConnection;
 use crate::db::sqlstate;
 use crate::log_limit::Repeated;
 use crate::numbers::{SeqRange, runs, subtract};
-use crate::sequence::IdShape;
 use crate::stats::Stats;
-use outbox::{Attachment, OutboxRow};
+use outbox::OutboxRow;
 
+use grouped::Grouped;
 pub use leases::{LeaseReport, record_handouts, release_lease};
+use numbering::number;
+pub use numbering::{GaplessCounter, NoGapless, Unnumbered};
 
 /// Who received numbers: `POST /ids`, `POST /documents`, or this
 /// instance's lease (handed out from memory, reported later).
@@ -166,36 +169,6 @@ pub struct LedgerWrite {
     /// transaction, from its counter, in commit order (no ledger row: the
     /// counter and the documents are the record).
     pub unnumbered: Vec<Unnumbered>,
-}
-
-/// A document whose number is taken when it is written.
-#[derive(Debug, Clone)]
-pub struct Unnumbered {
-    pub attachment: Arc<Attachment>,
-    /// How its ID prints.
-    pub shape: IdShape,
-}
-
-/// Takes numbers of gapless sequences for a shared write, inside its
-/// transaction (the counter row stays locked until the commit).
-pub trait GaplessCounter: Sync {
-    /// `n` numbers of the sequence period of write `index` (of the writes
-    /// given to [`write_shared`]); the first of them.
-    fn take(
-        &self,
-        conn: &mut PgConnection,
-        index: usize,
-        n: i64,
-    ) -> impl Future<Output = Result<i64, LedgerError>> + Send;
-}
-
-/// For writes that carry no unnumbered document.
-pub struct NoGapless;
-
-impl GaplessCounter for NoGapless {
-    async fn take(&self, _: &mut PgConnection, _: usize, _: i64) -> Result<i64, LedgerError> {
-        Err(LedgerError::DefinitionChanged)
-    }
 }
 
 /// Rounds of "find what is taken, insert the rest" before a number that
@@ -374,44 +347,6 @@ async fn write_part(
     .await
 }
 
-/// The writes with their unnumbered documents numbered: one counter
-/// update per sequence period for all of them, in the order of the writes,
-/// periods taken in one order (so two writers never wait on each other's
-/// counters crosswise).
-async fn number(
-    conn: &mut PgConnection,
-    writes: &[LedgerWrite],
-    offset: usize,
-    gapless: &impl GaplessCounter,
-) -> Result<Vec<LedgerWrite>, LedgerError> {
-    let mut groups: BTreeMap<(i64, &str), Vec<usize>> = BTreeMap::new();
-    for (index, write) in writes.iter().enumerate() {
-        if !write.unnumbered.is_empty() {
-            groups
-                .entry((write.sequence_id, write.period.as_str()))
-                .or_default()
-                .push(index);
-        }
-    }
-    let mut numbered = writes.to_vec();
-    for indexes in groups.values() {
-        let n: usize = indexes.iter().map(|i| writes[*i].unnumbered.len()).sum();
-        let mut next = gapless
-            .take(&mut *conn, offset + indexes[0], n as i64)
-            .await?;
-        for index in indexes {
-            let write = &mut numbered[*index];
-            for document in std::mem::take(&mut write.unnumbered) {
-                write
-                    .documents
-                    .push(document.attachment.row(&document.shape, next));
-                next += 1;
-            }
-        }
-    }
-    Ok(numbered)
-}
-
 /// Ledger rows for every write, then the outbox rows of documents whose
 /// numbers were taken. Answers per write, in order.
 async fn write_together(
@@ -459,71 +394,6 @@ async fn write_together(
         }
     }
     Ok(answers)
-}
-
-/// The writes of one batch grouped by (sequence, period, via), each number
-/// claimed by the first write that holds it.
-struct Grouped {
-    groups: Vec<Group>,
-    /// Per group, the numbers it records.
-    claimed: Vec<HashSet<i64>>,
-    /// Per write: its group, and numbers it repeats (a list holding a
-    /// number twice, or two requests of this batch popping the same one),
-    /// which it must not get.
-    placed: Vec<(usize, Vec<i64>)>,
-}
-
-impl Grouped {
-    fn of(batch: &[LedgerWrite]) -> Self {
-        let mut grouped = Grouped {
-            groups: Vec::new(),
-            claimed: Vec::new(),
-            placed: Vec::with_capacity(batch.len()),
-        };
-        let mut group_index: HashMap<Group, usize> = HashMap::new();
-        // Numbers of each sequence period already in this batch, whoever
-        // (`POST /ids` or a document) holds them.
-        let mut in_batch: HashMap<(i64, &str), HashSet<i64>> = HashMap::new();
-        for write in batch {
-            let group = Group {
-                sequence_id: write.sequence_id,
-                period: write.period.clone(),
-                via: write.via,
-            };
-            let index = *group_index.entry(group.clone()).or_insert_with(|| {
-                grouped.groups.push(group);
-                grouped.claimed.push(HashSet::new());
-                grouped.groups.len() - 1
-            });
-            let seen = in_batch
-                .entry((write.sequence_id, write.period.as_str()))
-                .or_default();
-            let mut repeats = Vec::new();
-            for seq in &write.seqs {
-                if seen.insert(*seq) {
-                    grouped.claimed[index].insert(*seq);
-                } else {
-                    repeats.push(*seq);
-                }
-            }
-            grouped.placed.push((index, repeats));
-        }
-        grouped
-    }
-
-    /// One row per run of consecutive numbers of a group.
-    fn rows(&self) -> Vec<Row> {
-        self.claimed
-            .iter()
-            .enumerate()
-            .flat_map(|(group, seqs)| {
-                let seqs: Vec<i64> = seqs.iter().copied().collect();
-                runs(&seqs)
-                    .into_iter()
-                    .map(move |range| Row { group, range })
-            })
-            .collect()
-    }
 }
 
 /// Inserts the rows; for any that conflict, inserts what is still free and
