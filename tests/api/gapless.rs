@@ -447,3 +447,134 @@ async fn a_daily_gapless_sequence_starts_again_at_one_after_midnight_in_its_time
     let summary = app.reconcile().await;
     assert_eq!(summary["gapless_violations"], 0, "{summary}");
 }
+
+/// Writers on two instances while one instance is SIGKILLed, Redis is
+/// killed and Postgres crashes (`-m immediate`) and comes back: the
+/// sequence's documents are exactly 1..N, and every document answered 202
+/// is among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_nothing_acknowledged()
+ {
+    use crate::helpers::{ServeProcess, client_with_key};
+    use crate::topology::{PostgresServer, postgres_dir};
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let dir = postgres_dir();
+    let mut postgres = PostgresServer::primary(dir.path());
+    let mut redis = crate::redis_server::RedisServer::start();
+    let mut env = TestEnv::new().with_redis(&redis.url());
+    env.database_url = postgres.url("idpool_gapless_chaos");
+    env.auth = false;
+    env.request_timeout_s = 2;
+    let mut first = ServeProcess::start(&env).await;
+    let second = ServeProcess::start(&env).await;
+    let client = client_with_key(None);
+    let url = |port: u16, path: &str| format!("http://127.0.0.1:{port}{path}");
+    let defined = client
+        .put(url(second.port, "/api/v1/sequences/GC/1"))
+        .json(&json!({"numbering": "gapless", "format": "{project}-{type}-{seq:6}"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(defined.status(), StatusCode::CREATED);
+
+    let acknowledged = Arc::new(Mutex::new(Vec::<String>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for writer in 0..8usize {
+        let (acknowledged, stop, client) = (acknowledged.clone(), stop.clone(), client.clone());
+        let ports = [first.port, second.port];
+        writers.push(tokio::spawn(async move {
+            let doc = json!({"project": "GC", "type": "1", "metadata": {"w": writer}});
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let port = ports[(writer + i) % 2];
+                let request = if i % 4 == 0 {
+                    client
+                        .post(url(port, "/api/v1/documents/batch"))
+                        .json(&json!({"documents": [doc.clone(), doc.clone()]}))
+                } else {
+                    client.post(url(port, "/documents")).json(&doc)
+                };
+                let Ok(Ok(response)) =
+                    tokio::time::timeout(Duration::from_secs(5), request.send()).await
+                else {
+                    continue;
+                };
+                if response.status() != StatusCode::ACCEPTED {
+                    continue;
+                }
+                let Ok(body) = response.json::<Value>().await else {
+                    continue;
+                };
+                let ids: Vec<String> = match body["documents"].as_array() {
+                    Some(documents) => documents.iter().map(accepted_id).collect(),
+                    None => vec![accepted_id(&body)],
+                };
+                acknowledged.lock().unwrap().extend(ids);
+            }
+        }));
+    }
+    let count = || acknowledged.lock().unwrap().len();
+    let wait_for_more = async |more: usize, what: &str| {
+        let target = count() + more;
+        let started = Instant::now();
+        while count() < target {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no {more} documents acknowledged {what} within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await; // polling, bounded
+        }
+    };
+    wait_for_more(200, "at first").await;
+    first.kill();
+    wait_for_more(200, "after an instance was killed").await;
+    redis.kill();
+    wait_for_more(200, "after Redis was killed").await;
+    postgres.stop("immediate");
+    postgres.start();
+    wait_for_more(200, "after Postgres crashed and came back").await;
+    stop.store(true, Ordering::Relaxed);
+    for writer in writers {
+        writer.await.unwrap();
+    }
+
+    let db = sqlx::PgPool::connect(&env.database_url).await.unwrap();
+    let documents: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT document_id, seq_number FROM id_outbox WHERE tenant_code = 'GC' ORDER BY seq_number",
+    )
+    .fetch_all(&db)
+    .await
+    .unwrap();
+    let numbers: Vec<i64> = documents.iter().map(|d| d.1).collect();
+    let n = numbers.len() as i64;
+    assert_eq!(numbers, (1..=n).collect::<Vec<i64>>(), "a hole in 1..={n}");
+    let written: std::collections::HashSet<&str> = documents.iter().map(|d| d.0.as_str()).collect();
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    let lost: Vec<&String> = acknowledged
+        .iter()
+        .filter(|id| !written.contains(id.as_str()))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} acknowledged documents lost: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(5)]
+    );
+    let summary: Value = client
+        .post(url(second.port, "/api/v1/ids/gaps/reconcile"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(summary["gapless_violations"], 0, "{summary}");
+    eprintln!(
+        "chaos: {} documents acknowledged, {n} written, numbers 1..={n} without a hole",
+        acknowledged.len()
+    );
+}
