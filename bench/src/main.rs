@@ -28,7 +28,9 @@ use load::{Call, Outcome, Until};
 use services::{Idpool, Postgres, Redis, RedisTopology};
 
 /// The projects the scenarios use; every bench key may use all of them.
-const PROJECTS: [&str; 6] = ["BENCH", "IDLE", "DOCB", "DOCS", "DRAIN", "HOSTILE"];
+const PROJECTS: [&str; 8] = [
+    "BENCH", "IDLE", "DOCB", "DOCS", "DRAIN", "HOSTILE", "GAPP", "GAPL",
+];
 /// API keys, one per load connection (64 at most).
 const KEYS: usize = 64;
 
@@ -41,6 +43,7 @@ const SCENARIOS: &[&str] = &[
     "id-batches",
     "doc-batches",
     "doc-single",
+    "gapless",
     "drain",
     "neighbour",
 ];
@@ -53,7 +56,7 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// drain, neighbour.
+    /// gapless, drain, neighbour.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
@@ -443,6 +446,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("doc-single") {
         single_documents(&mut bench, &idpool, &postgres, &sizes).await?;
+    }
+    if wanted("gapless") {
+        gapless_documents(&mut bench, &idpool, &postgres, &sizes).await?;
     }
     if wanted("neighbour") {
         let intensity = if args.floods.is_empty() {
@@ -1078,6 +1084,80 @@ async fn single_documents(
         "ratio",
         ">= 0.8",
         Some(ratio >= 0.8),
+    );
+    Ok(())
+}
+
+/// Single documents on one hot sequence, 64 connections: pooled, then
+/// gapless (numbered in the commit that writes them), side by side in one
+/// run, and the serialized row-lock way (pgbench, 32 clients) on the same
+/// Postgres.
+async fn gapless_documents(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    postgres: &Postgres,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    let total = sizes.documents_total / 4;
+    let body = Bytes::from(json!({"numbering": "gapless"}).to_string());
+    let (status, answer) =
+        load::send(bench.addr, Method::PUT, "/api/v1/sequences/GAPL/1", body).await?;
+    if status >= 300 {
+        anyhow::bail!("defining the gapless sequence: {status} {answer:?}");
+    }
+    let mut rates = Vec::new();
+    for project in ["GAPP", "GAPL"] {
+        let run = documents_until_committed(
+            bench,
+            idpool,
+            project,
+            total,
+            Until::Count(total),
+            Duration::from_secs(600),
+            move |i| Call {
+                method: Method::POST,
+                path: "/documents",
+                body: Bytes::from(
+                    json!({"project": project, "type": "1", "metadata": metadata(i)}).to_string(),
+                ),
+                sequence: Some(Arc::from(format!("{project}/1"))),
+            },
+        )
+        .await?;
+        rates.push(run.load.per_second());
+    }
+    let (pooled, gapless) = (rates[0], rates[1]);
+    bench.context(
+        "pooled POST /documents, one sequence, 64 connections",
+        pooled,
+        "req/s",
+    );
+    bench.context(
+        "gapless POST /documents, one sequence, 64 connections",
+        gapless,
+        "req/s",
+    );
+    let serialized = postgres.pgbench_serialized(32, sizes.latency_run.as_secs().max(2))?;
+    bench.context(
+        "serialized UPDATE counter RETURNING + INSERT + COMMIT, pgbench 32 clients",
+        serialized.tps,
+        "tps",
+    );
+    let of_pooled = gapless / pooled;
+    bench.row(
+        "gapless ÷ pooled POST /documents",
+        of_pooled,
+        "ratio",
+        ">= 0.6",
+        Some(of_pooled >= 0.6),
+    );
+    let of_serialized = gapless / serialized.tps;
+    bench.row(
+        "gapless POST /documents ÷ serialized row-lock tps",
+        of_serialized,
+        "ratio",
+        ">= 5",
+        Some(of_serialized >= 5.0),
     );
     Ok(())
 }

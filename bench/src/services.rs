@@ -132,6 +132,41 @@ impl Postgres {
     /// pgbench: durable single-row INSERT transactions with `clients` for
     /// `seconds`: transactions per second and the p99 latency.
     pub fn pgbench_insert(&self, clients: u32, seconds: u64) -> anyhow::Result<Pgbench> {
+        self.pgbench(
+            "CREATE TABLE IF NOT EXISTS bench_insert (id bigserial PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL DEFAULT now())",
+            "INSERT INTO bench_insert (v) VALUES (1);\n",
+            clients,
+            seconds,
+        )
+    }
+
+    /// The way registers without holes are numbered elsewhere: one
+    /// transaction holds the counter row from the number to the commit
+    /// (`UPDATE … RETURNING`, `INSERT`, `COMMIT`), one document a commit.
+    pub fn pgbench_serialized(&self, clients: u32, seconds: u64) -> anyhow::Result<Pgbench> {
+        self.pgbench(
+            "CREATE TABLE IF NOT EXISTS bench_counter (id int PRIMARY KEY, next bigint NOT NULL); \
+             INSERT INTO bench_counter VALUES (1, 1) ON CONFLICT DO NOTHING; \
+             CREATE TABLE IF NOT EXISTS bench_register (id bigserial PRIMARY KEY, n bigint NOT NULL UNIQUE, \
+                 payload jsonb NOT NULL, at timestamptz NOT NULL DEFAULT now())",
+            "BEGIN;\n\
+             UPDATE bench_counter SET next = next + 1 WHERE id = 1 RETURNING next - 1 AS n \\gset\n\
+             INSERT INTO bench_register (n, payload) VALUES (:n, '{\"total\": 1}');\n\
+             COMMIT;\n",
+            clients,
+            seconds,
+        )
+    }
+
+    /// pgbench running `script` at `clients` for `seconds`, after `setup`,
+    /// in a database of its own.
+    fn pgbench(
+        &self,
+        setup: &str,
+        script_text: &str,
+        clients: u32,
+        seconds: u64,
+    ) -> anyhow::Result<Pgbench> {
         let psql = self.bindir.join("psql");
         let port = self.port.to_string();
         let _ = pg_command(&psql)
@@ -148,15 +183,24 @@ impl Postgres {
             .stderr(Stdio::null())
             .status()?;
         let status = pg_command(&psql)
-            .args(["-h", "127.0.0.1", "-p", &port, "-U", "postgres", "-d", "pgbench_insert"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-d",
+                "pgbench_insert",
+            ])
             .stderr(Stdio::null())
-            .args(["-qc", "CREATE TABLE IF NOT EXISTS bench_insert (id bigserial PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL DEFAULT now())"])
+            .args(["-qc", setup])
             .status()?;
         if !status.success() {
             bail!("pgbench table setup failed");
         }
         let script = self.dir.join("insert.sql");
-        std::fs::write(&script, "INSERT INTO bench_insert (v) VALUES (1);\n")?;
+        std::fs::write(&script, script_text)?;
         let logs = self.dir.join("pgbench-logs");
         let _ = std::fs::remove_dir_all(&logs);
         std::fs::create_dir_all(&logs)?;

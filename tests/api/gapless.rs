@@ -491,7 +491,7 @@ async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
                 let port = ports[(writer + i) % 2];
-                let request = if i % 4 == 0 {
+                let request = if i.is_multiple_of(4) {
                     client
                         .post(url(port, "/api/v1/documents/batch"))
                         .json(&json!({"documents": [doc.clone(), doc.clone()]}))
