@@ -578,3 +578,58 @@ async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_
         acknowledged.len()
     );
 }
+
+/// Slowest answer a request of another tenant may get while one tenant's
+/// gapless counter is held (they take milliseconds; the held one fails
+/// after the write stage's 200 ms lock wait).
+const USUAL: Duration = Duration::from_millis(1500);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gapless_counter_held_by_one_tenant_fails_only_its_own_documents() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GA", "1", json!({})).await;
+    gapless(&app, "GB", "1", json!({})).await;
+    let first = json!({"project": "GA", "type": "1", "metadata": {}});
+    assert_eq!(
+        app.post_document(&first, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    // Tenant A's counter is locked by a transaction that never finishes
+    // (a batch or an import of its own, hung).
+    let mut hung = app.db.begin().await.unwrap();
+    sqlx::query(
+        "SELECT c.next_seq FROM counters c JOIN sequences s ON s.id = c.sequence_id \
+         WHERE s.project = 'GA' FOR UPDATE",
+    )
+    .execute(&mut *hung)
+    .await
+    .unwrap();
+    let requests = (0..20).map(|i| {
+        let project = if i == 0 { "GA" } else { "GB" };
+        let body = json!({"project": project, "type": "1", "metadata": {"i": i}});
+        let app = &app;
+        async move {
+            let started = Instant::now();
+            let response = app.post_document(&body, None).await;
+            (project, started.elapsed(), response.status())
+        }
+    });
+    let answers = futures::future::join_all(requests).await;
+    for (project, took, status) in answers {
+        match project {
+            "GB" => {
+                assert_eq!(status, StatusCode::ACCEPTED);
+                assert!(took < USUAL, "tenant B's document took {took:?}");
+            }
+            _ => assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE),
+        }
+    }
+    hung.rollback().await.unwrap();
+    assert_eq!(
+        document_numbers(&app, "GB", "1").await,
+        (1..=19).collect::<Vec<i64>>()
+    );
+    // A's number was given back: its next document takes 2.
+    let next = app.post_document(&first, None).await;
+    assert_eq!(accepted_id(&next.json().await.unwrap()), "GA-1-0002");
+}
