@@ -17,7 +17,7 @@ use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
 use crate::ledger::reservations::{self, ReservationStatus};
 use crate::ledger::{self, LedgerError, Via};
 use crate::pool::Placement;
-use crate::sequence::{Numbering, ProjectCode, TypeCode};
+use crate::sequence::{IdShape, Numbering, ProjectCode, TypeCode};
 
 /// Largest `metadata` object (SPEC).
 pub const MAX_METADATA_BYTES: usize = 256 * 1024;
@@ -450,16 +450,11 @@ async fn attachable(
             if attached {
                 return Err(not_attachable("it carries a document already"));
             }
-            let row = OutboxRow {
-                seq,
-                document_id: id.to_owned(),
-                project: input.project.to_string(),
-                doc_type: input.doc_type.to_string(),
-                seq_number: shape.number(seq),
-                payload: input.metadata.clone(),
-                source_id: input.source_id.clone(),
-            };
-            return Ok((sequence.id, period_key, row));
+            return Ok((
+                sequence.id,
+                period_key,
+                attached_row(input, id, seq, &shape),
+            ));
         }
     }
     Err(not_attachable(&format!(
@@ -525,7 +520,13 @@ async fn confirm_reservation(
         )
         .map_err(|e| not_attachable(e.to_string()))?;
     reservations::confirm(&mut *conn, sequence.id, &reservation).await?;
-    let row = OutboxRow {
+    let row = attached_row(input, id, seq, &shape);
+    Ok((sequence.id, reservation.period, row))
+}
+
+/// The outbox row of `input` attached to number `seq`, printed `id`.
+fn attached_row(input: &DocumentInput, id: &str, seq: i64, shape: &IdShape) -> OutboxRow {
+    OutboxRow {
         seq,
         document_id: id.to_owned(),
         project: input.project.to_string(),
@@ -533,8 +534,7 @@ async fn confirm_reservation(
         seq_number: shape.number(seq),
         payload: input.metadata.clone(),
         source_id: input.source_id.clone(),
-    };
-    Ok((sequence.id, reservation.period, row))
+    }
 }
 
 #[cfg(test)]

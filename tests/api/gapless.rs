@@ -241,7 +241,7 @@ async fn a_reservation_past_its_deadline_is_voided_once_and_cannot_be_attached()
             started.elapsed() < Duration::from_secs(10),
             "not expired: {gaps:?}"
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await; // polling, bounded by the assert above
     };
     for (gap, id) in gaps.iter().zip(&ids) {
         assert_eq!(gap["reason"], "reservation_expired");
