@@ -633,3 +633,43 @@ async fn a_gapless_counter_held_by_one_tenant_fails_only_its_own_documents() {
     let next = app.post_document(&first, None).await;
     assert_eq!(accepted_id(&next.json().await.unwrap()), "GA-1-0002");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_keys_replay_reservations_and_voids() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GK", "1", json!({})).await;
+    let reserve = || {
+        app.client
+            .post(app.url("/ids"))
+            .header("idempotency-key", "reserve-1")
+            .json(&json!({"project": "GK", "type": "1", "count": 2}))
+            .send()
+    };
+    let first: Value = reserve().await.unwrap().json().await.unwrap();
+    let again = reserve().await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(first, again, "a retry gets the same reservation");
+    let reserved: i64 = sqlx::query_scalar("SELECT count(*) FROM gapless_reservations")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(reserved, 2, "the retry reserved nothing more");
+    let void = |reason: &str| {
+        app.client
+            .post(app.url("/api/v1/ids/void"))
+            .header("idempotency-key", "void-1")
+            .json(&json!({"project": "GK", "type": "1", "id": first["ids"][0], "reason": reason}))
+            .send()
+    };
+    let voided = void("mistake").await.unwrap();
+    assert_eq!(voided.status(), StatusCode::OK);
+    let replayed = void("mistake").await.unwrap();
+    assert_eq!(replayed.headers()["idempotent-replayed"], "true");
+    assert_problem(
+        void("another reason").await.unwrap(),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+    )
+    .await;
+}
