@@ -188,14 +188,19 @@ impl Counter {
         self.ensure_period(&self.refill_db, sequence, period)
             .await?;
         // In a transaction, so a block taken on a timeline the counters were
-        // not fenced on is undone rather than pushed.
+        // not fenced on is undone rather than pushed. The definition row is
+        // locked (FOR KEY SHARE, here and in every other reservation) until
+        // the commit: a PUT changing it (which locks it FOR UPDATE) waits
+        // and then sees these numbers as taken, or this reservation waits
+        // and finds the new definition (so a change of `numbering` can
+        // never race a first refill).
         let mut tx = self.refill_db.begin().await?;
         let row = sqlx::query!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = LEAST($3, $4 - next_seq + 1), \
                                      next_seq = next_seq + LEAST($3, $4 - next_seq + 1) \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq <= $4 \
-                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $7) \
+                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $7 FOR KEY SHARE) \
                  RETURNING next_seq - last_grant AS first, next_seq AS next \
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id, lock_acquired_at) \
@@ -367,7 +372,7 @@ impl Counter {
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
-                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $6) \
+                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $6 FOR KEY SHARE) \
                  RETURNING next_seq - $3 AS first, next_seq AS next \
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
@@ -412,7 +417,7 @@ impl Counter {
             "UPDATE counters SET next_seq = next_seq + $3 \
              WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
                AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $5 \
-                           AND numbering = 'gapless') \
+                           AND numbering = 'gapless' FOR KEY SHARE) \
              RETURNING next_seq - $3 AS \"first!\"",
             sequence.id,
             period.key(),

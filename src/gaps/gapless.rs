@@ -24,6 +24,7 @@ impl Reconciler {
         &self,
         conn: &mut PgConnection,
         sequences: &mut HashMap<i64, Arc<Sequence>>,
+        summary: &mut super::reconcile::Summary,
     ) -> Result<i64, ReconcileError> {
         let mut violations = 0;
         for period in store::gapless_periods(conn).await? {
@@ -36,6 +37,8 @@ impl Reconciler {
             };
             let to = period.next_seq.min(from.saturating_add(CHECK_SPAN));
             let holes = store::gapless_holes(conn, &period, (from, to), CHECK_SPAN).await?;
+            summary.periods_scanned += 1;
+            summary.numbers_checked += (to - from).max(0);
             if !holes.is_empty() {
                 violations += holes.len() as i64;
                 let ranges: Vec<String> = runs(&holes)

@@ -219,7 +219,9 @@ impl Reconciler {
                     .await?;
             }
         }
-        summary.gapless_violations = self.check_gapless(conn, &mut sequences).await?;
+        summary.gapless_violations = self
+            .check_gapless(conn, &mut sequences, &mut summary)
+            .await?;
         let record = serde_json::to_value(&summary).unwrap_or_default();
         store::finish_run(conn, run.id, record).await?;
         Ok(summary)

@@ -673,3 +673,35 @@ async fn idempotency_keys_replay_reservations_and_voids() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_number_that_is_neither_a_document_nor_a_void_is_reported_as_a_violation() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GV", "1", json!({})).await;
+    let doc = json!({"project": "GV", "type": "1", "metadata": {}});
+    assert_eq!(
+        app.post_document(&doc, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let clean = app.reconcile().await;
+    assert_eq!(clean["gapless_violations"], 0, "{clean}");
+    // A number lost behind idpool's back (a restore, a hand edit).
+    sqlx::query(
+        "UPDATE counters SET next_seq = next_seq + 1 FROM sequences s \
+         WHERE s.id = counters.sequence_id AND s.project = 'GV'",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        app.post_document(&doc, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let found = app.reconcile().await;
+    assert_eq!(found["gapless_violations"], 1, "{found}");
+    assert_eq!(found["numbers_checked"], 2, "{found}");
+    let metrics = app.metrics().await;
+    assert_eq!(metrics.get("idpool_gapless_violations_total"), Some(&1.0));
+    // Its gaps are still only voids: the violation is an error, not a reason.
+    assert!(app.gaps("GV", "1").await.is_empty());
+}
