@@ -196,13 +196,23 @@ async fn live_figures(
     let period = sequence.definition.period_at(now);
     let pool = state.pools.pool_ref(sequence.clone(), period.clone());
     let pool_depth = state.pools.depth(&pool).await;
-    let (last_seq, refills) =
-        crate::ledger::last_issued_and_refills(&state.db, sequence.id, period.key())
+    let (last_seq, refills, gaps) = if sequence.definition.numbering == Numbering::Gapless {
+        // No ledger rows and no gap rows: its documents, reservations and voids.
+        let (last, voids) =
+            crate::ledger::reservations::last_taken_and_voids(&state.db, sequence.id, period.key())
+                .await
+                .map_err(db_error)?;
+        (last, 0, voids)
+    } else {
+        let (last, refills) =
+            crate::ledger::last_issued_and_refills(&state.db, sequence.id, period.key())
+                .await
+                .map_err(db_error)?;
+        let gaps = crate::gaps::open_numbers(&state.db, sequence.id)
             .await
             .map_err(db_error)?;
-    let gaps = crate::gaps::open_numbers(&state.db, sequence.id)
-        .await
-        .map_err(db_error)?;
+        (last, refills, gaps)
+    };
     let shape = sequence
         .definition
         .shape(

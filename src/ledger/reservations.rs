@@ -227,3 +227,26 @@ pub async fn voids(
         })
         .collect())
 }
+
+/// The highest number of `period` a gapless sequence gave a document or a
+/// reservation, and how many of its numbers are voids (a gapless
+/// sequence's live figures: it has no ledger rows).
+pub async fn last_taken_and_voids(
+    db: &PgPool,
+    sequence_id: i64,
+    period: &str,
+) -> Result<(Option<i64>, i64), sqlx::Error> {
+    let row = sqlx::query!(
+        "SELECT greatest( \
+             (SELECT max(seq) FROM id_outbox WHERE sequence_id = $1 AND period = $2), \
+             (SELECT max(seq) FROM gapless_reservations WHERE sequence_id = $1 AND period = $2) \
+         ) AS last, \
+         (SELECT count(*) FROM gapless_reservations \
+          WHERE sequence_id = $1 AND status IN ('voided', 'reservation_expired')) AS \"voids!\"",
+        sequence_id,
+        period,
+    )
+    .fetch_one(db)
+    .await?;
+    Ok((row.last, row.voids))
+}

@@ -222,6 +222,13 @@ async fn a_reservation_is_confirmed_by_its_document_or_voided_with_its_reason() 
     // 0003 is still reserved: neither a gap nor a violation.
     let summary = app.reconcile().await;
     assert_eq!(summary["gapless_violations"], 0, "{summary}");
+    // The live figures count documents, reservations and voids.
+    let live = app.ok_json("/api/v1/sequences/GR/1").await["live"].clone();
+    assert_eq!(
+        (live["last_issued_id"].clone(), live["gaps"].clone()),
+        (json!("GR-1-0004"), json!(1)),
+        "{live}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
