@@ -232,11 +232,7 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
     if let Some(location) = location.and_then(|l| HeaderValue::from_str(&l).ok()) {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    if replayed {
-        response
-            .headers_mut()
-            .insert("idempotent-replayed", HeaderValue::from_static("true"));
-    }
+    super::idempotent::mark_replayed(&mut response, replayed);
     response
 }
 

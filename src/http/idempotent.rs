@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 
 use axum::extract::FromRequestParts;
+use axum::http::HeaderValue;
 use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use sqlx::PgConnection;
 
@@ -42,6 +44,25 @@ pub struct Keyed {
 pub struct Answer {
     pub body: Value,
     pub replayed: bool,
+}
+
+/// Says on `response` that it answers a retry, when it does.
+pub fn mark_replayed(response: &mut Response, replayed: bool) {
+    if replayed {
+        response
+            .headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+}
+
+/// The answer of a request of one item, as sent: 200 with its body.
+pub fn only_answer(answers: Vec<Answer>) -> Result<Response, ApiError> {
+    let Some(Answer { body, replayed }) = answers.into_iter().next() else {
+        return Err(ApiError::internal("no answer"));
+    };
+    let mut response = axum::Json(body).into_response();
+    mark_replayed(&mut response, replayed);
+    Ok(response)
 }
 
 /// What becomes of an item.

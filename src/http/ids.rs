@@ -1,7 +1,6 @@
 //! `POST /ids` and `POST /api/v1/ids`.
 
 use axum::extract::State;
-use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -230,16 +229,7 @@ async fn issue_once(
         },
     )
     .await?;
-    let Some(Answer { body, replayed }) = answers.into_iter().next() else {
-        return Err(ApiError::internal("no answer"));
-    };
-    let mut response = axum::Json(body).into_response();
-    if replayed {
-        response
-            .headers_mut()
-            .insert("idempotent-replayed", HeaderValue::from_static("true"));
-    }
-    Ok(response)
+    idempotent::only_answer(answers)
 }
 
 /// Issue IDs (short path of `POST /api/v1/ids`).

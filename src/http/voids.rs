@@ -2,8 +2,7 @@
 //! the caller's reason.
 
 use axum::extract::State;
-use axum::http::HeaderValue;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -201,16 +200,7 @@ pub async fn void_id(
             })
             .await;
             drop(db_turn);
-            let Some(Answer { body, replayed }) = answers?.into_iter().next() else {
-                return Err(ApiError::internal("no answer"));
-            };
-            let mut response = axum::Json(body).into_response();
-            if replayed {
-                response
-                    .headers_mut()
-                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
-            }
-            Ok(response)
+            idempotent::only_answer(answers?)
         })
         .await
         .map_err(ApiError::internal)?
