@@ -432,6 +432,49 @@ impl Counter {
             None => self.why_not(&mut *conn, sequence).await,
         }
     }
+
+    /// [`Counter::take_gapless`] for a commit shared by many sequences:
+    /// `None`, at once, when another transaction holds the counter (a
+    /// batch of that sequence, another instance's shared commit), rather
+    /// than making every document of the commit wait for it.
+    pub async fn take_gapless_unless_held(
+        &self,
+        conn: &mut PgConnection,
+        sequence: &Sequence,
+        period: &Period,
+        n: i64,
+    ) -> Result<Option<Reserved<SeqRange>>, sqlx::Error> {
+        self.ensure_period(&mut *conn, sequence, period).await?;
+        // One round trip: the lock (skipped when held), then the update of
+        // the row it locked.
+        let taken = sqlx::query!(
+            "WITH locked AS ( \
+               SELECT 1 FROM counters WHERE sequence_id = $1 AND period = $2 \
+               FOR UPDATE SKIP LOCKED \
+             ), taken AS ( \
+               UPDATE counters SET next_seq = next_seq + $3 \
+               WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
+                 AND EXISTS (SELECT 1 FROM locked) \
+                 AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $5 \
+                             AND numbering = 'gapless' FOR KEY SHARE) \
+               RETURNING next_seq - $3 AS first \
+             ) \
+             SELECT EXISTS (SELECT 1 FROM locked) AS \"locked!\", \
+                    (SELECT first FROM taken) AS first",
+            sequence.id,
+            period.key(),
+            n,
+            sequence.definition.max_seq(),
+            sequence.identity_version,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        match (taken.locked, taken.first) {
+            (false, _) => Ok(None),
+            (true, Some(first)) => Ok(Some(Reserved::Got(SeqRange::new(first, first + n)))),
+            (true, None) => Ok(Some(self.why_not(&mut *conn, sequence).await?)),
+        }
+    }
 }
 
 /// The period's counter at its first number, unless it exists.

@@ -44,6 +44,9 @@ pub struct Stats {
     pub stale_numbers_rejected: Counter,
     pub reservations_expired: Counter,
     pub gapless_violations: Counter,
+    /// Gapless documents left out of a shared commit because another
+    /// transaction held their counter (each tries again later).
+    pub gapless_counter_held: Counter,
     pub pool_numbers_discarded: Counter,
     pub redis_trips: Counter,
     pub redis_resyncs: Counter,
@@ -140,6 +143,10 @@ const METRICS: &[(&str, &str)] = &[
         "Background tasks and batch handlers that panicked; each was restarted",
     ),
     (
+        "gapless_counter_held",
+        "Gapless documents left out of a shared commit because another transaction held their counter",
+    ),
+    (
         "ledger_writes_split",
         "Shared ledger writes that failed and were split until the request at fault stood alone",
     ),
@@ -227,6 +234,7 @@ impl Default for Stats {
             stale_numbers_rejected: registered(r, "stale_numbers_rejected", Counter::default()),
             reservations_expired: registered(r, "reservations_expired", Counter::default()),
             gapless_violations: registered(r, "gapless_violations", Counter::default()),
+            gapless_counter_held: registered(r, "gapless_counter_held", Counter::default()),
             pool_numbers_discarded: registered(r, "pool_numbers_discarded", Counter::default()),
             redis_trips: registered(r, "redis_trips", Counter::default()),
             redis_resyncs: registered(r, "redis_resyncs", Counter::default()),

@@ -245,6 +245,14 @@ impl From<LedgerError> for ApiError {
                 e.to_string(),
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            // The caller's own sequence is busy, not the database: said as
+            // such, and not logged as an outage.
+            LedgerError::CounterHeld => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             LedgerError::Db(_)
             | LedgerError::Statement(_)
             | LedgerError::Waited(_)

@@ -5,19 +5,26 @@
 //! or a reservation.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::PgConnection;
+use tokio::time::Instant;
 
-use super::pipeline::Demand;
+use super::pipeline::{Demand, Served};
 use super::{IssueError, Issued, Issuer, Want};
 use crate::counter::Reserved;
-use crate::ledger::outbox::carries_id;
+use crate::ledger::outbox::{Attachment, carries_id};
 use crate::ledger::reservations::{self, NewReservations, ReservationStatus};
 use crate::ledger::{LedgerError, Via};
 use crate::pool::Placement;
 use crate::sequence::{Numbering, ProjectCode, TypeCode};
 use crate::sequence_store::StoreError;
+
+/// How long a document waits, in all, for its gapless counter held by
+/// another transaction before it is answered 503: longer than a large
+/// batch of the same sequence takes to commit.
+const HELD_COUNTER_PATIENCE: Duration = Duration::from_secs(2);
 
 impl Issuer {
     /// The shared path for a gapless sequence: a document numbered in the
@@ -32,10 +39,8 @@ impl Issuer {
         self.detached(async move {
             match want {
                 Want::Document { attachment } => {
-                    let demand = Demand::Gapless { attachment };
                     let served = issuer
-                        .pipeline
-                        .record(placement.clone(), demand, Vec::new())
+                        .document_in_shared_commit(&placement, attachment)
                         .await
                         .map_err(|e| issuer.gapless_error(&placement, 1, e))?;
                     let (row, created_at) = served.document.ok_or(LedgerError::Closed)?;
@@ -57,6 +62,40 @@ impl Issuer {
             }
         })
         .await?
+    }
+
+    /// A document numbered in the gapless write stage's next commit. While
+    /// another transaction holds its counter (a batch of the same
+    /// sequence, another instance's commit) the commit goes on without it
+    /// and it tries again in a later one, for a while: the wait is its
+    /// sequence's alone.
+    async fn document_in_shared_commit(
+        &self,
+        placement: &Arc<Placement>,
+        attachment: Arc<Attachment>,
+    ) -> Result<Served, LedgerError> {
+        let deadline = Instant::now() + HELD_COUNTER_PATIENCE;
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let demand = Demand::Gapless {
+                attachment: attachment.clone(),
+            };
+            match self
+                .pipeline
+                .record(placement.clone(), demand, Vec::new())
+                .await
+            {
+                Err(LedgerError::CounterHeld) => {
+                    self.stats.gapless_counter_held.inc();
+                    if Instant::now() + pause >= deadline {
+                        return Err(LedgerError::CounterHeld);
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                served => return served,
+            }
+        }
     }
 
     /// `count` numbers of a gapless sequence taken in the caller's

@@ -277,8 +277,9 @@ impl GaplessCounter for GaplessOf<'_> {
         let placement = &self.popped[index].job.placement;
         let taken = self
             .counter
-            .take_gapless(conn, &placement.sequence, &placement.period, n)
-            .await?;
+            .take_gapless_unless_held(conn, &placement.sequence, &placement.period, n)
+            .await?
+            .ok_or(LedgerError::CounterHeld)?;
         match taken {
             Reserved::Got(range) => Ok(range.start),
             Reserved::Exhausted => Err(LedgerError::Exhausted),

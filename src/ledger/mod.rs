@@ -83,6 +83,11 @@ pub enum LedgerError {
     /// A gapless sequence's counter has fewer numbers left than asked.
     #[error("the sequence has no numbers left in this period")]
     Exhausted,
+    /// A gapless sequence's counter is held by another transaction: its
+    /// document was left out of a shared commit rather than make the
+    /// others wait (the caller tries again).
+    #[error("the sequence's counter is held by another write; try again")]
+    CounterHeld,
     /// A gapless sequence's definition changed since the request placed
     /// its numbers.
     #[error("the sequence's definition changed while this request ran")]
@@ -154,6 +159,8 @@ pub struct Recorded {
     pub documents: HashMap<String, DateTime<Utc>>,
     /// The rows written for the write's unnumbered documents, numbered.
     pub numbered: Vec<OutboxRow>,
+    /// Its gapless counter was held elsewhere: nothing of it was written.
+    pub held: bool,
 }
 
 /// Numbers of one sequence period to record, and the documents they carry.
@@ -275,7 +282,10 @@ pub async fn write_shared_numbering(
         match write_part(conn, stats, part, range.start, gapless).await {
             Ok(recorded) => {
                 for (slot, recorded) in outcomes[range].iter_mut().zip(recorded) {
-                    *slot = Some(Ok(recorded));
+                    *slot = Some(match recorded.held {
+                        true => Err(LedgerError::CounterHeld),
+                        false => Ok(recorded),
+                    });
                 }
             }
             Err(e) if part.len() > 1 && e.statement_failed() => {
@@ -335,12 +345,15 @@ async fn write_part(
         if !unnumbered {
             return write_together(tx, stats, writes).await;
         }
-        let numbered = number(&mut *tx, writes, offset, gapless).await?;
+        let (numbered, held) = number(&mut *tx, writes, offset, gapless).await?;
         let mut recorded = write_together(tx, stats, &numbered).await?;
         for ((recorded, write), given) in recorded.iter_mut().zip(&numbered).zip(writes) {
             if !given.unnumbered.is_empty() {
                 recorded.numbered = write.documents[given.documents.len()..].to_vec();
             }
+        }
+        for index in held {
+            recorded[index].held = true;
         }
         Ok(recorded)
     })
@@ -379,6 +392,7 @@ async fn write_together(
             refused: refused_here,
             documents: HashMap::new(),
             numbered: Vec::new(),
+            held: false,
         });
     }
     if !documents.is_empty() {

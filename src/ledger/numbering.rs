@@ -44,13 +44,14 @@ impl GaplessCounter for NoGapless {
 /// The writes with their unnumbered documents numbered: one counter
 /// update per sequence period for all of them, in the order of the writes,
 /// periods taken in one order (so two writers never wait on each other's
-/// counters crosswise).
+/// counters crosswise). Writes whose counter another transaction holds
+/// are left out (nothing of them is written) and listed, by index.
 pub(super) async fn number(
     conn: &mut PgConnection,
     writes: &[LedgerWrite],
     offset: usize,
     gapless: &impl GaplessCounter,
-) -> Result<Vec<LedgerWrite>, LedgerError> {
+) -> Result<(Vec<LedgerWrite>, Vec<usize>), LedgerError> {
     let mut groups: BTreeMap<(i64, &str), Vec<usize>> = BTreeMap::new();
     for (index, write) in writes.iter().enumerate() {
         if !write.unnumbered.is_empty() {
@@ -61,11 +62,22 @@ pub(super) async fn number(
         }
     }
     let mut numbered = writes.to_vec();
+    let mut held = Vec::new();
     for indexes in groups.values() {
         let n: usize = indexes.iter().map(|i| writes[*i].unnumbered.len()).sum();
-        let mut next = gapless
+        let taken = gapless
             .take(&mut *conn, offset + indexes[0], n as i64)
-            .await?;
+            .await;
+        let mut next = match taken {
+            Err(LedgerError::CounterHeld) => {
+                for index in indexes {
+                    numbered[*index].unnumbered.clear();
+                    held.push(*index);
+                }
+                continue;
+            }
+            taken => taken?,
+        };
         for index in indexes {
             let write = &mut numbered[*index];
             for document in std::mem::take(&mut write.unnumbered) {
@@ -76,5 +88,5 @@ pub(super) async fn number(
             }
         }
     }
-    Ok(numbered)
+    Ok((numbered, held))
 }
