@@ -51,13 +51,15 @@ pub struct VoidRequest {
         pattern = r"^[^\u0000-\u001f\u007f-\u009f]*$"
     )]
     pub id: String,
-    /// Why the number is not used: 1 to 200 printable characters, kept for
-    /// the auditor and shown as the gap's `note`.
+    /// Why the number is not used: 1 to 200 visible characters (not only
+    /// spaces; no control characters, no invisible formatting such as
+    /// zero-width spaces or direction overrides), kept for the auditor and
+    /// shown as the gap's `note`.
     #[schema(
         example = "customer cancelled the order",
         min_length = 1,
         max_length = 200,
-        pattern = r"^[^\u0000-\u001f\u007f-\u009f]*$"
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]*[^\s\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb][^\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]*$"
     )]
     pub reason: String,
 }
@@ -111,6 +113,32 @@ fn printable(text: &str) -> bool {
     !text.chars().any(char::is_control)
 }
 
+/// Characters that print nothing yet change what a reader sees (soft
+/// hyphen, zero-width spaces and joiners, direction marks and overrides,
+/// line separators, the byte-order mark): an auditor must read the reason
+/// as it was written. The same ranges as the schema's pattern.
+const INVISIBLE: [(char, char); 8] = [
+    ('\u{00AD}', '\u{00AD}'),
+    ('\u{061C}', '\u{061C}'),
+    ('\u{180E}', '\u{180E}'),
+    ('\u{200B}', '\u{200F}'),
+    ('\u{2028}', '\u{202E}'),
+    ('\u{2060}', '\u{206F}'),
+    ('\u{FEFF}', '\u{FEFF}'),
+    ('\u{FFF9}', '\u{FFFB}'),
+];
+
+/// A reason an auditor can read: printable, nothing invisible, not only
+/// spaces.
+fn readable(text: &str) -> bool {
+    let invisible = |c: char| {
+        INVISIBLE
+            .iter()
+            .any(|(low, high)| (*low..=*high).contains(&c))
+    };
+    printable(text) && !text.chars().any(invisible) && !text.trim().is_empty()
+}
+
 fn check_id_and_reason(body: &VoidRequest) -> Result<(), ApiError> {
     let id_chars = body.id.chars().count();
     if !(1..=MAX_ID_LEN).contains(&id_chars) || !printable(&body.id) {
@@ -120,10 +148,13 @@ fn check_id_and_reason(body: &VoidRequest) -> Result<(), ApiError> {
         ));
     }
     let reason_chars = body.reason.chars().count();
-    if !(1..=MAX_REASON_CHARS).contains(&reason_chars) || !printable(&body.reason) {
+    if !(1..=MAX_REASON_CHARS).contains(&reason_chars) || !readable(&body.reason) {
         return Err(ApiError::bad_request(
             "invalid_reason",
-            format!("reason must be 1 to {MAX_REASON_CHARS} printable characters"),
+            format!(
+                "reason must be 1 to {MAX_REASON_CHARS} visible characters, not only spaces, \
+                 without control characters or invisible formatting"
+            ),
         ));
     }
     Ok(())
@@ -204,4 +235,57 @@ pub async fn void_id(
         })
         .await
         .map_err(ApiError::internal)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The reason's pattern as the OpenAPI document publishes it.
+    fn published_pattern() -> String {
+        let document = serde_json::to_value(super::super::openapi()).expect("openapi as JSON");
+        document["components"]["schemas"]["VoidRequest"]["properties"]["reason"]["pattern"]
+            .as_str()
+            .expect("a reason pattern")
+            .to_owned()
+    }
+
+    /// Generation needs the pattern without its anchors (it makes whole
+    /// strings anyway).
+    fn unanchored(pattern: &str) -> &str {
+        pattern
+            .strip_prefix('^')
+            .and_then(|p| p.strip_suffix('$'))
+            .expect("an anchored pattern")
+    }
+
+    proptest! {
+        /// What a client generated from the schema sends is accepted.
+        #[test]
+        fn every_reason_the_schema_allows_is_readable(
+            reason in proptest::string::string_regex(unanchored(&published_pattern())).expect("pattern")
+        ) {
+            prop_assume!((1..=MAX_REASON_CHARS).contains(&reason.chars().count()));
+            prop_assert!(readable(&reason), "{reason:?}");
+        }
+    }
+
+    #[test]
+    fn reasons_an_auditor_could_not_read_are_refused() {
+        for reason in [
+            " ",
+            "\u{3000}",
+            "\u{200B}",
+            "a\u{202E}b",
+            "a\u{00AD}b",
+            "\u{FEFF}x",
+            "a\u{2066}b",
+        ] {
+            assert!(!readable(reason), "{reason:?}");
+        }
+        for reason in ["order cancelled", "Kunde storniert ü", "取消", "a b"] {
+            assert!(readable(reason), "{reason:?}");
+        }
+    }
 }

@@ -306,6 +306,22 @@ async fn hostile_voids_get_their_problems_and_change_nothing() {
             StatusCode::BAD_REQUEST,
             "invalid_reason",
         ),
+        // Reasons an auditor could not read as written.
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": " \u{3000}\t "}),
+            StatusCode::BAD_REQUEST,
+            "invalid_reason",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": "\u{200B}"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_reason",
+        ),
+        (
+            json!({"project": "GH", "type": "1", "id": ids[0], "reason": "paid \u{202E}001$"}),
+            StatusCode::BAD_REQUEST,
+            "invalid_reason",
+        ),
         (
             json!({"project": "GH", "type": "1", "id": "GH-1-\u{7}", "reason": "x"}),
             StatusCode::BAD_REQUEST,
