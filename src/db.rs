@@ -1,7 +1,9 @@
 //! Postgres: create the database when missing, connect, migrate.
 
 use std::str::FromStr;
-use std::time::Duration;
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
@@ -101,12 +103,57 @@ pub async fn pool(
     let options = limits.apply(options);
     let pool = PgPoolOptions::new()
         .test_before_acquire(limits.ping_on_acquire)
+        // A connection opened before its server was seen read-only or
+        // going away is closed rather than used: the address (HAProxy, a
+        // DNS name) leads a new one to the writable primary.
+        .before_acquire(|_, meta| Box::pin(async move { Ok(!opened_before_distrust(meta.age)) }))
         .max_connections(max_connections.max(2))
         .min_connections(1)
         .acquire_timeout(limits.acquire)
         .connect_with(options)
         .await?;
     Ok(pool)
+}
+
+/// When a server was last seen unable to take writes (read-only, shutting
+/// down), in milliseconds after `EPOCH`; 0 for never.
+static DISTRUSTED_AT_MS: AtomicU64 = AtomicU64::new(0);
+static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// Whether `e` says the connection's server takes no writes now (a standby,
+/// a demoted or stopping primary). Every connection opened until now is
+/// then closed at its next checkout instead of being used again: after a
+/// failover the same address leads new connections to the new primary.
+pub fn distrust_server_after(e: &sqlx::Error) -> bool {
+    let gone = matches!(
+        sqlstate::of(e).as_deref(),
+        Some(
+            sqlstate::READ_ONLY_SQL_TRANSACTION
+                | sqlstate::ADMIN_SHUTDOWN
+                | sqlstate::CRASH_SHUTDOWN
+                | sqlstate::CANNOT_CONNECT_NOW
+        )
+    );
+    if gone {
+        distrust_open_connections();
+    }
+    gone
+}
+
+/// Closes every connection open now at its next checkout.
+pub fn distrust_open_connections() {
+    // +1: a connection opened in this very millisecond is distrusted too.
+    let now = EPOCH.elapsed().as_millis() as u64 + 1;
+    DISTRUSTED_AT_MS.fetch_max(now, Ordering::Relaxed);
+}
+
+fn opened_before_distrust(age: Duration) -> bool {
+    let distrusted_at = DISTRUSTED_AT_MS.load(Ordering::Relaxed);
+    if distrusted_at == 0 {
+        return false;
+    }
+    let opened_at = EPOCH.elapsed().saturating_sub(age).as_millis() as u64;
+    opened_at < distrusted_at
 }
 
 async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
@@ -215,6 +262,13 @@ pub mod sqlstate {
     /// `statement_timeout` ran out (or the statement was cancelled).
     pub const QUERY_CANCELED: &str = "57014";
     pub const DUPLICATE_DATABASE: &str = "42P04";
+    /// A write on a server that takes none (a standby, a demoted primary).
+    pub const READ_ONLY_SQL_TRANSACTION: &str = "25006";
+    /// The server ended the session: an admin or crash shutdown, or it
+    /// cannot take connections now (starting, a failover).
+    pub const ADMIN_SHUTDOWN: &str = "57P01";
+    pub const CRASH_SHUTDOWN: &str = "57P02";
+    pub const CANNOT_CONNECT_NOW: &str = "57P03";
     /// No space left on the database's disk.
     pub const DISK_FULL: &str = "53100";
 

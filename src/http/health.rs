@@ -21,10 +21,13 @@ pub struct Health {
 }
 
 #[derive(Debug, Clone, Copy, Serialize, ToSchema, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Dependency {
     Up,
     Down,
+    /// Postgres answers but takes no writes (a standby, a demoted
+    /// primary): nothing can be issued or written.
+    ReadOnly,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, ToSchema, PartialEq, Eq)]
@@ -57,13 +60,14 @@ pub async fn healthz() -> axum::Json<Health> {
     axum::Json(Health { status: "ok" })
 }
 
-/// Whether this instance can serve: 200 while Postgres answers (IDs are
-/// served without Redis), 503 when it does not.
+/// Whether this instance can serve: 200 while Postgres answers and takes
+/// writes (IDs are served without Redis), 503 when it does not answer or
+/// is read-only (`"postgres": "read_only"`: a standby, a demoted primary).
 #[utoipa::path(
     get,
     path = "/readyz",
     tag = "operations",
-    responses((status = 200, description = "Postgres answers: IDs can be served", body = Readiness), (status = 503, description = "Postgres does not answer", body = Readiness))
+    responses((status = 200, description = "Postgres answers and takes writes: IDs can be served", body = Readiness), (status = 503, description = "Postgres does not answer, or is read-only", body = Readiness))
 )]
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Readiness>) {
@@ -75,15 +79,22 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, axum::Json<Re
 
 /// Probes Postgres and Redis once.
 async fn probe(state: &AppState) -> (StatusCode, Readiness) {
+    // A standby answers queries too: readiness means writable.
     let postgres = tokio::time::timeout(
         Duration::from_secs(1),
-        sqlx::query!("SELECT 1 AS one").fetch_one(&state.db),
+        sqlx::query_scalar!(
+            r#"SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on' AS "read_only!""#
+        )
+        .fetch_one(&state.db),
     )
     .await;
-    let postgres = if matches!(postgres, Ok(Ok(_))) {
-        Dependency::Up
-    } else {
-        Dependency::Down
+    let postgres = match postgres {
+        Ok(Ok(false)) => Dependency::Up,
+        Ok(Ok(true)) => {
+            crate::db::distrust_open_connections();
+            Dependency::ReadOnly
+        }
+        _ => Dependency::Down,
     };
     let pools_in_use = state.pools.in_use();
     let redis = if state.pools.redis_answers().await {

@@ -254,6 +254,7 @@ impl From<LedgerError> for ApiError {
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             LedgerError::Db(_)
+            | LedgerError::ReadOnly(_)
             | LedgerError::Statement(_)
             | LedgerError::Waited(_)
             | LedgerError::Closed => Self::unavailable(e),
@@ -265,6 +266,10 @@ impl From<LedgerError> for ApiError {
 /// retry; a value the database cannot store is the request's 400; anything
 /// else is ours.
 pub fn db_error(e: sqlx::Error) -> ApiError {
+    if crate::db::distrust_server_after(&e) {
+        // A standby, or a server going away in a failover.
+        return ApiError::unavailable(e);
+    }
     match &e {
         sqlx::Error::PoolTimedOut
         | sqlx::Error::Io(_)

@@ -248,7 +248,7 @@ impl Writer {
         let outcomes = ledger::write_shared_numbering(conn, &self.stats, writes, &gapless).await;
         if outcomes
             .iter()
-            .any(|o| matches!(o, Err(LedgerError::Db(_))))
+            .any(|o| matches!(o, Err(LedgerError::Db(_) | LedgerError::ReadOnly(_))))
         {
             // The connection may have broken: the next batch takes a fresh
             // one. This one is closed rather than returned, with its

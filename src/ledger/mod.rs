@@ -61,6 +61,10 @@ pub enum LedgerError {
     /// connection is fine.
     #[error("ledger write refused: {0}")]
     Statement(#[source] Arc<sqlx::Error>),
+    /// The server takes no writes (a standby, a demoted primary): nothing
+    /// was written.
+    #[error("ledger write refused: the database is read-only now")]
+    ReadOnly(#[source] Arc<sqlx::Error>),
     /// The statement waited too long (for a lock another transaction
     /// holds, or at all) and was cancelled.
     #[error("ledger write waited too long: {}", database_message(.0))]
@@ -107,6 +111,15 @@ impl From<sqlx::Error> for LedgerError {
         let sqlx::Error::Database(db) = &e else {
             return LedgerError::Db(Arc::new(e));
         };
+        if crate::db::distrust_server_after(&e) {
+            // No request is at fault, and the connection is not to be used
+            // again. A read-only server wrote nothing; one going away may
+            // have committed.
+            return match db.code().as_deref() {
+                Some(sqlstate::READ_ONLY_SQL_TRANSACTION) => LedgerError::ReadOnly(Arc::new(e)),
+                _ => LedgerError::Db(Arc::new(e)),
+            };
+        }
         match db.constraint() {
             Some(outbox::DOCUMENT_ID_TAKEN) => return LedgerError::DocumentIdTaken,
             Some(outbox::NUMBER_ATTACHED) => return LedgerError::AlreadyAttached,
@@ -133,14 +146,18 @@ impl LedgerError {
     pub fn numbers_reusable(&self) -> bool {
         matches!(
             self,
-            LedgerError::Statement(_) | LedgerError::Waited(_) | LedgerError::Unstorable(_)
+            LedgerError::Statement(_)
+                | LedgerError::Waited(_)
+                | LedgerError::Unstorable(_)
+                | LedgerError::ReadOnly(_)
         )
     }
 
     /// The statement failed and was rolled back: writing the requests of a
     /// shared write one at a time finds the one at fault.
     fn statement_failed(&self) -> bool {
-        self.numbers_reusable()
+        // Read-only refuses every request alike: splitting finds no culprit.
+        !matches!(self, LedgerError::ReadOnly(_)) && self.numbers_reusable()
             || matches!(
                 self,
                 LedgerError::DocumentIdTaken

@@ -467,3 +467,102 @@ async fn a_postgres_restart_is_503_while_it_lasts_and_served_after() {
     outcome.assert_distinct();
     reconcile_and_explain(&app, "PR", &outcome.issued).await;
 }
+
+/// Polled every 50 ms until `check` holds, for at most `within`.
+async fn until<F: AsyncFnMut() -> bool>(within: Duration, what: &str, mut check: F) {
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        pause(50).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_primary_is_503_and_not_ready_and_the_next_primary_is_found_at_its_address() {
+    let dir = postgres_dir();
+    let primary = PostgresServer::primary(dir.path());
+    let mut standby = PostgresServer::standby_of(&primary, dir.path());
+    let address = MovableAddress::start(primary.port).await;
+    let mut env = TestEnv::new();
+    env.database_url = format!("postgres://postgres@127.0.0.1:{}/idpool_ro", address.port);
+    let app = env.spawn().await;
+    let document = serde_json::json!({"project": "RO", "type": "A", "metadata": {}});
+    // Keyed documents are written on request connections: several open.
+    let keyed = |n: usize| {
+        let document = &document;
+        let app = &app;
+        async move {
+            let key = format!("ro-{n}");
+            app.post_document(document, Some(&key)).await.status()
+        }
+    };
+    let warm = futures::future::join_all((0..8).map(keyed)).await;
+    assert!(warm.iter().all(|s| *s == StatusCode::ACCEPTED), "{warm:?}");
+    let ready = async || {
+        let response = app.client.get(app.url("/readyz")).send().await.unwrap();
+        (response.status(), response.json::<Value>().await.unwrap())
+    };
+    assert_eq!(ready().await.0, StatusCode::OK);
+
+    // The primary is demoted in place: it answers, and takes no writes.
+    let direct = sqlx::PgPool::connect(&primary.url("postgres"))
+        .await
+        .unwrap();
+    for statement in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::query(statement).execute(&direct).await.unwrap();
+    }
+    until(
+        Duration::from_secs(10),
+        "readyz says read_only",
+        async || {
+            let (status, body) = ready().await;
+            status == StatusCode::SERVICE_UNAVAILABLE && body["postgres"] == "read_only"
+        },
+    )
+    .await;
+    for n in 0..20 {
+        let key = (n % 2 == 0).then(|| format!("ro-read-only-{n}"));
+        let response = app.post_document(&document, key.as_deref()).await;
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()["retry-after"], "1");
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["code"], "unavailable");
+    }
+
+    // The standby takes over the address; the connections open to the old
+    // primary stay open, as through a proxy that does not end them.
+    primary.wait_for_standbys().await;
+    standby.promote();
+    address.redirect(standby.port);
+    let mut attempt = 100;
+    until(
+        Duration::from_secs(15),
+        "documents written again",
+        async || {
+            attempt += 1;
+            let status = keyed(attempt).await;
+            assert!(
+                status == StatusCode::ACCEPTED || status == StatusCode::SERVICE_UNAVAILABLE,
+                "{status}"
+            );
+            status == StatusCode::ACCEPTED
+        },
+    )
+    .await;
+    // The first refusal from the old primary closes every connection
+    // opened before it: no request meets the old primary again. (Kept
+    // open, each pooled connection would fail in turn, for minutes.)
+    assert!(
+        attempt <= 103,
+        "{} refusals after the failover",
+        attempt - 101
+    );
+    until(Duration::from_secs(10), "ready again", async || {
+        ready().await.0 == StatusCode::OK
+    })
+    .await;
+    standby.stop("fast");
+}

@@ -695,6 +695,12 @@ impl MovableAddress {
         Self { port, target }
     }
 
+    /// New connections reach `port`; those open stay where they were (a
+    /// proxy that does not end sessions on a node marked down).
+    pub fn redirect(&self, port: u16) {
+        self.target.lock().unwrap().0 = port;
+    }
+
     pub fn move_to(&self, port: u16) {
         let mut target = self.target.lock().unwrap();
         target.1.cancel();
