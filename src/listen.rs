@@ -4,11 +4,13 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::log_limit::Repeated;
 
 /// Acts on the notifications of one channel.
 pub trait Subscriber: Send + Sync {
@@ -27,41 +29,55 @@ pub async fn run(db: PgPool, subscribers: Subscribers, stop: CancellationToken) 
         .iter()
         .map(|s| (s.channel(), s.clone()))
         .collect();
+    // On a standby or during a failover every attempt fails at once: the
+    // attempts back off, and their failures are said once, then counted.
+    static TROUBLE: Repeated = Repeated::new("cannot listen for notifications; retrying");
+    let mut backoff = Backoff::background();
     loop {
-        let mut listener = match PgListener::connect_with(&db).await {
-            Ok(listener) => listener,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for notifications; retrying");
+        match listen(&db, &by_channel).await {
+            Ok(mut listener) => {
+                TROUBLE.ended();
+                backoff.reset();
+                for subscriber in &subscribers {
+                    subscriber.missed();
+                }
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    e = deliver(&mut listener, &by_channel) => TROUBLE.warn(&e),
                 }
             }
-        };
-        if let Err(e) = listener.listen_all(by_channel.keys().copied()).await {
-            tracing::warn!(error = %e, "LISTEN failed; retrying");
-            continue;
+            Err(e) => TROUBLE.warn(&e),
         }
-        for subscriber in &subscribers {
-            subscriber.missed();
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff.next_pause()) => {}
         }
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                received = listener.try_recv() => match received {
-                    Ok(Some(notification)) => {
-                        if let Some(subscriber) = by_channel.get(notification.channel()) {
-                            subscriber.notified(notification.payload());
-                        }
-                    }
-                    // The connection dropped: listen again on a new one.
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "notification listener failed");
-                        break;
-                    }
+    }
+}
+
+async fn listen(
+    db: &PgPool,
+    by_channel: &HashMap<&'static str, Arc<dyn Subscriber>>,
+) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(db).await?;
+    listener.listen_all(by_channel.keys().copied()).await?;
+    Ok(listener)
+}
+
+/// Hands notifications to their subscribers until the connection fails.
+async fn deliver(
+    listener: &mut PgListener,
+    by_channel: &HashMap<&'static str, Arc<dyn Subscriber>>,
+) -> String {
+    loop {
+        match listener.try_recv().await {
+            Ok(Some(notification)) => {
+                if let Some(subscriber) = by_channel.get(notification.channel()) {
+                    subscriber.notified(notification.payload());
                 }
             }
+            Ok(None) => return "the notification connection dropped".to_owned(),
+            Err(e) => return e.to_string(),
         }
     }
 }

@@ -566,3 +566,60 @@ async fn a_read_only_primary_is_503_and_not_ready_and_the_next_primary_is_found_
     .await;
     standby.stop("fast");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_pointed_at_a_standby_is_not_ready_and_logs_quietly() {
+    let dir = postgres_dir();
+    let primary = PostgresServer::primary(dir.path());
+    let mut standby = PostgresServer::standby_of(&primary, dir.path());
+    let mut env = TestEnv::new();
+    env.database_url = primary.url("idpool_standby");
+    // The schema exists (made on the primary, streamed to the standby).
+    drop(env.spawn().await);
+    primary.wait_for_standbys().await;
+    env.database_url = standby.url("idpool_standby");
+    env.auth = false;
+    env.extra_env
+        .push(("IDPOOL_MIGRATE".to_owned(), "off".to_owned()));
+    let log = dir.path().join("idpool-on-standby.log");
+    let instance = ServeProcess::start_unready(&env, &log, "warn").await;
+    let client = client_with_key(None);
+    let readyz = format!("http://127.0.0.1:{}/readyz", instance.port);
+    let response = client.get(&readyz).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["postgres"], "read_only");
+    // Observed for 3 s while clients keep trying: every background retry
+    // fails at once on a standby.
+    let observed = Instant::now();
+    while observed.elapsed() < Duration::from_secs(3) {
+        let answer = client
+            .post(format!("http://127.0.0.1:{}/ids", instance.port))
+            .json(&serde_json::json!({"project": "SB", "type": "A"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        pause(20).await;
+    }
+    drop(instance);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let mut per_second: std::collections::BTreeMap<&str, usize> = Default::default();
+    for line in text
+        .lines()
+        .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+    {
+        // JSON lines: `"timestamp":"2026-11-25T23:14:26.257996Z"`, to the second.
+        let second = line
+            .split_once(r#""timestamp":""#)
+            .and_then(|(_, rest)| rest.get(..19))
+            .unwrap_or(line);
+        *per_second.entry(second).or_default() += 1;
+    }
+    let busiest = per_second.values().max().copied().unwrap_or(0);
+    assert!(
+        busiest <= 20,
+        "{busiest} warning lines in one second:\n{text}"
+    );
+    standby.stop("fast");
+}

@@ -726,10 +726,27 @@ impl ServeProcess {
         Self::launch(env, stdout.into(), Some((file, level))).await
     }
 
+    /// Starts the binary on `env`, its logs (at `level`) written to `log`,
+    /// and waits until /readyz answers at all (503 too).
+    pub async fn start_unready(env: &TestEnv, log: &std::path::Path, level: &str) -> Self {
+        let file = std::fs::File::create(log).expect("log file");
+        let stdout = file.try_clone().expect("log file");
+        Self::launch_until(env, stdout.into(), Some((file, level)), |_| true).await
+    }
+
     async fn launch(
         env: &TestEnv,
         stdout: std::process::Stdio,
         log: Option<(std::fs::File, &str)>,
+    ) -> Self {
+        Self::launch_until(env, stdout, log, |status| status == StatusCode::OK).await
+    }
+
+    async fn launch_until(
+        env: &TestEnv,
+        stdout: std::process::Stdio,
+        log: Option<(std::fs::File, &str)>,
+        answered: fn(StatusCode) -> bool,
     ) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -758,7 +775,7 @@ impl ServeProcess {
                 .get(format!("http://127.0.0.1:{port}/readyz"))
                 .send()
                 .await
-                && r.status() == StatusCode::OK
+                && answered(r.status())
             {
                 return process;
             }
