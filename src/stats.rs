@@ -47,6 +47,9 @@ pub struct Stats {
     /// Gapless documents left out of a shared commit because another
     /// transaction held their counter (each tries again later).
     pub gapless_counter_held: Counter,
+    /// Periods whose Postgres counter was found behind Redis and moved past
+    /// it (a failover lost commits).
+    pub fences: Counter,
     pub pool_numbers_discarded: Counter,
     pub redis_trips: Counter,
     pub redis_resyncs: Counter,
@@ -143,6 +146,10 @@ const METRICS: &[(&str, &str)] = &[
         "Background tasks and batch handlers that panicked; each was restarted",
     ),
     (
+        "fences",
+        "Periods whose Postgres counter was found behind Redis (a failover lost commits) and moved past it",
+    ),
+    (
         "gapless_counter_held",
         "Gapless documents left out of a shared commit because another transaction held their counter",
     ),
@@ -235,6 +242,7 @@ impl Default for Stats {
             reservations_expired: registered(r, "reservations_expired", Counter::default()),
             gapless_violations: registered(r, "gapless_violations", Counter::default()),
             gapless_counter_held: registered(r, "gapless_counter_held", Counter::default()),
+            fences: registered(r, "fences", Counter::default()),
             pool_numbers_discarded: registered(r, "pool_numbers_discarded", Counter::default()),
             redis_trips: registered(r, "redis_trips", Counter::default()),
             redis_resyncs: registered(r, "redis_resyncs", Counter::default()),

@@ -107,6 +107,7 @@ impl PoolService {
                 "Postgres was behind Redis (a failover to a standby that missed commits?): \
                  counter moved past every number Redis had seen"
             );
+            self.stats.fences.inc();
             fenced += 1;
         }
         Ok(fenced)

@@ -307,6 +307,12 @@ async fn postgres_failover(after_failover: AfterFailover) {
         fenced >= 1,
         "the counter was moved past what Redis had seen"
     );
+    let metrics =
+        crate::helpers::metrics_at(&client, &format!("http://127.0.0.1:{}", serving.port)).await;
+    assert!(
+        metrics["idpool_fences_total"] >= 1.0,
+        "the fence is counted where an operator looks"
+    );
 
     // Every number, the lost ones included, is explained.
     let reconcile = async || {
