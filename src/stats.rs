@@ -50,6 +50,19 @@ pub struct Stats {
     /// Periods whose Postgres counter was found behind Redis and moved past
     /// it (a failover lost commits).
     pub fences: Counter,
+    /// 1 while `/readyz` would answer 200 (Postgres answers and takes
+    /// writes), as of the last scrape or probe.
+    ready: Gauge,
+    /// 1 while Postgres answers but is read-only (a standby, a demoted
+    /// primary).
+    postgres_read_only: Gauge,
+    /// Outbox deliveries: delivered, failed (to be retried or
+    /// dead-lettered), dead-lettered.
+    pub outbox_delivered: Counter,
+    pub outbox_delivery_failures: Counter,
+    pub outbox_dead_lettered: Counter,
+    /// Age of the oldest pending outbox row, as of the processor's last look.
+    pub outbox_oldest_pending_seconds: Gauge,
     pub pool_numbers_discarded: Counter,
     pub redis_trips: Counter,
     pub redis_resyncs: Counter,
@@ -144,6 +157,27 @@ const METRICS: &[(&str, &str)] = &[
     (
         "task_panics",
         "Background tasks and batch handlers that panicked; each was restarted",
+    ),
+    (
+        "ready",
+        "1 while Postgres answers and takes writes (what /readyz says), 0 otherwise",
+    ),
+    (
+        "postgres_read_only",
+        "1 while Postgres answers but takes no writes (a standby, a demoted primary)",
+    ),
+    ("outbox_delivered", "Outbox rows delivered to the sink"),
+    (
+        "outbox_delivery_failures",
+        "Outbox deliveries that failed (retried later, or dead-lettered)",
+    ),
+    (
+        "outbox_dead_lettered",
+        "Outbox rows dead-lettered after their last retry",
+    ),
+    (
+        "outbox_oldest_pending_seconds",
+        "Age of the oldest pending outbox row (0 when none), as of the processor's last look",
     ),
     (
         "fences",
@@ -243,6 +277,16 @@ impl Default for Stats {
             gapless_violations: registered(r, "gapless_violations", Counter::default()),
             gapless_counter_held: registered(r, "gapless_counter_held", Counter::default()),
             fences: registered(r, "fences", Counter::default()),
+            ready: registered(r, "ready", Gauge::default()),
+            postgres_read_only: registered(r, "postgres_read_only", Gauge::default()),
+            outbox_delivered: registered(r, "outbox_delivered", Counter::default()),
+            outbox_delivery_failures: registered(r, "outbox_delivery_failures", Counter::default()),
+            outbox_dead_lettered: registered(r, "outbox_dead_lettered", Counter::default()),
+            outbox_oldest_pending_seconds: registered(
+                r,
+                "outbox_oldest_pending_seconds",
+                Gauge::default(),
+            ),
             pool_numbers_discarded: registered(r, "pool_numbers_discarded", Counter::default()),
             redis_trips: registered(r, "redis_trips", Counter::default()),
             redis_resyncs: registered(r, "redis_resyncs", Counter::default()),
@@ -291,6 +335,12 @@ impl Stats {
                 .get_or_create(&[("reason", reason)])
                 .set(*numbers);
         }
+    }
+
+    /// What the last readiness probe found.
+    pub fn set_readiness(&self, ready: bool, read_only: bool) {
+        self.ready.set(i64::from(ready));
+        self.postgres_read_only.set(i64::from(read_only));
     }
 
     /// OpenMetrics text, which Prometheus also reads as its text format.

@@ -344,6 +344,18 @@ pub async fn next_due_of(
     Ok(seconds.map(|s| std::time::Duration::try_from_secs_f64(s).unwrap_or_default()))
 }
 
+/// How long the oldest pending row has waited, in seconds (0 with none):
+/// what an operator is alerted on when delivery stalls.
+pub async fn oldest_pending_age(db: &PgPool) -> Result<f64, sqlx::Error> {
+    let seconds = sqlx::query_scalar!(
+        "SELECT extract(epoch FROM clock_timestamp() - created_at)::float8 AS \"seconds!\" \
+         FROM id_outbox WHERE status = 'pending' ORDER BY status, id LIMIT 1"
+    )
+    .fetch_optional(db)
+    .await?;
+    Ok(seconds.unwrap_or(0.0).max(0.0))
+}
+
 /// The tenants that have pending rows, found by skipping through the index
 /// of pending rows by tenant: one probe per such tenant, however many rows
 /// each holds.

@@ -133,6 +133,10 @@ impl crate::listen::Subscriber for OutboxWake {
     }
 }
 
+/// How often the processor looks at its oldest pending row (for
+/// `idpool_outbox_oldest_pending_seconds`).
+const OLDEST_PENDING_EVERY: Duration = Duration::from_secs(1);
+
 /// Shortest idle sleep, so rows held by another processor are not polled in a spin.
 const MIN_IDLE_SLEEP: Duration = Duration::from_millis(20);
 
@@ -241,6 +245,11 @@ impl Processor {
             self.stats.outbox_lag.observe(lag);
         }
         let dead_lettered = recorded.dead_lettered;
+        self.stats.outbox_delivered.inc_by(delivered.len() as u64);
+        self.stats
+            .outbox_delivery_failures
+            .inc_by(failed.len() as u64);
+        self.stats.outbox_dead_lettered.inc_by(dead_lettered as u64);
         match first_failure {
             Some((document_id, error)) => self.failures.warn(&format_args!(
                 "{error} (document {document_id}; {} of {} in the batch failed, {dead_lettered} dead-lettered)",
@@ -279,10 +288,19 @@ impl Processor {
     /// sleeps until woken by a new row, the next retry falls due, or the
     /// poll interval passes.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
-        let mut backoff_on_error = Duration::from_millis(100);
+        let mut backoff_on_error = crate::backoff::Backoff::background();
+        static STEP_FAILED: crate::log_limit::Repeated =
+            crate::log_limit::Repeated::new("outbox step failed");
+        let mut looked_at_oldest: Option<tokio::time::Instant> = None;
         loop {
             if stop.is_cancelled() {
                 return;
+            }
+            if looked_at_oldest.is_none_or(|at| at.elapsed() >= OLDEST_PENDING_EVERY) {
+                looked_at_oldest = Some(tokio::time::Instant::now());
+                if let Ok(age) = outbox::oldest_pending_age(&self.db).await {
+                    self.stats.outbox_oldest_pending_seconds.set(age as i64);
+                }
             }
             let step = self.step();
             tokio::pin!(step);
@@ -305,16 +323,16 @@ impl Processor {
                     continue;
                 }
                 Ok(step) => {
-                    backoff_on_error = Duration::from_millis(100);
+                    backoff_on_error.reset();
+                    STEP_FAILED.ended();
                     (step.claimed, step.next_due)
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "outbox step failed");
+                    STEP_FAILED.warn(&e);
                     tokio::select! {
                         _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(backoff_on_error) => {}
+                        _ = tokio::time::sleep(backoff_on_error.next_pause()) => {}
                     }
-                    backoff_on_error = (backoff_on_error * 2).min(self.settings.poll);
                     continue;
                 }
             };

@@ -174,8 +174,18 @@ impl Reconciler {
 
     async fn record_open_gaps(&self) {
         if let Ok(rows) = store::open_gap_totals(&self.db).await {
-            let open: Vec<(&'static str, i64)> =
-                rows.iter().map(|(r, n)| (r.as_str(), *n)).collect();
+            // Every reason, 0 where none is open: an alert on a reason
+            // sees its series from the first run on.
+            let open: Vec<(&'static str, i64)> = Reason::ALL
+                .iter()
+                .map(|reason| {
+                    let numbers = rows
+                        .iter()
+                        .find(|(r, _)| r == reason)
+                        .map_or(0, |(_, n)| *n);
+                    (reason.as_str(), numbers)
+                })
+                .collect();
             self.stats.set_gaps_open(&open);
         }
     }

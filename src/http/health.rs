@@ -107,6 +107,9 @@ async fn probe(state: &AppState) -> (StatusCode, Readiness) {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    state
+        .stats
+        .set_readiness(postgres == Dependency::Up, postgres == Dependency::ReadOnly);
     let mode = if pools_in_use {
         Mode::Pool
     } else {
@@ -146,7 +149,12 @@ pub async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> impl 
     let text = state
         .probes
         .metrics
-        .get(|| async { Bytes::from(state.stats.render(state.pools.in_use())) })
+        .get(|| async {
+            // Readiness is part of what is scraped (alerts read it); the
+            // probe is shared with /readyz callers.
+            state.probes.readiness.get(|| probe(&state)).await;
+            Bytes::from(state.stats.render(state.pools.in_use()))
+        })
         .await;
     ([(header::CONTENT_TYPE, content_type)], text)
 }

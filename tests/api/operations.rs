@@ -26,6 +26,8 @@ async fn health_readiness_and_metrics_answer() {
     let metrics = app.metrics().await;
     assert_eq!(metrics["idpool_ids_issued_total{source=\"pool\"}"], 3.0);
     assert_eq!(metrics["idpool_mode_pool"], 1.0);
+    assert_eq!(metrics["idpool_ready"], 1.0);
+    assert_eq!(metrics["idpool_postgres_read_only"], 0.0);
     let response = app.client.get(app.url("/healthz")).send().await.unwrap();
     assert!(
         response.headers().contains_key("x-request-id"),
@@ -378,4 +380,92 @@ async fn maintenance_commands_never_create_a_database_and_show_only_their_own_op
     }
     assert!(help(&["serve", "--help"]).contains("IDPOOL_MAX_CONNECTIONS"));
     assert!(help(&["import", "--help"]).contains("--key-file"));
+}
+
+/// Runs `promtool` with `args` in `deploy/prometheus/`; its output, or the
+/// test fails with it.
+fn promtool(args: &[&str]) -> String {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let installed = Command::new("flock")
+        .arg(repo.join("target/.promtool.lock"))
+        .arg(repo.join("scripts/promtool.sh"))
+        .output()
+        .expect("scripts/promtool.sh runs");
+    assert!(
+        installed.status.success(),
+        "installing promtool: {}",
+        String::from_utf8_lossy(&installed.stderr)
+    );
+    let path = String::from_utf8_lossy(&installed.stdout).trim().to_owned();
+    let output = Command::new(path)
+        .args(args)
+        .current_dir(repo.join("deploy/prometheus"))
+        .output()
+        .expect("promtool runs");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "promtool {args:?}:\n{said}");
+    said
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alert_rules_are_valid_fire_when_they_should_and_name_only_exported_metrics() {
+    promtool(&["check", "rules", "idpool.rules.yml"]);
+    // Each alert fires for its "bad" instance and stays quiet for "good".
+    promtool(&["test", "rules", "idpool.rules.test.yml"]);
+
+    let app = TestEnv::new().spawn().await;
+    // What reconciliation reports is there after its first run.
+    app.reconcile().await;
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    // Families (`# TYPE name kind`) and samples (`name{...} value`).
+    let mut exported = std::collections::HashSet::new();
+    for line in text.lines() {
+        let name = match line.strip_prefix("# TYPE ") {
+            Some(rest) => rest.split(' ').next(),
+            None if !line.starts_with('#') => line.split(['{', ' ']).next(),
+            None => None,
+        };
+        exported.extend(name.map(str::to_owned));
+    }
+    let rules = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus/idpool.rules.yml"),
+    )
+    .unwrap();
+    let mut named: Vec<&str> = rules
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| word.starts_with("idpool_"))
+        .collect();
+    named.sort_unstable();
+    named.dedup();
+    assert!(
+        named.len() >= 10,
+        "the rules name idpool's metrics: {named:?}"
+    );
+    let family = |name: &str| {
+        ["_total", "_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .unwrap_or(name)
+            .to_owned()
+    };
+    let missing: Vec<&&str> = named
+        .iter()
+        .filter(|name| !exported.contains(**name) && !exported.contains(&family(name)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "rules name metrics /metrics does not export: {missing:?}"
+    );
 }
