@@ -50,6 +50,10 @@ pub struct Stats {
     /// Periods whose Postgres counter was found behind Redis and moved past
     /// it (a failover lost commits).
     pub fences: Counter,
+    /// Sequences with less than a tenth of their numbers left before their
+    /// `max`, as of this instance's last reconciliation run (0 on instances
+    /// that did not run it).
+    pub sequences_near_max: Gauge,
     /// 1 while `/readyz` would answer 200 (Postgres answers and takes
     /// writes), as of the last scrape or probe.
     ready: Gauge,
@@ -157,6 +161,10 @@ const METRICS: &[(&str, &str)] = &[
     (
         "task_panics",
         "Background tasks and batch handlers that panicked; each was restarted",
+    ),
+    (
+        "sequences_near_max",
+        "Sequences whose latest period has less than a tenth of its numbers left before max (set by the instance running reconciliation; 0 elsewhere)",
     ),
     (
         "ready",
@@ -277,6 +285,7 @@ impl Default for Stats {
             gapless_violations: registered(r, "gapless_violations", Counter::default()),
             gapless_counter_held: registered(r, "gapless_counter_held", Counter::default()),
             fences: registered(r, "fences", Counter::default()),
+            sequences_near_max: registered(r, "sequences_near_max", Gauge::default()),
             ready: registered(r, "ready", Gauge::default()),
             postgres_read_only: registered(r, "postgres_read_only", Gauge::default()),
             outbox_delivered: registered(r, "outbox_delivered", Counter::default()),

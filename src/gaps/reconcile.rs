@@ -144,6 +144,9 @@ impl Reconciler {
         let mut conn = self.db.acquire().await?;
         let locked = store::try_lock(&mut conn).await?;
         if !locked {
+            // The instance that runs reconciliation says how many; a stale
+            // figure here would keep an alert firing.
+            self.stats.sequences_near_max.set(0);
             return Ok(Summary {
                 skipped: true,
                 ..Default::default()
@@ -187,6 +190,9 @@ impl Reconciler {
                 })
                 .collect();
             self.stats.set_gaps_open(&open);
+        }
+        if let Ok(near) = store::sequences_near_max(&self.db).await {
+            self.stats.sequences_near_max.set(near);
         }
     }
 

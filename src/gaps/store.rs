@@ -53,6 +53,22 @@ pub(super) async fn open_gap_totals(db: &PgPool) -> Result<Vec<(Reason, i64)>, s
     Ok(rows.into_iter().map(|r| (r.reason, r.numbers)).collect())
 }
 
+/// Sequences whose latest period has less than a tenth of its numbers
+/// left before its `max` (or none): they will soon refuse every request.
+pub(super) async fn sequences_near_max(db: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT count(*) AS "near!" FROM (
+             SELECT DISTINCT ON (c.sequence_id) c.next_seq, s.max_seq, s.start_seq
+             FROM counters c JOIN sequences s ON s.id = c.sequence_id
+             WHERE s.max_seq IS NOT NULL
+             ORDER BY c.sequence_id, c.period DESC
+           ) latest
+           WHERE (latest.max_seq - latest.next_seq + 1) * 10 < latest.max_seq - latest.start_seq + 1"#,
+    )
+    .fetch_one(db)
+    .await
+}
+
 /// Records the run's start, by the database's clock, and finds when the
 /// last finished run started.
 pub(super) async fn start_run(

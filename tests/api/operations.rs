@@ -418,6 +418,17 @@ async fn alert_rules_are_valid_fire_when_they_should_and_name_only_exported_metr
     promtool(&["test", "rules", "idpool.rules.test.yml"]);
 
     let app = TestEnv::new().spawn().await;
+    // A sequence that has used up its numbers, and one far from its max.
+    app.define("NM", "1", serde_json::json!({"max": 20, "pool_size": 10}))
+        .await;
+    app.define("NM", "2", serde_json::json!({"max": 1000000}))
+        .await;
+    for doc_type in ["1", "2"] {
+        assert_eq!(
+            app.post_ids("NM", doc_type, 19).await.status(),
+            StatusCode::OK
+        );
+    }
     // What reconciliation reports is there after its first run.
     app.reconcile().await;
     let text = app
@@ -429,6 +440,10 @@ async fn alert_rules_are_valid_fire_when_they_should_and_name_only_exported_metr
         .text()
         .await
         .unwrap();
+    assert!(
+        text.lines().any(|l| l == "idpool_sequences_near_max 1"),
+        "one sequence near its max:\n{text}"
+    );
     // Families (`# TYPE name kind`) and samples (`name{...} value`).
     let mut exported = std::collections::HashSet::new();
     for line in text.lines() {
