@@ -12,6 +12,7 @@ use tokio_util::task::TaskTracker;
 use tokio::sync::Notify;
 
 use crate::auth::{Authenticator, KeyStore};
+use crate::backoff::Backoff;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::counter::Counter;
@@ -24,6 +25,7 @@ use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
 use crate::issuance::{Issuer, IssuerParts};
 use crate::lease::LeaseSettings;
+use crate::log_limit::Repeated;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence_store::SequenceStore;
 use crate::stats::Stats;
@@ -73,8 +75,10 @@ impl Application {
             config.db_limits(),
         )
         .await?;
+        let listener = TcpListener::bind(&config.listen).await?;
+        let server = server_limits(config);
         if config.migrate.is_on() {
-            db::migrate(&db).await?;
+            migrate_when_writable(&db, &listener, server).await?;
         }
         // A stop drains in order, each stage on a token of its own: the
         // server (`stop`), then the lease reporter, which gives back what
@@ -96,22 +100,13 @@ impl Application {
         crate::db::warn_without_synchronous_standby(&parts.db).await;
         parts.wait_for_pools(config).await;
         let state = parts.into_state(config, overrides.clock);
-        let listener = TcpListener::bind(&config.listen).await?;
         Ok(Self {
             listener,
             state,
             supervisor,
             lease_supervisor,
             stop,
-            server: ServerLimits {
-                deadlines: crate::http::conn_guard::Deadlines {
-                    header: config.header_timeout(),
-                    idle: Duration::from_secs(config.idle_timeout_s),
-                    write: Duration::from_secs(config.write_timeout_s),
-                },
-                max_connections: config.max_connections as usize,
-                drain: config.request_timeout() + Duration::from_secs(1),
-            },
+            server,
         })
     }
 
@@ -149,6 +144,55 @@ impl Application {
         pools.redis().shutdown().await;
         tracing::info!("idpool stopped");
         Ok(())
+    }
+}
+
+fn server_limits(config: &Config) -> ServerLimits {
+    ServerLimits {
+        deadlines: crate::http::conn_guard::Deadlines {
+            header: config.header_timeout(),
+            idle: Duration::from_secs(config.idle_timeout_s),
+            write: Duration::from_secs(config.write_timeout_s),
+        },
+        max_connections: config.max_connections as usize,
+        drain: config.request_timeout() + Duration::from_secs(1),
+    }
+}
+
+/// Runs the migrations once Postgres takes writes. Started while its
+/// address is read-only (a standby, a failover under way), the instance
+/// does not exit: it answers on `listener` that it is not ready and tries
+/// again, backing off, until the address leads to a primary.
+async fn migrate_when_writable(
+    db: &PgPool,
+    listener: &TcpListener,
+    server: ServerLimits,
+) -> anyhow::Result<()> {
+    static WAITING: Repeated = Repeated::new(
+        "Postgres takes no writes (a standby, or a failover under way): not ready; migrations wait",
+    );
+    let mut backoff = Backoff::background();
+    loop {
+        let error = match db::MIGRATOR.run(db).await {
+            Ok(()) => {
+                WAITING.ended();
+                return Ok(());
+            }
+            Err(
+                sqlx::migrate::MigrateError::Execute(e)
+                | sqlx::migrate::MigrateError::ExecuteMigration(e, _),
+            ) if db::distrust_server_after(&e) => e,
+            Err(e) => return Err(e.into()),
+        };
+        WAITING.warn(&error);
+        let pause = CancellationToken::new();
+        let until_retry = backoff.next_pause();
+        let timer = pause.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(until_retry).await;
+            timer.cancel();
+        });
+        http::server::serve(listener, http::health::not_ready_app(), server, pause).await;
     }
 }
 

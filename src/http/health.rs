@@ -125,6 +125,36 @@ async fn probe(state: &AppState) -> (StatusCode, Readiness) {
     )
 }
 
+/// What an instance answers while it waits for Postgres to take writes
+/// before it migrates (see `startup`): it is up, not ready, and serves
+/// nothing else yet.
+pub fn not_ready_app() -> axum::Router {
+    let not_ready = Readiness {
+        postgres: Dependency::ReadOnly,
+        redis: Dependency::Down,
+        mode: Mode::Fallback,
+    };
+    axum::Router::new()
+        .route("/healthz", axum::routing::get(healthz))
+        .route(
+            "/readyz",
+            axum::routing::get(move || async move {
+                (StatusCode::SERVICE_UNAVAILABLE, axum::Json(not_ready))
+            }),
+        )
+        .fallback(|| async {
+            super::problem::ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "starting: Postgres takes no writes yet (a standby, or a failover under way)",
+            )
+            .with_header(
+                header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            )
+        })
+}
+
 /// Counters of this instance in Prometheus text format.
 #[utoipa::path(
     get,

@@ -42,10 +42,11 @@ pub const MAX_HEADERS: usize = 64;
 
 /// Serves `app` on `listener` until `stop`, then lets requests in flight
 /// finish (up to `limits.drain`).
-pub async fn serve<S>(listener: TcpListener, app: S, limits: ServerLimits, stop: CancellationToken)
+pub async fn serve<S, L>(listener: L, app: S, limits: ServerLimits, stop: CancellationToken)
 where
     S: tower::Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
+    L: std::borrow::Borrow<TcpListener>,
 {
     let mut http = hyper::server::conn::http1::Builder::new();
     // The deadlines are the socket wrapper's (conn_guard): hyper's header
@@ -59,7 +60,7 @@ where
     let connections = Connections::new(limits.max_connections);
     let tasks = TaskTracker::new();
     loop {
-        let Some(stream) = accept_next(&listener, &stop).await else {
+        let Some(stream) = accept_next(listener.borrow(), &stop).await else {
             break;
         };
         let activity = Arc::new(Activity::new(limits.deadlines));
@@ -100,6 +101,8 @@ where
             drop(slot);
         });
     }
+    // Owned, the socket closes here: no new connection waits unserved
+    // while the last requests finish. (Borrowed, its owner serves on.)
     drop(listener);
     tasks.close();
     if tokio::time::timeout(limits.drain, tasks.wait())

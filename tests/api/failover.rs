@@ -629,3 +629,54 @@ async fn an_instance_pointed_at_a_standby_is_not_ready_and_logs_quietly() {
     );
     standby.stop("fast");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_started_on_a_standby_waits_not_ready_then_migrates_and_serves_once_it_is_promoted()
+ {
+    let dir = postgres_dir();
+    let primary = PostgresServer::primary(dir.path());
+    let mut standby = PostgresServer::standby_of(&primary, dir.path());
+    let direct = sqlx::PgPool::connect(&primary.url("postgres"))
+        .await
+        .unwrap();
+    // The database exists, with no schema yet: the instance must migrate.
+    // (Made after the base backup, which would otherwise wait for a
+    // spread checkpoint of it.)
+    sqlx::query("CREATE DATABASE idpool_late")
+        .execute(&direct)
+        .await
+        .unwrap();
+    primary.wait_for_standbys().await;
+    let mut env = TestEnv::new();
+    env.database_url = standby.url("idpool_late");
+    env.auth = false;
+    let log = dir.path().join("idpool-started-on-standby.log");
+    let instance = ServeProcess::start_unready(&env, &log, "warn").await;
+    let base = format!("http://127.0.0.1:{}", instance.port);
+    let client = client_with_key(None);
+    let response = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["postgres"], "read_only");
+    let ids = || {
+        client
+            .post(format!("{base}/ids"))
+            .json(&serde_json::json!({"project": "LT", "type": "A", "count": 2}))
+            .send()
+    };
+    let waiting = ids().await.unwrap();
+    assert_eq!(waiting.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(waiting.headers()["retry-after"], "1");
+
+    standby.promote();
+    until(Duration::from_secs(30), "migrated and ready", async || {
+        let answer = client.get(format!("{base}/readyz")).send().await;
+        answer.is_ok_and(|a| a.status() == StatusCode::OK)
+    })
+    .await;
+    let served = ids().await.unwrap();
+    assert_eq!(served.status(), StatusCode::OK);
+    let body: Value = served.json().await.unwrap();
+    assert_eq!(seqs_of(&body), vec![1, 2]);
+    standby.stop("fast");
+}
