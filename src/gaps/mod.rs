@@ -34,7 +34,9 @@ pub struct Gap {
     pub count: i64,
     #[schema(value_type = Reason)]
     pub reason: String,
-    /// Voids of gapless sequences only: the caller's reason.
+    /// Voids of gapless sequences: the caller's reason. `pool_discarded`:
+    /// why the pool was emptied (e.g. `postgres_behind_redis`, a fence after
+    /// a failover), several separated by commas.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = "customer cancelled the order")]
     pub note: Option<String>,
@@ -46,6 +48,8 @@ pub struct GapQuery<'a> {
     pub doc_type: &'a str,
     pub period: Option<&'a str>,
     pub reason: Option<Reason>,
+    /// Only `pool_discarded` gaps whose pool was emptied for this cause.
+    pub cause: Option<&'a str>,
     /// (period, from_seq) of the last gap of the previous page.
     pub after: Option<(String, i64)>,
     pub limit: i64,
@@ -60,13 +64,25 @@ pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::E
     if let Some(sequence_id) = query.gapless {
         return voids(db, query, sequence_id, (&after_period, after_seq)).await;
     }
+    // A discarded range's cause is read from the discards it overlaps
+    // (`pool_discards_ranges`): one index probe per listed gap.
     sqlx::query_as!(
         Gap,
         "SELECT g.period, g.from_seq, g.to_seq, g.from_id, g.to_id, g.to_seq - g.from_seq + 1 AS \"count!\", \
-                g.reason, NULL::text AS note, g.detected_at \
+                g.reason, \
+                CASE WHEN g.reason = 'pool_discarded' THEN \
+                  (SELECT string_agg(DISTINCT d.cause, ',' ORDER BY d.cause) FROM pool_discards d \
+                   WHERE d.sequence_id = g.sequence_id AND d.period = g.period \
+                     AND d.seqs && int8range(g.from_seq, g.to_seq, '[]')) \
+                END AS note, \
+                g.detected_at \
          FROM id_gaps g JOIN sequences s ON s.id = g.sequence_id \
          WHERE s.project = $1 AND s.doc_type = $2 AND g.resolved_at IS NULL \
            AND ($3::text IS NULL OR g.period = $3) AND ($4::text IS NULL OR g.reason = $4) \
+           AND ($8::text IS NULL OR (g.reason = 'pool_discarded' AND EXISTS ( \
+                SELECT 1 FROM pool_discards d \
+                WHERE d.sequence_id = g.sequence_id AND d.period = g.period AND d.cause = $8 \
+                  AND d.seqs && int8range(g.from_seq, g.to_seq, '[]')))) \
            AND (g.period, g.from_seq) > ($5, $6) \
          ORDER BY g.period, g.from_seq LIMIT $7",
         query.project,
@@ -76,6 +92,7 @@ pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::E
         after_period,
         after_seq,
         query.limit,
+        query.cause,
     )
     .fetch_all(db)
     .await

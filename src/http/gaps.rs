@@ -19,6 +19,7 @@ use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::gaps::reconcile::{self, ReconcileError};
 use crate::gaps::{self, Gap, GapQuery, Reason};
+use crate::pool::DiscardCause;
 use crate::sequence::Sequence;
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -49,6 +50,10 @@ pub struct GapsQuery {
     /// Only this reason.
     #[param(value_type = Option<Reason>)]
     pub reason: Option<String>,
+    /// Only `pool_discarded` gaps whose pool was emptied for this cause,
+    /// e.g. `postgres_behind_redis` (a fence after a failover).
+    #[param(value_type = Option<DiscardCause>)]
+    pub cause: Option<String>,
     /// Page size, 1 to 1000 (default 100).
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
@@ -88,7 +93,7 @@ pub fn router() -> OpenApiRouter<AppState> {
     params(GapsQuery),
     responses(
         (status = 200, description = "Open gaps in (period, position) order", body = GapList),
-        (status = 400, description = "Missing or invalid project, type, period, reason, limit or cursor", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "Missing or invalid project, type, period, reason, cause, limit or cursor", body = Problem, content_type = "application/problem+json"),
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]
@@ -109,6 +114,7 @@ pub async fn list_gaps(
         check_period_key(period)?;
     }
     let reason = query.reason.as_deref().map(parse_reason).transpose()?;
+    let cause = query.cause.as_deref().map(parse_cause).transpose()?;
     let page = Page::parse(query.limit, query.cursor.as_deref(), |cursor| {
         let (period, seq) = cursor.rsplit_once(':')?;
         Some((period.to_owned(), seq.parse::<i64>().ok()?))
@@ -142,6 +148,7 @@ pub async fn list_gaps(
                         doc_type: doc_type.as_str(),
                         period: query.period.as_deref(),
                         reason,
+                        cause: cause.map(<&'static str>::from),
                         after: page.after.clone(),
                         limit: page.limit,
                         gapless: gapless_id(sequence.as_deref()),
@@ -196,6 +203,15 @@ fn check_period_of(sequence: &Sequence, period: &str) -> Result<(), ApiError> {
             definition.reset.as_str()
         ),
     ))
+}
+
+fn parse_cause(text: &str) -> Result<DiscardCause, ApiError> {
+    text.parse().map_err(|_| {
+        ApiError::bad_request(
+            "invalid_cause",
+            format!("cause {text:?} is not a cause of discarded pool numbers (e.g. postgres_behind_redis)"),
+        )
+    })
 }
 
 fn parse_reason(text: &str) -> Result<Reason, ApiError> {

@@ -5,9 +5,23 @@ use super::{PoolKeys, PoolRef, PoolService, RedisFailure};
 use crate::numbers::SeqRange;
 use crate::sequence::Sequence;
 
-/// The word stored in `pool_discards.cause` and logged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::Type, strum::IntoStaticStr, strum::Display)]
+/// The word stored in `pool_discards.cause`, logged, and shown as the note
+/// of a `pool_discarded` gap (by which the gap list can be filtered).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    sqlx::Type,
+    serde::Serialize,
+    utoipa::ToSchema,
+    strum::IntoStaticStr,
+    strum::Display,
+    strum::EnumString,
+)]
 #[sqlx(type_name = "text", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum DiscardCause {
     /// The sequence's `max` was lowered below numbers in the pool.

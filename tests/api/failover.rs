@@ -352,6 +352,40 @@ async fn postgres_failover(after_failover: AfterFailover) {
         after.len()
     );
     assert!(lost >= 1000, "the numbers the standby missed are gaps");
+    // The pool the fence emptied is found by its cause.
+    let gaps = |query: &str| {
+        client
+            .get(format!(
+                "http://127.0.0.1:{}/api/v1/ids/gaps?project=FO&type=A&{query}",
+                serving.port
+            ))
+            .send()
+    };
+    let fenced: Value = gaps("cause=postgres_behind_redis")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let fenced = fenced["gaps"].as_array().unwrap().clone();
+    assert!(
+        !fenced.is_empty(),
+        "the fenced pool's numbers are listed by cause"
+    );
+    for gap in &fenced {
+        assert_eq!(gap["reason"], "pool_discarded");
+        assert!(
+            gap["note"]
+                .as_str()
+                .unwrap()
+                .contains("postgres_behind_redis"),
+            "{gap}"
+        );
+    }
+    assert_eq!(
+        gaps("cause=nonsense").await.unwrap().status(),
+        StatusCode::BAD_REQUEST
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
