@@ -75,11 +75,13 @@ impl Application {
             config.db_limits(),
         )
         .await?;
-        let listener = TcpListener::bind(&config.listen).await?;
         let server = server_limits(config);
-        if config.migrate.is_on() {
-            migrate_when_writable(&db, &listener, server).await?;
-        }
+        // Bound only once the schema is there (a client that connects may
+        // use it), unless the instance had to say it was not ready yet.
+        let bound = match config.migrate.is_on() {
+            true => migrate_when_writable(&db, config, server).await?,
+            false => None,
+        };
         // A stop drains in order, each stage on a token of its own: the
         // server (`stop`), then the lease reporter, which gives back what
         // requests did not take (`drained`), then the rest of the
@@ -100,6 +102,10 @@ impl Application {
         crate::db::warn_without_synchronous_standby(&parts.db).await;
         parts.wait_for_pools(config).await;
         let state = parts.into_state(config, overrides.clock);
+        let listener = match bound {
+            Some(listener) => listener,
+            None => TcpListener::bind(&config.listen).await?,
+        };
         Ok(Self {
             listener,
             state,
@@ -161,22 +167,24 @@ fn server_limits(config: &Config) -> ServerLimits {
 
 /// Runs the migrations once Postgres takes writes. Started while its
 /// address is read-only (a standby, a failover under way), the instance
-/// does not exit: it answers on `listener` that it is not ready and tries
-/// again, backing off, until the address leads to a primary.
+/// does not exit: it binds its address, answers that it is not ready, and
+/// tries again, backing off, until the address leads to a primary; the
+/// listener it bound then, if any.
 async fn migrate_when_writable(
     db: &PgPool,
-    listener: &TcpListener,
+    config: &Config,
     server: ServerLimits,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<TcpListener>> {
     static WAITING: Repeated = Repeated::new(
         "Postgres takes no writes (a standby, or a failover under way): not ready; migrations wait",
     );
     let mut backoff = Backoff::background();
+    let mut listener = None;
     loop {
         let error = match db::MIGRATOR.run(db).await {
             Ok(()) => {
                 WAITING.ended();
-                return Ok(());
+                return Ok(listener);
             }
             Err(
                 sqlx::migrate::MigrateError::Execute(e)
@@ -185,6 +193,10 @@ async fn migrate_when_writable(
             Err(e) => return Err(e.into()),
         };
         WAITING.warn(&error);
+        let listener = match &mut listener {
+            Some(listener) => listener,
+            None => listener.insert(TcpListener::bind(&config.listen).await?),
+        };
         let pause = CancellationToken::new();
         let until_retry = backoff.next_pause();
         let timer = pause.clone();
@@ -192,7 +204,7 @@ async fn migrate_when_writable(
             tokio::time::sleep(until_retry).await;
             timer.cancel();
         });
-        http::server::serve(listener, http::health::not_ready_app(), server, pause).await;
+        http::server::serve(&*listener, http::health::not_ready_app(), server, pause).await;
     }
 }
 
