@@ -131,8 +131,11 @@ impl Reconciler {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(self.settings.interval) => {}
             }
-            if let Err(e) = self.run_once().await {
-                tracing::error!(error = %e, "reconciliation failed");
+            static FAILED: crate::log_limit::Repeated =
+                crate::log_limit::Repeated::new("reconciliation failed");
+            match self.run_once().await {
+                Ok(_) => FAILED.ended(),
+                Err(e) => FAILED.warn(&e),
             }
         }
     }

@@ -157,7 +157,12 @@ impl PoolService {
                 Err(RefillOutcome::Failed)
             }
             Err(e) => {
-                tracing::error!(error = %e, pool = %pool.keys.pool, "block reservation failed");
+                // Every pool's refill fails at once while Postgres is away:
+                // said once, then with a count.
+                static FAILED: crate::log_limit::Repeated =
+                    crate::log_limit::Repeated::new("block reservation failed");
+                crate::db::distrust_server_after(&e);
+                FAILED.warn(&e);
                 Err(RefillOutcome::Failed)
             }
         }
