@@ -149,7 +149,10 @@ impl Counter {
     }
 
     /// Creates the period's counter at its first number the first time it
-    /// is used.
+    /// is used, committed on its own: inside a caller's transaction that
+    /// rolls back, the row would vanish while this instance remembers it
+    /// as created (and concurrent first users would not see it yet). A
+    /// counter at its first number has given out nothing.
     async fn ensure_period<'e, E: sqlx::PgExecutor<'e>>(
         &self,
         db: E,
@@ -367,7 +370,8 @@ impl Counter {
         period: &Period,
         n: i64,
     ) -> Result<Reserved<SeqRange>, sqlx::Error> {
-        self.ensure_period(&mut *conn, sequence, period).await?;
+        self.ensure_period(&self.refill_db, sequence, period)
+            .await?;
         let taken = sqlx::query!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
@@ -412,7 +416,8 @@ impl Counter {
         period: &Period,
         n: i64,
     ) -> Result<Reserved<SeqRange>, sqlx::Error> {
-        self.ensure_period(&mut *conn, sequence, period).await?;
+        self.ensure_period(&self.refill_db, sequence, period)
+            .await?;
         let first = sqlx::query_scalar!(
             "UPDATE counters SET next_seq = next_seq + $3 \
              WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
@@ -444,7 +449,8 @@ impl Counter {
         period: &Period,
         n: i64,
     ) -> Result<Option<Reserved<SeqRange>>, sqlx::Error> {
-        self.ensure_period(&mut *conn, sequence, period).await?;
+        self.ensure_period(&self.refill_db, sequence, period)
+            .await?;
         // One round trip: the lock (skipped when held), then the update of
         // the row it locked.
         let taken = sqlx::query!(

@@ -779,3 +779,42 @@ async fn a_number_that_is_neither_a_document_nor_a_void_is_reported_as_a_violati
     // Its gaps are still only voids: the violation is an error, not a reason.
     assert!(app.gaps("GV", "1").await.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_write_that_fails_leaves_the_period_usable() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GF", "1", json!({})).await;
+    // The first write of the period: a number Postgres cannot store.
+    let refused = app
+        .client
+        .post(app.url("/documents"))
+        .header("content-type", "application/json")
+        .body(r#"{"project": "GF", "type": "1", "metadata": {"b": 1e1000000}}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    let document = json!({"project": "GF", "type": "1", "metadata": {}});
+    let accepted = app.post_document(&document, None).await;
+    assert_eq!(accepted.status(), StatusCode::ACCEPTED);
+    assert_eq!(accepted_id(&accepted.json().await.unwrap()), "GF-1-0001");
+    let (ids, _) = app.issue("GF", "1", 1).await;
+    assert_eq!(ids, vec!["GF-1-0002".to_owned()]);
+
+    // Many first users of a fresh sequence at once: none is refused.
+    gapless(&app, "GF", "2", json!({})).await;
+    let first = (0..12).map(|i| {
+        let app = &app;
+        async move {
+            let response = if i % 2 == 0 {
+                app.post_ids("GF", "2", 2).await
+            } else {
+                app.post_document(&json!({"project": "GF", "type": "2", "metadata": {}}), None)
+                    .await
+            };
+            response.status()
+        }
+    });
+    let statuses = futures::future::join_all(first).await;
+    assert!(statuses.iter().all(|s| s.is_success()), "{statuses:?}");
+}
