@@ -75,6 +75,10 @@ pub enum PutError {
         "the sequence has taken numbers from its counter; \"numbering\" cannot change, even with \"force\""
     )]
     NumberingInUse,
+    #[error(
+        "the gapless sequence has taken numbers; its format, layout, reset, timezone, start and numbering cannot change, even with \"force\""
+    )]
+    GaplessInUse,
     #[error(transparent)]
     Store(#[from] StoreError),
 }

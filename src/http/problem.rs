@@ -196,7 +196,7 @@ impl From<StoreError> for ApiError {
 impl From<PutError> for ApiError {
     fn from(e: PutError) -> Self {
         match e {
-            PutError::InUse | PutError::NumberingInUse => {
+            PutError::InUse | PutError::NumberingInUse | PutError::GaplessInUse => {
                 Self::conflict("sequence_in_use", e.to_string())
             }
             PutError::Store(e) => e.into(),

@@ -106,6 +106,14 @@ pub(super) async fn replace_definition(
 ) -> Result<Option<Arc<Sequence>>, PutError> {
     let changes_identity = current.definition.changes_identity(next);
     let mut replaced_identity = None;
+    // A gapless register keeps its numbering rules once it has numbers: a
+    // new format, reset, time zone or start (forced or not) would leave
+    // holes nobody could account for, or strand open reservations.
+    let gapless_rules_change = current.definition.numbering == Numbering::Gapless
+        && (changes_identity || current.definition.start != next.start);
+    if gapless_rules_change && numbers_taken(&mut *conn, current.id).await? {
+        return Err(PutError::GaplessInUse);
+    }
     if changes_identity {
         if current.definition.numbering != next.numbering
             && numbers_taken(&mut *conn, current.id).await?

@@ -387,8 +387,22 @@ async fn numbering_cannot_change_once_numbers_were_taken() {
         .put_sequence("GP", "1", json!({"numbering": "gapless", "force": true}))
         .await;
     assert_problem(to_gapless, StatusCode::CONFLICT, "sequence_in_use").await;
+    // Nor its numbering rules: each would leave holes or strand open
+    // reservations.
+    for change in [
+        json!({"numbering": "gapless", "force": true, "reset": "daily", "format": "{project}-{type}-{date:%Y%m%d}-{seq:4}"}),
+        json!({"numbering": "gapless", "force": true, "format": "{project}/{type}/{seq:5}"}),
+        json!({"numbering": "gapless", "force": true, "format": "{project}-{type}-{seq:4}", "start": 0}),
+        json!({"numbering": "gapless", "force": true, "format": "{project}-{type}-{seq:4}", "timezone": "Europe/Berlin"}),
+    ] {
+        let refused = app.put_sequence("GN", "1", change).await;
+        assert_problem(refused, StatusCode::CONFLICT, "sequence_in_use").await;
+    }
     let view = app.ok_json("/api/v1/sequences/GN/1").await;
     assert_eq!(view["numbering"], "gapless");
+    assert_eq!(view["format"], "{project}-{type}-{seq:4}");
+    let (ids, _) = app.issue("GN", "1", 1).await;
+    assert_eq!(ids, vec!["GN-1-0002".to_owned()]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
