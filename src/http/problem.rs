@@ -222,6 +222,9 @@ impl From<IssueError> for ApiError {
                 e.to_string(),
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            IssueError::TooManyReservations { .. } => {
+                Self::conflict("too_many_reservations", e.to_string())
+            }
             IssueError::Store(e) => e.into(),
             IssueError::Ledger(e) => e.into(),
             IssueError::Counter(e) => db_error(e),

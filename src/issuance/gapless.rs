@@ -21,6 +21,10 @@ use crate::pool::Placement;
 use crate::sequence::{Numbering, ProjectCode, TypeCode};
 use crate::sequence_store::StoreError;
 
+/// Most reservations a gapless sequence holds open (neither confirmed nor
+/// voided) at once.
+pub const MAX_OPEN_RESERVATIONS: i64 = 1_000;
+
 /// How long a document waits, in all, for its gapless counter held by
 /// another transaction before it is answered 503: longer than a large
 /// batch of the same sequence takes to commit.
@@ -126,6 +130,19 @@ impl Issuer {
         self.stats.ids_direct.inc_by(count as u64);
         let mut issued = Issued::numbers_of(placement.clone(), range.iter().collect());
         if via == Via::Ids {
+            // Reservations are kept for good (the register's record): one
+            // sequence holds a bounded number open at once. Counted under
+            // the counter's lock, so a period's reservations queue here.
+            let open =
+                reservations::open_count(&mut *conn, sequence.id, MAX_OPEN_RESERVATIONS).await?;
+            if open + count as i64 > MAX_OPEN_RESERVATIONS {
+                return Err(IssueError::TooManyReservations {
+                    project: sequence.project.to_string(),
+                    doc_type: sequence.doc_type.to_string(),
+                    open,
+                    max: MAX_OPEN_RESERVATIONS,
+                });
+            }
             // Microseconds, as Postgres keeps them: the answer says what
             // the record says.
             let reserved_at = self.clock.now().trunc_subsecs(6);

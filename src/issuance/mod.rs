@@ -69,6 +69,16 @@ pub enum IssueError {
          numbers are taken from it again; send the request again"
     )]
     PostgresMoved,
+    #[error(
+        "gapless sequence {project}/{doc_type} has {open} reservations open (at most {max}); \
+         confirm or void some, or wait for them to expire"
+    )]
+    TooManyReservations {
+        project: String,
+        doc_type: String,
+        open: i64,
+        max: i64,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]

@@ -187,6 +187,25 @@ pub struct Void {
     pub voided_at: DateTime<Utc>,
 }
 
+/// Reservations of the sequence neither confirmed nor voided, counted up
+/// to `up_to` (the count costs no more than the cap).
+pub async fn open_count(
+    conn: &mut PgConnection,
+    sequence_id: i64,
+    up_to: i64,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT count(*) AS "open!" FROM (
+             SELECT 1 FROM gapless_reservations
+             WHERE sequence_id = $1 AND status = 'reserved' LIMIT $2
+           ) open"#,
+        sequence_id,
+        up_to,
+    )
+    .fetch_one(conn)
+    .await
+}
+
 /// Voids of one sequence in (period, number) order after `after`, up to
 /// `limit`, of one period and one status if asked.
 pub async fn voids(

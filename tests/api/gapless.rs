@@ -832,3 +832,27 @@ async fn a_first_write_that_fails_leaves_the_period_usable() {
     let statuses = futures::future::join_all(first).await;
     assert!(statuses.iter().all(|s| s.is_success()), "{statuses:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_holds_a_bounded_number_of_open_reservations() {
+    let app = TestEnv::new().spawn().await;
+    gapless(&app, "GR", "1", json!({})).await;
+    let (ids, _) = app.issue("GR", "1", 1000).await;
+    assert_problem(
+        app.post_ids("GR", "1", 1).await,
+        StatusCode::CONFLICT,
+        "too_many_reservations",
+    )
+    .await;
+    // Nothing was taken by the refusal: a void frees a place, and the next
+    // reservation is the next number.
+    let voided = void(
+        &app,
+        None,
+        json!({"project": "GR", "type": "1", "id": ids[0], "reason": "not needed"}),
+    )
+    .await;
+    assert_eq!(voided.status(), StatusCode::OK);
+    let (next, _) = app.issue("GR", "1", 1).await;
+    assert_eq!(next, vec!["GR-1-1001".to_owned()]);
+}
