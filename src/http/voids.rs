@@ -59,7 +59,7 @@ pub struct VoidRequest {
         example = "customer cancelled the order",
         min_length = 1,
         max_length = 200,
-        pattern = r"^[^\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]*[^\s\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb][^\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]*$"
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f\u00ad\u034f\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2\u115f-\u1160\u17b4-\u17b5\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb]*[^\s\u0000-\u001f\u007f-\u009f\u00ad\u034f\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2\u115f-\u1160\u17b4-\u17b5\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb][^\u0000-\u001f\u007f-\u009f\u00ad\u034f\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2\u115f-\u1160\u17b4-\u17b5\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb]*$"
     )]
     pub reason: String,
 }
@@ -115,16 +115,30 @@ fn printable(text: &str) -> bool {
 
 /// Characters that print nothing yet change what a reader sees (soft
 /// hyphen, zero-width spaces and joiners, direction marks and overrides,
-/// line separators, the byte-order mark): an auditor must read the reason
-/// as it was written. The same ranges as the schema's pattern.
-const INVISIBLE: [(char, char); 8] = [
+/// line separators, fillers and blank patterns, variation selectors, the
+/// byte-order mark): an auditor must read the reason as it was written.
+/// The same ranges as the schema's pattern, which can name only the Basic
+/// Multilingual Plane (tag characters, U+E0000 on, are not refused).
+const INVISIBLE: [(char, char); 20] = [
     ('\u{00AD}', '\u{00AD}'),
+    ('\u{034F}', '\u{034F}'),
+    ('\u{0600}', '\u{0605}'),
     ('\u{061C}', '\u{061C}'),
+    ('\u{06DD}', '\u{06DD}'),
+    ('\u{070F}', '\u{070F}'),
+    ('\u{0890}', '\u{0891}'),
+    ('\u{08E2}', '\u{08E2}'),
+    ('\u{115F}', '\u{1160}'),
+    ('\u{17B4}', '\u{17B5}'),
     ('\u{180E}', '\u{180E}'),
     ('\u{200B}', '\u{200F}'),
     ('\u{2028}', '\u{202E}'),
     ('\u{2060}', '\u{206F}'),
+    ('\u{2800}', '\u{2800}'),
+    ('\u{3164}', '\u{3164}'),
+    ('\u{FE00}', '\u{FE0F}'),
     ('\u{FEFF}', '\u{FEFF}'),
+    ('\u{FFA0}', '\u{FFA0}'),
     ('\u{FFF9}', '\u{FFFB}'),
 ];
 

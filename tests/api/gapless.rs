@@ -856,3 +856,36 @@ async fn a_sequence_holds_a_bounded_number_of_open_reservations() {
     let (next, _) = app.issue("GR", "1", 1).await;
     assert_eq!(next, vec!["GR-1-1001".to_owned()]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_gapless_document_stays_in_the_register() {
+    let mut env = TestEnv::new();
+    // Documents stay pending: the processor does not run.
+    env.processor = false;
+    let app = env.spawn().await;
+    gapless(&app, "GB", "1", json!({})).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let response = app
+            .post_document(&json!({"project": "GB", "type": "1", "metadata": {}}), None)
+            .await;
+        ids.push(accepted_id(&response.json().await.unwrap()));
+    }
+    let abandoned = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{}/abandon", ids[1])))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(abandoned.status(), StatusCode::OK);
+    // Delivery stopped; the number is still its document, with its
+    // payload, found by its ID and by the outbox listing: not a gap.
+    assert_eq!(app.document(&ids[1]).await["status"], "abandoned");
+    let (status, listed) = app.get_json("/api/v1/outbox?status=abandoned").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(listed.to_string().contains(&ids[1]), "{listed}");
+    assert!(app.gaps("GB", "1").await.is_empty());
+    let summary = app.reconcile().await;
+    assert_eq!(summary["gapless_violations"], 0);
+    assert_eq!(document_numbers(&app, "GB", "1").await, vec![1, 2, 3]);
+}
