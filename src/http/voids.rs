@@ -295,6 +295,13 @@ mod tests {
             "a\u{00AD}b",
             "\u{FEFF}x",
             "a\u{2066}b",
+            "\u{2800}",
+            "\u{3164}",
+            "\u{115F}",
+            "\u{034F}",
+            "\u{17B4}",
+            "\u{FE0F}",
+            "\u{0600}",
         ] {
             assert!(!readable(reason), "{reason:?}");
         }
