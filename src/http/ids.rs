@@ -64,7 +64,7 @@ pub struct IssuedIds {
     pub seqs: Vec<i64>,
     /// Gapless sequences only: the IDs are reserved until then; attach a
     /// document to each (`POST /documents` with `"id"`) or void it
-    /// (`POST /ids/void`) before, or it is voided as `reservation_expired`.
+    /// (`POST /api/v1/ids/void`) before, or it is voided as `reservation_expired`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserved_until: Option<DateTime<Utc>>,
 }
