@@ -282,7 +282,8 @@ impl Documents {
                 rows[index] = Some(row);
             }
         }
-        // New numbers, grouped by sequence period, in request order.
+        // New numbers, grouped by sequence period, in request order within
+        // each group.
         let mut groups: Vec<(&Arc<Placement>, Vec<usize>)> = Vec::new();
         for (index, input) in inputs.iter().enumerate().filter(|(_, i)| i.id.is_none()) {
             let placement = placement_of(input);
@@ -294,6 +295,12 @@ impl Documents {
                 None => groups.push((placement, vec![index])),
             }
         }
+        // Counters are taken in one order (sequence, then period), as the
+        // shared write stage takes them: two batches naming the same
+        // gapless sequences in opposite orders would otherwise deadlock.
+        groups.sort_by(|(a, _), (b, _)| {
+            (a.sequence.id, a.period.key()).cmp(&(b.sequence.id, b.period.key()))
+        });
         for (placement, members) in groups {
             self.number_group(conn, placement, members, inputs, &mut rows)
                 .await?;

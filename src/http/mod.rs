@@ -112,7 +112,7 @@ impl std::ops::Deref for AppState {
         (name = "sequences", description = "Sequence definitions"),
         (name = "operations", description = "Health, readiness, metrics"),
     ),
-    components(schemas(problem::Problem))
+    components(schemas(problem::Problem, crate::pool::DiscardCause))
 )]
 struct ApiDoc;
 
