@@ -616,6 +616,21 @@ async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_
     );
 }
 
+/// A transaction holding the counters of `project`'s sequences, as a batch
+/// or an import of that tenant does while it runs.
+async fn hold_counters(app: &TestApp, project: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holding = app.db.begin().await.unwrap();
+    sqlx::query(
+        "SELECT c.next_seq FROM counters c JOIN sequences s ON s.id = c.sequence_id \
+         WHERE s.project = $1 FOR UPDATE",
+    )
+    .bind(project)
+    .execute(&mut *holding)
+    .await
+    .unwrap();
+    holding
+}
+
 /// Slowest answer a request of another tenant may get while one tenant's
 /// gapless counter is held (they take milliseconds; a commit that waited
 /// for the held counter would take 200 ms per document of its tenant).
@@ -634,14 +649,7 @@ async fn a_gapless_counter_held_by_one_tenant_fails_only_its_own_documents() {
     // Tenant A's counter is locked by a transaction that never finishes
     // (a batch or an import of its own, hung), and A keeps sending
     // documents of that sequence while B sends its own.
-    let mut hung = app.db.begin().await.unwrap();
-    sqlx::query(
-        "SELECT c.next_seq FROM counters c JOIN sequences s ON s.id = c.sequence_id \
-         WHERE s.project = 'GA' FOR UPDATE",
-    )
-    .execute(&mut *hung)
-    .await
-    .unwrap();
+    let hung = hold_counters(&app, "GA").await;
     let requests = (0..60).map(|i| {
         let project = if i % 2 == 0 { "GA" } else { "GB" };
         let body = json!({"project": project, "type": "1", "metadata": {"i": i}});
@@ -685,14 +693,7 @@ async fn documents_that_met_their_held_counter_are_written_once_it_is_free() {
         StatusCode::ACCEPTED
     );
     // The tenant's own batch holds the counter for a moment.
-    let mut batch = app.db.begin().await.unwrap();
-    sqlx::query(
-        "SELECT c.next_seq FROM counters c JOIN sequences s ON s.id = c.sequence_id \
-         WHERE s.project = 'GH' FOR UPDATE",
-    )
-    .execute(&mut *batch)
-    .await
-    .unwrap();
+    let batch = hold_counters(&app, "GH").await;
     let waiting = (0..5).map(|i| {
         let body = json!({"project": "GH", "type": "1", "metadata": {"i": i}});
         let app = &app;
