@@ -700,16 +700,14 @@ async fn documents_that_met_their_held_counter_are_written_once_it_is_free() {
         async move { app.post_document(&body, None).await.status() }
     });
     let release = async {
-        // Polled every 10 ms for at most 10 s, until the documents have
-        // met the held counter (every meeting counts).
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while app.metrics().await["idpool_gapless_counter_held_total"] < 5.0 {
-            assert!(
-                Instant::now() < deadline,
-                "the documents never met the held counter"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // Until the documents have met the held counter (every meeting
+        // counts).
+        app.wait_for_metric_above(
+            "idpool_gapless_counter_held_total",
+            4.0,
+            Duration::from_secs(10),
+        )
+        .await;
         batch.rollback().await.unwrap();
     };
     let (statuses, ()) = tokio::join!(futures::future::join_all(waiting), release);
