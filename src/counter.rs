@@ -227,17 +227,45 @@ impl Counter {
                 Ok(Reserved::Unfenced)
             }
             Some((id, start, end, _)) => {
-                tx.commit().await?;
-                Ok(Reserved::Got(PoolBlock {
+                let block = PoolBlock {
                     id,
                     range: SeqRange::new(start, end),
-                }))
+                };
+                match tx.commit().await {
+                    Ok(()) => Ok(Reserved::Got(block)),
+                    // The connection broke before the commit's answer (a
+                    // crash, a failover): once the server answers again,
+                    // a block that landed is pushed like any other instead
+                    // of being written off.
+                    Err(e) if self.block_landed(&block).await == Some(true) => {
+                        tracing::info!(error = %e, block = id, "a block whose commit was in doubt had landed");
+                        Ok(Reserved::Got(block))
+                    }
+                    Err(e) => Err(e),
+                }
             }
             None => {
                 tx.rollback().await?;
                 self.why_not(&self.refill_db, sequence).await
             }
         }
+    }
+
+    /// Whether a pool block whose commit was in doubt is there, asked once
+    /// the server answers again; None when it did not in time.
+    async fn block_landed(&self, block: &PoolBlock) -> Option<bool> {
+        let (id, start, end) = (block.id, block.range.start, block.range.end);
+        crate::db::once_answering(&self.refill_db, crate::db::IN_DOUBT_PATIENCE, |mut conn| async move {
+            sqlx::query_scalar!(
+                r#"SELECT EXISTS (SELECT 1 FROM blocks WHERE id = $1 AND seqs = int8range($2, $3)) AS "landed!""#,
+                id,
+                start,
+                end,
+            )
+            .fetch_one(&mut *conn)
+            .await
+        })
+        .await
     }
 
     /// A reservation found no row: the counter is spent, or the definition

@@ -189,6 +189,52 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long a write whose commit is in doubt waits for the server to
+/// answer again before it is given up as unknown. About the outage of a
+/// Patroni failover (ttl 10 s) with room to spare: until then nothing could
+/// be written anyway, and the answer to the caller is the true one.
+pub const IN_DOUBT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// What became of a commit whose connection failed before its answer
+/// arrived (a crash, a failover): `ask` runs on a new connection once the
+/// server answers again (retried with backoff for up to `patience`). None
+/// when it never answered in time: the commit stays in doubt.
+pub async fn once_answering<T, Asked>(
+    db: &PgPool,
+    patience: Duration,
+    mut ask: impl FnMut(sqlx::pool::PoolConnection<sqlx::Postgres>) -> Asked,
+) -> Option<T>
+where
+    Asked: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let deadline = Instant::now() + patience;
+    let mut backoff =
+        crate::backoff::Backoff::between(Duration::from_millis(50), Duration::from_secs(2));
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let answer = tokio::time::timeout(left, async {
+            let conn = db.acquire().await?;
+            ask(conn).await
+        })
+        .await;
+        match answer {
+            Ok(Ok(known)) => return Some(known),
+            Ok(Err(e)) => {
+                distrust_server_after(&e);
+                tracing::debug!(error = %e, "a commit in doubt: the server does not answer yet");
+            }
+            Err(_) => return None,
+        }
+        let pause = backoff
+            .next_pause()
+            .min(deadline.saturating_duration_since(Instant::now()));
+        tokio::time::sleep(pause).await;
+    }
+}
+
 /// Runs `work` in a transaction on `conn` and always ends it: a commit when
 /// it succeeds, a ROLLBACK sent at once when it fails. (A dropped sqlx
 /// transaction only queues its ROLLBACK until the connection is next used;

@@ -50,6 +50,9 @@ pub struct Stats {
     /// Periods whose Postgres counter was found behind Redis and moved past
     /// it (a failover lost commits).
     pub fences: Counter,
+    /// Writes whose commit was in doubt (the connection broke before its
+    /// answer), looked up once Postgres answered again.
+    pub in_doubt_settled: Counter,
     /// Sequences with less than a tenth of their numbers left before their
     /// `max`, as of this instance's last reconciliation run (0 on instances
     /// that did not run it).
@@ -192,6 +195,10 @@ const METRICS: &[(&str, &str)] = &[
         "Periods whose Postgres counter was found behind Redis (a failover lost commits) and moved past it",
     ),
     (
+        "in_doubt_settled",
+        "Writes whose commit was in doubt (the connection broke before its answer), looked up once Postgres answered again",
+    ),
+    (
         "gapless_counter_held",
         "Gapless documents left out of a shared commit because another transaction held their counter",
     ),
@@ -285,6 +292,7 @@ impl Default for Stats {
             gapless_violations: registered(r, "gapless_violations", Counter::default()),
             gapless_counter_held: registered(r, "gapless_counter_held", Counter::default()),
             fences: registered(r, "fences", Counter::default()),
+            in_doubt_settled: registered(r, "in_doubt_settled", Counter::default()),
             sequences_near_max: registered(r, "sequences_near_max", Gauge::default()),
             ready: registered(r, "ready", Gauge::default()),
             postgres_read_only: registered(r, "postgres_read_only", Gauge::default()),

@@ -258,6 +258,7 @@ impl From<LedgerError> for ApiError {
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             LedgerError::Db(_)
             | LedgerError::ReadOnly(_)
+            | LedgerError::NotCommitted(_)
             | LedgerError::Statement(_)
             | LedgerError::Waited(_)
             | LedgerError::Closed => Self::unavailable(e),

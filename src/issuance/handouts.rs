@@ -112,16 +112,40 @@ async fn write(
                     // a new one.
                     *conn = None;
                 }
-                Err(if e.numbers_reusable() {
-                    HandoutFailed::NotWritten(e)
+                if e.numbers_reusable() {
+                    Err(HandoutFailed::NotWritten(e))
                 } else {
-                    HandoutFailed::Unknown(e)
-                })
+                    settle_in_doubt(db, reports, e).await
+                }
             }
         },
     };
     for handout in batch {
         let _ = handout.written.send(outcome.clone());
+    }
+}
+
+/// Handouts whose commit is in doubt (the connection broke before its
+/// answer), looked up once the server answers again: recorded, the callers
+/// get their numbers; not, the numbers go back to their lease. Handouts
+/// queued behind wait meanwhile; nothing could be written anyway.
+async fn settle_in_doubt(
+    db: &PgPool,
+    reports: Vec<LeaseReport>,
+    e: LedgerError,
+) -> Result<(), HandoutFailed> {
+    let reports = std::sync::Arc::new(reports);
+    let landed = crate::db::once_answering(db, crate::db::IN_DOUBT_PATIENCE, |mut conn| {
+        let reports = reports.clone();
+        async move { ledger::handouts_landed(&mut conn, &reports).await }
+    })
+    .await;
+    match (landed.flatten(), e) {
+        (Some(true), _) => Ok(()),
+        (Some(false), LedgerError::Db(e)) => {
+            Err(HandoutFailed::NotWritten(LedgerError::NotCommitted(e)))
+        }
+        (_, e) => Err(HandoutFailed::Unknown(e)),
     }
 }
 

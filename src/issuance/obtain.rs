@@ -160,21 +160,7 @@ impl Issuer {
     /// Returns unissued numbers to the head of their pool, in order, so a
     /// refused request near `max` does not burn them.
     async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) {
-        if seqs.is_empty() {
-            return;
-        }
-        if let Err(e) = self.pools.give_back(pool, seqs).await {
-            tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
-            let ranges = numbers::runs(seqs);
-            self.pools
-                .record_discard(
-                    &pool.sequence,
-                    pool.period.key(),
-                    &ranges,
-                    crate::pool::DiscardCause::GiveBackFailed,
-                )
-                .await;
-        }
+        self.pools.return_unissued(pool, seqs).await;
     }
 }
 

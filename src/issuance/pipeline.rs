@@ -109,6 +109,7 @@ impl Pipeline {
         let stage = |name: &'static str| {
             let writer = Arc::new(Writer {
                 db: db.clone(),
+                pools: pools.clone(),
                 counter: pools.counter().clone(),
                 stats: stats.clone(),
                 conn: tokio::sync::Mutex::new(None),
@@ -180,6 +181,7 @@ impl Pipeline {
 /// a time uses it), so a batch costs no pool checkout and return.
 struct Writer {
     db: PgPool,
+    pools: Arc<PoolService>,
     counter: Arc<Counter>,
     stats: Arc<Stats>,
     conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
@@ -224,7 +226,14 @@ impl Writer {
                 }
             })
             .collect();
-        let outcomes = self.record(&writes, &popped).await;
+        let mut outcomes = self.record(&writes, &popped).await;
+        if outcomes
+            .iter()
+            .any(|o| o.as_ref().is_err_and(LedgerError::in_doubt))
+        {
+            self.settle_in_doubt(&writes, &mut outcomes).await;
+        }
+        self.give_back_unwritten(&popped, &outcomes).await;
         answer(popped, writes, outcomes);
     }
 
@@ -258,6 +267,71 @@ impl Writer {
             }
         }
         outcomes
+    }
+}
+
+impl Writer {
+    /// The writes whose commit is in doubt (the connection broke before its
+    /// answer: a crash, a failover) are looked up once the server answers
+    /// again: the caller gets the true answer, and numbers that did not
+    /// land go back to their pool instead of being written off. Everything
+    /// queued behind waits meanwhile; nothing could be written anyway.
+    async fn settle_in_doubt(
+        &self,
+        writes: &[LedgerWrite],
+        outcomes: &mut [Result<Recorded, LedgerError>],
+    ) {
+        let doubtful: Vec<usize> = (0..writes.len())
+            .filter(|&i| outcomes[i].as_ref().is_err_and(LedgerError::in_doubt))
+            .collect();
+        let asked: Arc<Vec<LedgerWrite>> =
+            Arc::new(doubtful.iter().map(|&i| writes[i].clone()).collect());
+        let landed =
+            crate::db::once_answering(&self.db, crate::db::IN_DOUBT_PATIENCE, |mut conn| {
+                let asked = asked.clone();
+                async move { ledger::landed(&mut conn, &asked).await }
+            })
+            .await;
+        let Some(landed) = landed else {
+            tracing::error!(
+                writes = doubtful.len(),
+                "ledger writes in doubt: Postgres did not answer again in time; their numbers are written off"
+            );
+            return;
+        };
+        self.stats.in_doubt_settled.inc_by(doubtful.len() as u64);
+        for (i, landed) in doubtful.into_iter().zip(landed) {
+            let outcome = &mut outcomes[i];
+            match (landed, std::mem::replace(outcome, Err(LedgerError::Closed))) {
+                (ledger::Landed::Yes(recorded), _) => *outcome = Ok(recorded),
+                (ledger::Landed::No, Err(LedgerError::Db(e))) => {
+                    *outcome = Err(LedgerError::NotCommitted(e))
+                }
+                (_, previous) => *outcome = previous,
+            }
+        }
+    }
+
+    /// Numbers of writes that surely wrote nothing go back to the head of
+    /// their pool (those of a lease's documents go back to the lease, by
+    /// its caller).
+    async fn give_back_unwritten(
+        &self,
+        popped: &[Popped],
+        outcomes: &[Result<Recorded, LedgerError>],
+    ) {
+        for (popped, outcome) in popped.iter().zip(outcomes) {
+            let Err(e) = outcome else { continue };
+            let from_pool = matches!(
+                popped.job.demand,
+                Demand::Ids { .. } | Demand::Lease { .. } | Demand::Document { .. }
+            );
+            if from_pool && e.numbers_reusable() && !popped.seqs.is_empty() {
+                self.pools
+                    .return_unissued(&popped.job.placement.pool, &popped.seqs)
+                    .await;
+            }
+        }
     }
 }
 

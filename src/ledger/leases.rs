@@ -102,3 +102,36 @@ pub async fn record_handouts(
     .await?;
     Ok(())
 }
+
+/// Of handouts whose commit was in doubt, whether they landed: true when
+/// every number is recorded as handed out, false when none is, None when
+/// only some are (not one statement's work: still unknown).
+pub async fn handouts_landed(
+    conn: &mut PgConnection,
+    handouts: &[LeaseReport],
+) -> Result<Option<bool>, sqlx::Error> {
+    let (mut sequence_ids, mut periods, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+    for report in handouts {
+        for seq in &report.seqs {
+            sequence_ids.push(report.sequence_id);
+            periods.push(report.period.as_str());
+            seqs.push(*seq);
+        }
+    }
+    let found = sqlx::query_scalar!(
+        "SELECT count(*) AS \"found!\" \
+         FROM UNNEST($1::bigint[], $2::text[], $3::bigint[]) AS w(s, p, seq) \
+         WHERE EXISTS (SELECT 1 FROM lease_handouts h \
+                       WHERE h.sequence_id = w.s AND h.period = w.p AND h.seqs @> w.seq)",
+        &sequence_ids,
+        &periods as &[&str],
+        &seqs,
+    )
+    .fetch_one(conn)
+    .await? as usize;
+    Ok(match found {
+        0 => Some(false),
+        n if n == seqs.len() => Some(true),
+        _ => None,
+    })
+}

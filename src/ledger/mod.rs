@@ -27,7 +27,7 @@ use crate::stats::Stats;
 use outbox::OutboxRow;
 
 use grouped::Grouped;
-pub use leases::{LeaseReport, record_handouts, release_lease};
+pub use leases::{LeaseReport, handouts_landed, record_handouts, release_lease};
 use numbering::number;
 pub use numbering::{GaplessCounter, NoGapless, Unnumbered};
 
@@ -73,6 +73,10 @@ pub enum LedgerError {
     /// 22: a number out of range, a character it cannot hold).
     #[error("the database cannot store a value of this request: {}", database_message(.0))]
     Unstorable(#[source] Arc<sqlx::Error>),
+    /// The connection failed, and once the server answered again the
+    /// write was found not to have committed: nothing was written.
+    #[error("ledger write lost with its connection; nothing was written")]
+    NotCommitted(#[source] Arc<sqlx::Error>),
     #[error("the ledger writer has stopped")]
     Closed,
     /// Another document has the ID this one was printed. (No detail: the
@@ -150,14 +154,24 @@ impl LedgerError {
                 | LedgerError::Waited(_)
                 | LedgerError::Unstorable(_)
                 | LedgerError::ReadOnly(_)
+                | LedgerError::NotCommitted(_)
         )
+    }
+
+    /// Whether the write may have committed although it failed: its
+    /// connection broke before the answer came.
+    pub fn in_doubt(&self) -> bool {
+        matches!(self, LedgerError::Db(_))
     }
 
     /// The statement failed and was rolled back: writing the requests of a
     /// shared write one at a time finds the one at fault.
     fn statement_failed(&self) -> bool {
         // Read-only refuses every request alike: splitting finds no culprit.
-        !matches!(self, LedgerError::ReadOnly(_)) && self.numbers_reusable()
+        !matches!(
+            self,
+            LedgerError::ReadOnly(_) | LedgerError::NotCommitted(_)
+        ) && self.numbers_reusable()
             || matches!(
                 self,
                 LedgerError::DocumentIdTaken
@@ -528,6 +542,101 @@ async fn insert_rows(
             range: r.range,
         })
         .collect())
+}
+
+/// Of shared writes whose commit is in doubt (the connection broke before
+/// its answer), what landed: per write, its record when every number and
+/// document of it is there, None when none is. (A write is one
+/// transaction's: all or nothing. One partly there is left in doubt.)
+pub async fn landed(
+    conn: &mut PgConnection,
+    writes: &[LedgerWrite],
+) -> Result<Vec<Landed>, sqlx::Error> {
+    let (mut indexes, mut sequence_ids, mut periods, mut seqs, mut vias) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut doc_indexes, mut doc_sequences, mut doc_seqs, mut doc_ids) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, write) in writes.iter().enumerate() {
+        for seq in &write.seqs {
+            indexes.push(i as i32);
+            sequence_ids.push(write.sequence_id);
+            periods.push(write.period.as_str());
+            seqs.push(*seq);
+            vias.push(write.via.as_str());
+        }
+        for document in &write.documents {
+            doc_indexes.push(i as i32);
+            doc_sequences.push(write.sequence_id);
+            doc_seqs.push(document.seq);
+            doc_ids.push(document.document_id.as_str());
+        }
+    }
+    let numbers_found = sqlx::query!(
+        "SELECT w.i AS \"index!\", count(*) AS \"found!\" \
+         FROM UNNEST($1::int[], $2::bigint[], $3::text[], $4::bigint[], $5::text[]) AS w(i, s, p, seq, v) \
+         WHERE EXISTS (SELECT 1 FROM issuance_ledger l WHERE l.sequence_id = w.s AND l.period = w.p \
+                       AND l.seqs @> w.seq AND l.via = w.v) \
+         GROUP BY w.i",
+        &indexes,
+        &sequence_ids,
+        &periods as &[&str],
+        &seqs,
+        &vias as &[&str],
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let documents_found = sqlx::query!(
+        "SELECT w.i AS \"index!\", o.document_id AS \"document_id!\", o.created_at AS \"created_at!\" \
+         FROM UNNEST($1::int[], $2::bigint[], $3::bigint[], $4::text[]) AS w(i, s, seq, d) \
+         JOIN id_outbox o ON o.document_id = w.d AND o.sequence_id = w.s AND o.seq = w.seq",
+        &doc_indexes,
+        &doc_sequences,
+        &doc_seqs,
+        &doc_ids as &[&str],
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut numbers: Vec<usize> = vec![0; writes.len()];
+    for row in numbers_found {
+        numbers[row.index as usize] = row.found as usize;
+    }
+    let mut documents: Vec<HashMap<String, DateTime<Utc>>> = vec![HashMap::new(); writes.len()];
+    for row in documents_found {
+        documents[row.index as usize].insert(row.document_id, row.created_at);
+    }
+    Ok(writes
+        .iter()
+        .zip(numbers)
+        .zip(documents)
+        .map(|((write, numbers), documents)| {
+            if !write.unnumbered.is_empty() {
+                // Numbered inside the lost transaction: which numbers it
+                // took is not known here.
+                return Landed::Partly;
+            }
+            let all = numbers == write.seqs.len() && documents.len() == write.documents.len();
+            let none = numbers == 0 && documents.is_empty();
+            match (all, none) {
+                (true, _) => Landed::Yes(Recorded {
+                    documents,
+                    ..Recorded::default()
+                }),
+                (false, true) => Landed::No,
+                (false, false) => Landed::Partly,
+            }
+        })
+        .collect())
+}
+
+/// What became of a write whose commit was in doubt.
+#[derive(Debug)]
+pub enum Landed {
+    /// It committed: its record, as if the answer had arrived.
+    Yes(Recorded),
+    /// Nothing of it is there.
+    No,
+    /// Some of it is there (not one transaction's work): still unknown.
+    Partly,
 }
 
 /// Issued ranges overlapping `range`, sorted.

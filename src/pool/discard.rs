@@ -57,6 +57,26 @@ impl PoolService {
         self.redis.give_back(&pool.keys, &sorted).await
     }
 
+    /// Numbers taken from the pool (or the counter) but surely not issued:
+    /// back to the head of their pool, in order, so none is burnt; recorded
+    /// as discarded when Redis cannot take them.
+    pub async fn return_unissued(&self, pool: &PoolRef, seqs: &[i64]) {
+        if seqs.is_empty() {
+            return;
+        }
+        if let Err(e) = self.give_back(pool, seqs).await {
+            tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
+            let ranges = crate::numbers::runs(seqs);
+            self.record_discard(
+                &pool.sequence,
+                pool.period.key(),
+                &ranges,
+                DiscardCause::GiveBackFailed,
+            )
+            .await;
+        }
+    }
+
     /// Empties a pool whose list cannot be trusted and records its numbers.
     pub async fn invalidate(&self, pool: &PoolRef, cause: DiscardCause) {
         match self.redis.discard(&pool.keys, false).await {

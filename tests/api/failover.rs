@@ -723,3 +723,156 @@ async fn an_instance_started_on_a_standby_waits_not_ready_then_migrates_and_serv
     assert_eq!(seqs_of(&body), vec![1, 2]);
     standby.stop("fast");
 }
+
+/// Numbers of `project`'s gaps by reason, over every type.
+async fn lost_by_reason(app: &TestApp, project: &str) -> std::collections::BTreeMap<String, i64> {
+    let mut lost = std::collections::BTreeMap::new();
+    for doc_type in TYPES {
+        for gap in app.gaps(project, doc_type).await {
+            let reason = gap["reason"].as_str().unwrap_or("?").to_owned();
+            *lost.entry(reason).or_default() += gap["count"].as_i64().unwrap_or(0);
+        }
+    }
+    lost
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_crash_under_traffic_costs_no_number() {
+    let dir = postgres_dir();
+    let mut postgres = PostgresServer::primary(dir.path());
+    let mut env = TestEnv::new();
+    env.database_url = postgres.url("idpool_crash");
+    let app = env.spawn().await;
+    let traffic = Traffic::start(
+        app.client.clone(),
+        vec![app.address.clone()],
+        "PK",
+        &TYPES,
+        6,
+    );
+    let documents = DocumentTraffic::start(&app, "PK", 2);
+    // Under load: commits in flight when Postgres goes.
+    let commits = "idpool_ledger_batches_total";
+    app.wait_for_metric_above(commits, 200.0, Duration::from_secs(20))
+        .await;
+    // Killed mid-commit: the postmaster and its backends end at once.
+    postgres.stop("immediate");
+    postgres.start();
+    until(Duration::from_secs(20), "served again", async || {
+        app.post_ids("PK", "A", 1).await.status() == StatusCode::OK
+    })
+    .await;
+    let after = app
+        .metrics()
+        .await
+        .get(commits)
+        .copied()
+        .unwrap_or_default();
+    app.wait_for_metric_above(commits, after + 200.0, Duration::from_secs(20))
+        .await;
+    let outcome = traffic.stop().await;
+    let accepted = documents.stop().await;
+    let unexpected: Vec<&String> = outcome
+        .failures
+        .iter()
+        .chain(&accepted.failures)
+        .filter(|f| !f.starts_with("503"))
+        .collect();
+    assert!(unexpected.is_empty(), "{unexpected:?}");
+    outcome.assert_distinct();
+    let stored: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM id_outbox WHERE document_id = ANY($1)")
+            .bind(&accepted.ids)
+            .fetch_one(&app.db)
+            .await
+            .expect("outbox");
+    assert_eq!(
+        stored,
+        accepted.ids.len() as i64,
+        "documents answered 202 but not stored"
+    );
+    reconcile_and_explain(&app, "PK", &outcome.issued).await;
+    let lost = lost_by_reason(&app, "PK").await;
+    println!(
+        "postgres crash: {} numbers and {} documents served, {} answered 503, \
+         {} writes in doubt settled, gaps {lost:?}",
+        outcome.issued.len(),
+        accepted.ids.len(),
+        outcome.failures.len() + accepted.failures.len(),
+        app.metrics()
+            .await
+            .get("idpool_in_doubt_settled_total")
+            .copied()
+            .unwrap_or_default()
+    );
+    let written_off: i64 = ["untracked_loss", "lease_lost", "pool_discarded"]
+        .iter()
+        .filter_map(|reason| lost.get(*reason))
+        .sum();
+    assert_eq!(written_off, 0, "numbers written off at a crash: {lost:?}");
+}
+
+/// Loops of `POST /documents` (type A of `project`), keeping the ID of
+/// every document answered 202.
+struct DocumentTraffic {
+    running: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<Accepted>>,
+}
+
+#[derive(Default)]
+struct Accepted {
+    ids: Vec<String>,
+    failures: Vec<String>,
+}
+
+impl DocumentTraffic {
+    fn start(app: &TestApp, project: &str, workers: usize) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let running = std::sync::Arc::new(AtomicBool::new(true));
+        let workers = (0..workers)
+            .map(|w| {
+                let (client, url, running) =
+                    (app.client.clone(), app.url("/documents"), running.clone());
+                let project = project.to_owned();
+                tokio::spawn(async move {
+                    let mut out = Accepted::default();
+                    let mut n = 0;
+                    while running.load(Ordering::Relaxed) {
+                        n += 1;
+                        let body = serde_json::json!({
+                            "project": project, "type": "A", "metadata": {"worker": w, "n": n}
+                        });
+                        match client.post(&url).json(&body).send().await {
+                            Ok(r) if r.status() == StatusCode::ACCEPTED => {
+                                let body: Value = r.json().await.unwrap_or(Value::Null);
+                                out.ids.push(body["id"].as_str().unwrap_or("?").to_owned());
+                            }
+                            Ok(r) => {
+                                let status = r.status();
+                                out.failures.push(format!(
+                                    "{status} {}",
+                                    r.text().await.unwrap_or_default()
+                                ));
+                            }
+                            Err(e) => out.failures.push(e.to_string()),
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        Self { running, workers }
+    }
+
+    async fn stop(self) -> Accepted {
+        self.running
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let mut all = Accepted::default();
+        for worker in self.workers {
+            let out = worker.await.expect("worker");
+            all.ids.extend(out.ids);
+            all.failures.extend(out.failures);
+        }
+        all
+    }
+}
