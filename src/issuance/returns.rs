@@ -3,13 +3,15 @@
 //! ledger first, so the next caller gets them and no gap is left.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
 use super::Issuer;
+use crate::backoff::Backoff;
 use crate::lease::Returned;
 use crate::ledger::{self, LeaseReport};
+use crate::log_limit::Repeated;
 use crate::numbers::runs;
 use crate::pool::{DiscardCause, Placement};
 
@@ -27,6 +29,11 @@ impl Issuer {
         let mut returns = self.leases.pending_returns().await;
         let mut tick = tokio::time::interval(self.leases.settings().report_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Returns Postgres could not take (a failover): kept, and tried
+        // again with backoff, rather than written off as lost leases.
+        let mut retrying: Vec<Returned<Arc<Placement>>> = Vec::new();
+        let mut backoff = Backoff::background();
+        let mut retry_at = Instant::now();
         loop {
             let stopping = tokio::select! {
                 _ = stop.cancelled() => true,
@@ -44,8 +51,25 @@ impl Issuer {
                 returned.push(one);
             }
             let written = returned.len();
+            if !retrying.is_empty() && (stopping || Instant::now() >= retry_at) {
+                returned.append(&mut retrying);
+            }
+            let mut failed = false;
             for (placement, report) in merge_per_pool(returned) {
-                self.give_back_lease(&placement, &report).await;
+                if let Err(e) = self.give_back_lease(&placement, &report, stopping).await {
+                    RETURNS_FAILING.warn(&e);
+                    failed = true;
+                    retrying.push(Returned {
+                        pool: placement,
+                        seqs: report.seqs,
+                    });
+                }
+            }
+            if failed {
+                retry_at = Instant::now() + backoff.next_pause();
+            } else if retrying.is_empty() {
+                backoff.reset();
+                RETURNS_FAILING.ended();
             }
             self.leases.returns_written(written);
             if stopping {
@@ -62,21 +86,32 @@ impl Issuer {
     }
 
     /// Numbers a lease did not hand out go back to the head of their pool
-    /// (off the ledger first). Where that cannot be done they are recorded
-    /// as discarded.
-    async fn give_back_lease(&self, placement: &Placement, unused: &LeaseReport) {
+    /// (off the ledger first). When Postgres cannot take them off the
+    /// ledger they are handed back to be tried again, unless this is the
+    /// `last` try (a stop); where it cannot be done they are recorded as
+    /// discarded.
+    async fn give_back_lease(
+        &self,
+        placement: &Placement,
+        unused: &LeaseReport,
+        last: bool,
+    ) -> Result<(), sqlx::Error> {
         let released = match self.db.acquire().await {
             Ok(mut conn) => ledger::release_lease(&mut conn, unused).await,
             Err(e) => Err(e),
         };
         let cause = match released {
             Ok(()) => match self.pools.give_back(&placement.pool, &unused.seqs).await {
-                Ok(()) => return,
+                Ok(()) => return Ok(()),
                 Err(e) => {
                     tracing::warn!(error = %e, "unused lease numbers not pushed back to the pool");
                     DiscardCause::GiveBackFailed
                 }
             },
+            Err(e) if !last => {
+                crate::db::distrust_server_after(&e);
+                return Err(e);
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "unused lease numbers stay recorded as leased");
                 DiscardCause::LeaseReturned
@@ -90,8 +125,13 @@ impl Issuer {
                 cause,
             )
             .await;
+        Ok(())
     }
 }
+
+/// Lease returns Postgres did not take: said once, then with a count.
+static RETURNS_FAILING: Repeated =
+    Repeated::new("unused lease numbers not taken off the ledger yet; trying again");
 
 /// The numbers returned to each pool, in one ascending report per pool.
 /// Each give-back pushes to the head of the pool, so two given back apart
