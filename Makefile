@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
 export REDIS_URL ?= redis://127.0.0.1:6379
 
-.PHONY: help run test lint sqlx-prepare openapi services services-down clean-test-dbs bench bench-quick bench-build sdk-tools
+.PHONY: help run test lint sqlx-prepare openapi services services-down clean-test-dbs bench bench-quick bench-build sdk-tools ha-tools
 
 help:
 	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080 (no API keys)"
@@ -39,9 +39,14 @@ clean-test-dbs:
 sdk-tools:
 	@scripts/sdk-tools.sh
 
+# Patroni, etcd and HAProxy (Debian's packages) for the HA test, which
+# starts its own on free ports.
+ha-tools:
+	@scripts/dev-services.sh ha-tools
+
 # A failing test ends with its panic message, not a backtrace of tokio's
 # frames above it (TEST_BACKTRACE=1 brings them back).
-test: services clean-test-dbs sdk-tools
+test: services clean-test-dbs sdk-tools ha-tools
 	@export RUST_BACKTRACE=$${TEST_BACKTRACE:-0}; \
 	if cargo nextest --version >/dev/null 2>&1; then \
 	  cargo nextest run --workspace --all-targets; \

@@ -9,6 +9,9 @@
 #   scripts/dev-services.sh tools  install the server binaries (Postgres,
 #                                  pgbench, Redis) without starting anything,
 #                                  for make bench, which starts its own
+#   scripts/dev-services.sh ha-tools  the same, and Patroni, etcd and HAProxy
+#                                  for the HA test (make test), which starts
+#                                  its own
 #
 # Servers this script did not start are never stopped or reconfigured.
 set -euo pipefail
@@ -143,13 +146,34 @@ tools() {
   command -v redis-server >/dev/null || apt_install redis-server redis-tools
 }
 
+# The Postgres high-availability stack the HA test runs (Debian's packages):
+# Patroni, etcd and HAProxy. Nothing is started here; the test starts its
+# own on free loopback ports. Debian's packages start system services on
+# install: those are stopped and disabled again, never left running.
+ha_tools() {
+  tools
+  local missing=()
+  command -v patroni >/dev/null || missing+=(patroni python3-psycopg2)
+  command -v etcd >/dev/null || missing+=(etcd-server)
+  command -v haproxy >/dev/null || missing+=(haproxy)
+  if (( ${#missing[@]} )); then
+    apt_install "${missing[@]}"
+    for service in etcd haproxy patroni; do
+      if command -v systemctl >/dev/null && systemctl is-active --quiet "$service" 2>/dev/null; then
+        as_root systemctl disable --now "$service" >/dev/null 2>&1 || true
+      fi
+    done
+  fi
+}
+
 case ${1:-up} in
   up) postgres_up; redis_up ;;
   tools) tools ;;
+  ha-tools) ha_tools ;;
   down) down ;;
   status)
     pg_answers && say "postgres up at $pg_host:$pg_port" || say "postgres down at $pg_host:$pg_port"
     redis_answers && say "redis up at $redis_host:$redis_port" || say "redis down at $redis_host:$redis_port"
     ;;
-  *) echo "usage: $0 up|down|status|tools" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|tools|ha-tools" >&2; exit 2 ;;
 esac

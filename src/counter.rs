@@ -55,6 +55,8 @@ pub struct Counter {
     fenced_timeline: Mutex<Option<String>>,
     /// Woken when a reservation found another timeline.
     moved: tokio::sync::Notify,
+    /// Direct reservations made so far (their blocks' tags).
+    direct_reservations: std::sync::atomic::AtomicU64,
 }
 
 impl Counter {
@@ -65,6 +67,7 @@ impl Counter {
             known_periods: Mutex::new(HashSet::new()),
             fenced_timeline: Mutex::new(None),
             moved: tokio::sync::Notify::new(),
+            direct_reservations: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -390,20 +393,27 @@ impl Counter {
     /// Reserves exactly `n` numbers for one caller, straight from the
     /// counter (no pool), on the caller's connection (inside its
     /// transaction, if it has one). They are issued once the caller's
-    /// ledger record commits.
+    /// ledger record commits. `tag` names the block (see
+    /// [`Counter::direct_tag`]): a commit in doubt is looked up by it.
     pub async fn reserve_direct(
         &self,
         conn: &mut PgConnection,
         sequence: &Sequence,
         period: &Period,
         n: i64,
+        tag: &str,
     ) -> Result<Reserved<SeqRange>, sqlx::Error> {
         self.ensure_period(&self.refill_db, sequence, period)
             .await?;
+        let fenced = self.fenced_timeline();
+        // On a timeline the counters were not fenced on nothing is taken
+        // (without a transaction to roll back, numbers taken there could
+        // never be handed out).
         let taken = sqlx::query!(
             "WITH taken AS ( \
                  UPDATE counters SET last_grant = $3, next_seq = next_seq + $3 \
                  WHERE sequence_id = $1 AND period = $2 AND next_seq + $3 - 1 <= $4 \
+                   AND ($7::text IS NULL OR substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) = $7) \
                    AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $6 FOR KEY SHARE) \
                  RETURNING next_seq - $3 AS first, next_seq AS next \
              ) \
@@ -415,19 +425,89 @@ impl Counter {
             period.key(),
             n,
             sequence.definition.max_seq(),
-            &self.instance_id,
+            tag,
             sequence.identity_version,
+            fenced,
         )
         .fetch_optional(&mut *conn)
         .await?
         .map(|r| (r.first, r.timeline));
         match taken {
-            // The caller's transaction rolls back; without one the numbers
-            // stay taken and are never handed out.
-            Some((_, timeline)) if !self.on_fenced_timeline(&timeline) => Ok(Reserved::Unfenced),
-            Some((first, _)) => Ok(Reserved::Got(SeqRange::new(first, first + n))),
-            None => self.why_not(&mut *conn, sequence).await,
+            Some((first, timeline)) if self.on_fenced_timeline(&timeline) => {
+                Ok(Reserved::Got(SeqRange::new(first, first + n)))
+            }
+            // Fenced meanwhile on another timeline; the caller's
+            // transaction rolls back (and without one, see above).
+            Some(_) => Ok(Reserved::Unfenced),
+            None => match &fenced {
+                // Not exhausted: Postgres is on another timeline than the
+                // one asked for (a failover, fenced since or not yet).
+                Some(asked) if *asked != self.timeline_of(&mut *conn).await? => {
+                    Ok(Reserved::Unfenced)
+                }
+                _ => self.why_not(&mut *conn, sequence).await,
+            },
         }
+    }
+
+    /// A name for one direct reservation's block, unique to it: this
+    /// instance and a count.
+    pub fn direct_tag(&self) -> String {
+        let n = self.direct_reservations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{}/direct-{n}", self.instance_id)
+    }
+
+    /// A direct reservation whose commit was in doubt (no transaction of
+    /// the caller's: the statement committed by itself), looked up by its
+    /// tag once the server answers again: its numbers if it landed. None
+    /// when it did not, or Postgres never answered in time.
+    pub async fn direct_landed(
+        &self,
+        sequence: &Sequence,
+        period: &Period,
+        tag: &str,
+    ) -> Option<SeqRange> {
+        let (id, period, tag) = (sequence.id, period.key().to_owned(), tag.to_owned());
+        let found = crate::db::once_answering(&self.refill_db, crate::db::IN_DOUBT_PATIENCE, |mut conn| {
+            let (period, tag) = (period.clone(), tag.clone());
+            async move {
+                // Among the period's latest blocks (an index scan from the
+                // top): the reservation was the latest a moment ago.
+                sqlx::query!(
+                    r#"SELECT lower(b.seqs) AS "start!", upper(b.seqs) AS "end!",
+                              substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS "timeline!"
+                       FROM (SELECT seqs, instance_id FROM blocks WHERE sequence_id = $1 AND period = $2
+                             ORDER BY lower(seqs) DESC LIMIT 10000) b
+                       WHERE b.instance_id = $3"#,
+                    id,
+                    &period,
+                    &tag,
+                )
+                .fetch_optional(&mut *conn)
+                .await
+            }
+        })
+        .await
+        .flatten()?;
+        // Landed on a timeline the counters were not fenced on: those
+        // numbers cannot be handed out (reconciliation names them).
+        self.on_fenced_timeline(&found.timeline)
+            .then(|| SeqRange::new(found.start, found.end))
+    }
+
+    fn fenced_timeline(&self) -> Option<String> {
+        self.fenced_timeline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    async fn timeline_of(&self, conn: &mut PgConnection) -> Result<String, sqlx::Error> {
+        sqlx::query_scalar!(
+            r#"SELECT substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS "timeline!""#
+        )
+        .fetch_one(conn)
+        .await
     }
 }
 

@@ -140,6 +140,21 @@ pub fn distrust_server_after(e: &sqlx::Error) -> bool {
     gone
 }
 
+/// Whether a statement that failed with `e` may still have committed: the
+/// connection broke (or the server went away) before its answer arrived.
+/// A statement the server refused, or one never sent (no connection from
+/// the pool), did not.
+pub fn may_have_committed(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(_) => matches!(
+            sqlstate::of(e).as_deref(),
+            Some(sqlstate::ADMIN_SHUTDOWN | sqlstate::CRASH_SHUTDOWN)
+        ),
+        _ => false,
+    }
+}
+
 /// Closes every connection open now at its next checkout.
 pub fn distrust_open_connections() {
     // +1: a connection opened in this very millisecond is distrusted too.

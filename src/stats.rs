@@ -83,6 +83,9 @@ pub struct Stats {
     pub reconcile_last_ms: Gauge,
     /// Leases recorded for this instance, and their numbers.
     pub leases_taken: Counter,
+    /// Numbers leases gave back that Postgres has not taken off the ledger
+    /// yet (a failover): tried again with backoff.
+    pub lease_returns_retrying: Gauge,
     pub lease_numbers: Counter,
     /// Numbers handed to callers from a lease (no Redis call, no commit).
     pub lease_numbers_served: Counter,
@@ -212,6 +215,10 @@ const METRICS: &[(&str, &str)] = &[
         "Leases this instance recorded before handing out their numbers",
     ),
     (
+        "lease_returns_retrying",
+        "Numbers leases gave back that Postgres has not taken off the ledger yet (tried again with backoff)",
+    ),
+    (
         "lease_numbers",
         "Numbers in the leases this instance recorded",
     ),
@@ -311,6 +318,7 @@ impl Default for Stats {
             ledger_rows: registered(r, "ledger_rows", Counter::default()),
             task_panics: registered(r, "task_panics", Counter::default()),
             leases_taken: registered(r, "leases", Counter::default()),
+            lease_returns_retrying: registered(r, "lease_returns_retrying", Gauge::default()),
             lease_numbers: registered(r, "lease_numbers", Counter::default()),
             lease_numbers_served: registered(r, "lease_numbers_served", Counter::default()),
             lease_numbers_returned: registered(r, "lease_numbers_returned", Counter::default()),

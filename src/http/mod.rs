@@ -383,6 +383,12 @@ async fn guard(limit: Duration, mut req: Request, next: Next) -> Response {
             "timeout",
             format!("the request took longer than {} s", limit.as_secs()),
         )
+        // Slow because a store is (a failover, an overload): worth a
+        // retry soon, like every other 503.
+        .with_header(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        )
         .into_response(),
     }
 }

@@ -88,20 +88,26 @@ impl Issuer {
         let issuer = self.clone();
         self.tasks.spawn(async move {
             let Order { holder, size } = order;
-            let leased = issuer.shared(&holder.pool, size, Via::Lease).await;
-            if let Err(e) = &leased {
-                tracing::debug!(error = %e, size, "lease not taken; requests are served on their own");
+            // A lease recorded in part is a smaller lease: the part already
+            // committed is the lease's to hand out or give back, never
+            // dropped (it would be a lost lease).
+            let (leased, failed) = issuer.shared_as_many(&holder.pool, size, Via::Lease).await;
+            if let Some(e) = &failed {
+                tracing::debug!(error = %e, size, got = leased.len(), "lease not taken whole; requests are served on their own");
             }
-            issuer.leases.arrived(&holder, leased.ok());
+            issuer
+                .leases
+                .arrived(&holder, (!leased.is_empty()).then_some(leased));
         });
     }
 
     /// Records `seqs` as handed out; they are the caller's once that
     /// committed. Numbers whose handout surely was not written go back to
-    /// the lease.
+    /// the lease, also when the caller went away meanwhile (a handout in
+    /// doubt waits for Postgres to answer again; the request may time out).
     pub(super) async fn hand_out(
-        &self,
-        holder: &LeaseHolder,
+        self: &Arc<Self>,
+        holder: &Arc<LeaseHolder>,
         seqs: Vec<i64>,
     ) -> Result<Vec<i64>, IssueError> {
         if seqs.is_empty() {
@@ -113,26 +119,13 @@ impl Issuer {
             period: holder.pool.period.key().to_owned(),
             seqs: seqs.clone(),
         });
-        self.handout_written(holder, seqs, written).await
-    }
-
-    async fn handout_written(
-        &self,
-        holder: &LeaseHolder,
-        seqs: Vec<i64>,
-        written: oneshot::Receiver<Result<(), HandoutFailed>>,
-    ) -> Result<Vec<i64>, IssueError> {
-        let outcome = written
-            .await
-            .unwrap_or(Err(HandoutFailed::Unknown(LedgerError::Closed)));
-        match outcome {
-            Ok(()) => Ok(seqs),
-            Err(failed @ HandoutFailed::NotWritten(_)) => {
-                self.leases.put_back(holder, seqs);
-                Err(IssueError::Ledger(failed.error()))
-            }
-            Err(failed) => Err(IssueError::Ledger(failed.error())),
-        }
+        let mut pending = PendingHandout {
+            issuer: self.clone(),
+            holder: holder.clone(),
+            seqs: Some(seqs),
+            written: Some(written),
+        };
+        pending.outcome().await
     }
 
     /// A document on a number of this instance's lease, its outbox row
@@ -191,5 +184,50 @@ impl Issuer {
                 DiscardCause::DocumentNotWritten,
             )
             .await;
+    }
+}
+
+/// A handout on its way to the ledger. Dropped before its outcome arrived
+/// (the caller went away), it leaves a task to put the numbers back if the
+/// handout turns out not written.
+struct PendingHandout {
+    issuer: Arc<Issuer>,
+    holder: Arc<LeaseHolder>,
+    seqs: Option<Vec<i64>>,
+    written: Option<oneshot::Receiver<Result<(), HandoutFailed>>>,
+}
+
+impl PendingHandout {
+    async fn outcome(&mut self) -> Result<Vec<i64>, IssueError> {
+        let outcome = match self.written.as_mut() {
+            Some(written) => written
+                .await
+                .unwrap_or(Err(HandoutFailed::Unknown(LedgerError::Closed))),
+            None => Err(HandoutFailed::Unknown(LedgerError::Closed)),
+        };
+        self.written = None;
+        let seqs = self.seqs.take().unwrap_or_default();
+        match outcome {
+            Ok(()) => Ok(seqs),
+            Err(failed @ HandoutFailed::NotWritten(_)) => {
+                self.issuer.leases.put_back(&self.holder, seqs);
+                Err(IssueError::Ledger(failed.error()))
+            }
+            Err(failed) => Err(IssueError::Ledger(failed.error())),
+        }
+    }
+}
+
+impl Drop for PendingHandout {
+    fn drop(&mut self) {
+        let (Some(written), Some(seqs)) = (self.written.take(), self.seqs.take()) else {
+            return;
+        };
+        let (issuer, holder) = (self.issuer.clone(), self.holder.clone());
+        self.issuer.tasks.spawn(async move {
+            if let Ok(Err(HandoutFailed::NotWritten(_))) = written.await {
+                issuer.leases.put_back(&holder, seqs);
+            }
+        });
     }
 }

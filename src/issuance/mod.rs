@@ -388,26 +388,51 @@ impl Issuer {
         count: usize,
         via: Via,
     ) -> Result<Vec<i64>, IssueError> {
-        if count == 0 {
-            return Ok(Vec::new());
+        match self.shared_as_many(placement, count, via).await {
+            (seqs, None) => Ok(seqs),
+            // What was recorded stays issued (reconciliation says
+            // `issued_unattached`): the caller asked for all or nothing.
+            (_, Some(e)) => Err(e),
         }
-        let served = self
+    }
+
+    /// As many of `count` numbers as could be recorded (ascending), and
+    /// the error that stopped the rest, if any: the first part may commit
+    /// before the rest fails (the pool ran short, then Postgres went away).
+    async fn shared_as_many(
+        &self,
+        placement: &Arc<Placement>,
+        count: usize,
+        via: Via,
+    ) -> (Vec<i64>, Option<IssueError>) {
+        if count == 0 {
+            return (Vec::new(), None);
+        }
+        let served = match self
             .pipeline
             .submit(placement.clone(), demand(via, count))
-            .await?;
+            .await
+        {
+            Ok(served) => served,
+            Err(e) => return (Vec::new(), Some(e.into())),
+        };
         let mut seqs = served.issued;
         if !served.refused.is_empty() {
             self.refused(&placement.pool, served.refused.len()).await;
         }
+        let mut failed = None;
         if seqs.len() < count {
             // The pool ran short, was stale, or Redis is down.
-            let more = self
+            match self
                 .issue_with(placement, count - seqs.len(), LedgerTarget::Shared(via))
-                .await?;
-            seqs.extend(more);
+                .await
+            {
+                Ok(more) => seqs.extend(more),
+                Err(e) => failed = Some(e),
+            }
             seqs.sort_unstable();
         }
-        Ok(seqs)
+        (seqs, failed)
     }
 }
 

@@ -122,13 +122,32 @@ impl Issuer {
         n: i64,
     ) -> Result<Reserved<numbers::SeqRange>, sqlx::Error> {
         let (sequence, period) = (&pool.sequence, &pool.period);
+        let tag = self.counter.direct_tag();
         match db {
-            Db::Transaction(conn) => self.counter.reserve_direct(conn, sequence, period, n).await,
-            Db::Pool(pool) => {
-                let mut conn = pool.acquire().await?;
+            Db::Transaction(conn) => {
                 self.counter
-                    .reserve_direct(&mut conn, sequence, period, n)
+                    .reserve_direct(conn, sequence, period, n, &tag)
                     .await
+            }
+            Db::Pool(pool) => {
+                let reserved = async {
+                    let mut conn = pool.acquire().await?;
+                    self.counter
+                        .reserve_direct(&mut conn, sequence, period, n, &tag)
+                        .await
+                }
+                .await;
+                match reserved {
+                    // The statement committed by itself: if its answer was
+                    // lost, its block is looked up rather than written off.
+                    Err(e) if crate::db::may_have_committed(&e) => {
+                        match self.counter.direct_landed(sequence, period, &tag).await {
+                            Some(range) => Ok(Reserved::Got(range)),
+                            None => Err(e),
+                        }
+                    }
+                    other => other,
+                }
             }
         }
     }

@@ -65,6 +65,8 @@ impl Issuer {
                     });
                 }
             }
+            let retrying_numbers: usize = retrying.iter().map(|r| r.seqs.len()).sum();
+            self.stats.lease_returns_retrying.set(retrying_numbers as i64);
             if failed {
                 retry_at = Instant::now() + backoff.next_pause();
             } else if retrying.is_empty() {

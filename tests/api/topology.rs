@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -418,7 +418,7 @@ impl TlsRedis {
     }
 }
 
-fn pg_bindir() -> PathBuf {
+pub fn pg_bindir() -> PathBuf {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .expect("Postgres server binaries under /usr/lib/postgresql")
         .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
@@ -428,7 +428,7 @@ fn pg_bindir() -> PathBuf {
     dirs.pop().expect("initdb")
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     nix::unistd::Uid::effective().is_root()
 }
 
