@@ -453,7 +453,9 @@ impl Counter {
     /// A name for one direct reservation's block, unique to it: this
     /// instance and a count.
     pub fn direct_tag(&self) -> String {
-        let n = self.direct_reservations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self
+            .direct_reservations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         format!("{}/direct-{n}", self.instance_id)
     }
 

@@ -83,8 +83,8 @@ pub struct Stats {
     pub reconcile_last_ms: Gauge,
     /// Leases recorded for this instance, and their numbers.
     pub leases_taken: Counter,
-    /// Numbers leases gave back that Postgres has not taken off the ledger
-    /// yet (a failover): tried again with backoff.
+    /// Numbers leases gave back that are not back in their pool yet
+    /// (Postgres or Redis could not take them): tried again with backoff.
     pub lease_returns_retrying: Gauge,
     pub lease_numbers: Counter,
     /// Numbers handed to callers from a lease (no Redis call, no commit).
@@ -216,7 +216,7 @@ const METRICS: &[(&str, &str)] = &[
     ),
     (
         "lease_returns_retrying",
-        "Numbers leases gave back that Postgres has not taken off the ledger yet (tried again with backoff)",
+        "Numbers leases gave back that are not back in their pool yet (Postgres or Redis could not take them; tried again with backoff)",
     ),
     (
         "lease_numbers",

@@ -11,11 +11,29 @@ use tracing_subscriber::EnvFilter;
 /// flushed when it is.
 pub struct LogGuard(#[allow(dead_code)] Option<tracing_appender::non_blocking::WorkerGuard>);
 
+/// sqlx's per-connection lines, kept to errors unless `RUST_LOG` names sqlx.
+const QUIET_SQLX: [&str; 2] = [
+    "sqlx::postgres::notice=error",
+    "sqlx_core::pool::connection=error",
+];
+
 /// Lines the writer queue holds before it drops new ones.
 const QUEUED_LINES: usize = 64 * 1024;
 
 pub fn init() -> LogGuard {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let asked_for_sqlx = std::env::var("RUST_LOG").is_ok_and(|v| v.contains("sqlx"));
+    if !asked_for_sqlx {
+        // At a failover every pooled connection says the same through
+        // sqlx (the server's "terminating connection" notice, a failed
+        // check on release): a line per connection, not per trouble, which
+        // idpool's own lines already say once with a count.
+        for quiet in QUIET_SQLX {
+            if let Ok(directive) = quiet.parse() {
+                filter = filter.add_directive(directive);
+            }
+        }
+    }
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .buffered_lines_limit(QUEUED_LINES)
         .lossy(true)

@@ -66,7 +66,9 @@ impl Issuer {
                 }
             }
             let retrying_numbers: usize = retrying.iter().map(|r| r.seqs.len()).sum();
-            self.stats.lease_returns_retrying.set(retrying_numbers as i64);
+            self.stats
+                .lease_returns_retrying
+                .set(retrying_numbers as i64);
             if failed {
                 retry_at = Instant::now() + backoff.next_pause();
             } else if retrying.is_empty() {
@@ -88,23 +90,26 @@ impl Issuer {
     }
 
     /// Numbers a lease did not hand out go back to the head of their pool
-    /// (off the ledger first). When Postgres cannot take them off the
-    /// ledger they are handed back to be tried again, unless this is the
-    /// `last` try (a stop); where it cannot be done they are recorded as
+    /// (off the ledger first). When Postgres or Redis cannot take them
+    /// (a failover) they are handed back to be tried again, unless this is
+    /// the `last` try (a stop); where it cannot be done they are recorded as
     /// discarded.
     async fn give_back_lease(
         &self,
         placement: &Placement,
         unused: &LeaseReport,
         last: bool,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), String> {
         let released = match self.db.acquire().await {
             Ok(mut conn) => ledger::release_lease(&mut conn, unused).await,
             Err(e) => Err(e),
         };
         let cause = match released {
+            // Taking them off the ledger again finds nothing to take: the
+            // next try only pushes them.
             Ok(()) => match self.pools.give_back(&placement.pool, &unused.seqs).await {
                 Ok(()) => return Ok(()),
+                Err(e) if !last => return Err(format!("pushing them back to the pool: {e}")),
                 Err(e) => {
                     tracing::warn!(error = %e, "unused lease numbers not pushed back to the pool");
                     DiscardCause::GiveBackFailed
@@ -112,7 +117,7 @@ impl Issuer {
             },
             Err(e) if !last => {
                 crate::db::distrust_server_after(&e);
-                return Err(e);
+                return Err(format!("taking them off the ledger: {e}"));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "unused lease numbers stay recorded as leased");
@@ -133,7 +138,7 @@ impl Issuer {
 
 /// Lease returns Postgres did not take: said once, then with a count.
 static RETURNS_FAILING: Repeated =
-    Repeated::new("unused lease numbers not taken off the ledger yet; trying again");
+    Repeated::new("unused lease numbers not back in their pool yet; trying again");
 
 /// The numbers returned to each pool, in one ascending report per pool.
 /// Each give-back pushes to the head of the pool, so two given back apart

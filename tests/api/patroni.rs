@@ -61,7 +61,10 @@ impl PatroniNode {
             .stdout(log_file(&self.log))
             .stderr(Stdio::null());
         if let Some((uid, gid)) = postgres_user() {
-            command.uid(uid).gid(gid).env("HOME", self.data.parent().unwrap_or(Path::new("/tmp")));
+            command
+                .uid(uid)
+                .gid(gid)
+                .env("HOME", self.data.parent().unwrap_or(Path::new("/tmp")));
         }
         self.patroni = Some(command.spawn().expect("patroni"));
     }
@@ -152,9 +155,13 @@ impl PatroniCluster {
             .args(["--name", "e", "--data-dir"])
             .arg(dir.path().join("etcd"))
             .arg(format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"))
-            .arg(format!("--advertise-client-urls=http://127.0.0.1:{etcd_port}"))
+            .arg(format!(
+                "--advertise-client-urls=http://127.0.0.1:{etcd_port}"
+            ))
             .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"))
-            .arg(format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"
+            ))
             .arg(format!("--initial-cluster=e=http://127.0.0.1:{peer_port}"))
             .stdout(log_file(&dir.path().join("etcd.log")))
             .stderr(Stdio::null())
@@ -211,7 +218,9 @@ impl PatroniCluster {
         };
         cluster
             .until(Duration::from_secs(60), "a leader", |members| {
-                members.iter().any(|m| m["role"] == "leader" && m["state"] == "running")
+                members
+                    .iter()
+                    .any(|m| m["role"] == "leader" && m["state"] == "running")
             })
             .await;
         cluster.nodes[1].start();
@@ -259,15 +268,25 @@ impl PatroniCluster {
     /// HAProxy.
     pub async fn wait_healthy(&self) {
         self.until(Duration::from_secs(90), "healthy cluster", |members| {
-            let running = members.iter().filter(|m| m["state"] == "running" || m["state"] == "streaming").count();
-            let leader = members.iter().filter(|m| m["role"] == "leader").count();
-            let timeline = members.iter().find(|m| m["role"] == "leader").map(|m| m["timeline"].clone());
-            let caught_up = members
+            let running = members
                 .iter()
-                .filter(|m| m["role"] != "leader")
-                .all(|m| m["timeline"] == timeline.clone().unwrap_or_default() && m["lag"].as_i64().is_some_and(|lag| lag < 1024 * 1024));
+                .filter(|m| m["state"] == "running" || m["state"] == "streaming")
+                .count();
+            let leader = members.iter().filter(|m| m["role"] == "leader").count();
+            let timeline = members
+                .iter()
+                .find(|m| m["role"] == "leader")
+                .map(|m| m["timeline"].clone());
+            let caught_up = members.iter().filter(|m| m["role"] != "leader").all(|m| {
+                m["timeline"] == timeline.clone().unwrap_or_default()
+                    && m["lag"].as_i64().is_some_and(|lag| lag < 1024 * 1024)
+            });
             let synchronous = members.iter().any(|m| m["role"] == "sync_standby");
-            members.len() == 3 && running == 3 && leader == 1 && caught_up && (synchronous || !self.synchronous_mode_wanted())
+            members.len() == 3
+                && running == 3
+                && leader == 1
+                && caught_up
+                && (synchronous || !self.synchronous_mode_wanted())
         })
         .await;
         self.wait_primary_through_haproxy().await;
@@ -281,7 +300,10 @@ impl PatroniCluster {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let writable = async {
-                let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url("postgres")).await.ok()?;
+                let mut conn =
+                    <sqlx::PgConnection as sqlx::Connection>::connect(&self.url("postgres"))
+                        .await
+                        .ok()?;
                 sqlx::query_scalar::<_, bool>("SELECT NOT pg_is_in_recovery()")
                     .fetch_one(&mut conn)
                     .await
@@ -291,7 +313,11 @@ impl PatroniCluster {
             if writable == Some(true) {
                 return;
             }
-            assert!(Instant::now() < deadline, "no primary through HAProxy\n{}", self.logs());
+            assert!(
+                Instant::now() < deadline,
+                "no primary through HAProxy\n{}",
+                self.logs()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await; // polled with a deadline
         }
     }
@@ -322,7 +348,10 @@ impl PatroniCluster {
         let leader = self.leader().await;
         let answer = self
             .http
-            .post(format!("http://127.0.0.1:{}/switchover", self.nodes[leader].api_port))
+            .post(format!(
+                "http://127.0.0.1:{}/switchover",
+                self.nodes[leader].api_port
+            ))
             .timeout(Duration::from_secs(60))
             .json(&json!({"leader": self.nodes[leader].name}))
             .send()
@@ -333,7 +362,9 @@ impl PatroniCluster {
         assert!(status.is_success(), "switchover: {status} {text}");
         let old = self.nodes[leader].name.clone();
         self.until(Duration::from_secs(60), "new leader", move |members| {
-            members.iter().any(|m| m["role"] == "leader" && m["name"] != old.as_str())
+            members
+                .iter()
+                .any(|m| m["role"] == "leader" && m["name"] != old.as_str())
         })
         .await;
     }
@@ -345,24 +376,35 @@ impl PatroniCluster {
         let leader = self.leader().await;
         let answer = self
             .http
-            .patch(format!("http://127.0.0.1:{}/config", self.nodes[leader].api_port))
+            .patch(format!(
+                "http://127.0.0.1:{}/config",
+                self.nodes[leader].api_port
+            ))
             .json(&json!({"synchronous_mode": false, "maximum_lag_on_failover": 1_073_741_824_i64}))
             .send()
             .await
             .expect("patch config");
         assert!(answer.status().is_success(), "config: {}", answer.status());
-        self.until(Duration::from_secs(30), "asynchronous replicas", |members| {
-            !members.iter().any(|m| m["role"] == "sync_standby")
-        })
+        self.until(
+            Duration::from_secs(30),
+            "asynchronous replicas",
+            |members| !members.iter().any(|m| m["role"] == "sync_standby"),
+        )
         .await;
     }
 
     /// After losing the leader: waits for another node to lead.
     pub async fn wait_new_leader(&self, lost: usize) {
         let old = self.nodes[lost].name.clone();
-        self.until(Duration::from_secs(60), "leader after the loss", move |members| {
-            members.iter().any(|m| m["role"] == "leader" && m["name"] != old.as_str() && m["state"] == "running")
-        })
+        self.until(
+            Duration::from_secs(60),
+            "leader after the loss",
+            move |members| {
+                members.iter().any(|m| {
+                    m["role"] == "leader" && m["name"] != old.as_str() && m["state"] == "running"
+                })
+            },
+        )
         .await;
         self.wait_primary_through_haproxy().await;
     }
@@ -374,7 +416,12 @@ impl PatroniCluster {
     /// Every log of the cluster, for a failure message.
     pub fn logs(&self) -> String {
         let mut text = String::new();
-        for name in ["patroni1.log", "patroni2.log", "patroni3.log", "haproxy.log"] {
+        for name in [
+            "patroni1.log",
+            "patroni2.log",
+            "patroni3.log",
+            "haproxy.log",
+        ] {
             let log = std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(15).collect();
             text.push_str(&format!("--- {name} (last lines)\n"));
