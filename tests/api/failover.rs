@@ -653,19 +653,7 @@ async fn an_instance_pointed_at_a_standby_is_not_ready_and_logs_quietly() {
     }
     drop(instance);
     let text = std::fs::read_to_string(&log).unwrap();
-    let mut per_second: std::collections::BTreeMap<&str, usize> = Default::default();
-    for line in text
-        .lines()
-        .filter(|l| l.contains("WARN") || l.contains("ERROR"))
-    {
-        // JSON lines: `"timestamp":"2026-11-25T23:14:26.257996Z"`, to the second.
-        let second = line
-            .split_once(r#""timestamp":""#)
-            .and_then(|(_, rest)| rest.get(..19))
-            .unwrap_or(line);
-        *per_second.entry(second).or_default() += 1;
-    }
-    let busiest = per_second.values().max().copied().unwrap_or(0);
+    let busiest = crate::helpers::busiest_warning_second(&text).map_or(0, |(_, n, _)| n);
     assert!(
         busiest <= 20,
         "{busiest} warning lines in one second:\n{text}"

@@ -653,33 +653,9 @@ async fn patroni_failovers_cost_only_what_the_data_lost() {
     // Quiet logs: at most 20 warning or error lines in any second.
     for log in &logs {
         let text = std::fs::read_to_string(log).expect("log");
-        let mut per_second: BTreeMap<&str, usize> = BTreeMap::new();
-        for line in text
-            .lines()
-            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
-        {
-            let second = line
-                .split_once(r#""timestamp":""#)
-                .and_then(|(_, rest)| rest.get(..19))
-                .unwrap_or(line);
-            *per_second.entry(second).or_default() += 1;
-        }
-        let busiest = per_second.values().max().copied().unwrap_or(0);
-        // What the busiest second said, by message.
-        if let Some((second, _)) = per_second.iter().max_by_key(|(_, n)| **n) {
-            let mut said: BTreeMap<&str, usize> = BTreeMap::new();
-            for line in text
-                .lines()
-                .filter(|l| l.contains(second) && (l.contains("WARN") || l.contains("ERROR")))
-            {
-                let message = line
-                    .split_once(r#""message":""#)
-                    .and_then(|(_, rest)| rest.split_once('"'))
-                    .map_or(line, |(m, _)| m);
-                *said.entry(message).or_default() += 1;
-            }
-            println!("{} busiest second {second}: {said:?}", log.display());
-        }
+        let (second, busiest, said) =
+            crate::helpers::busiest_warning_second(&text).unwrap_or_default();
+        println!("{} busiest second {second}: {said:?}", log.display());
         println!(
             "{}: at most {busiest} warning or error lines in one second",
             log.display()

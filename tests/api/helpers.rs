@@ -833,3 +833,35 @@ pub async fn metrics_at(client: &reqwest::Client, base: &str) -> HashMap<String,
         .filter_map(|(name, value)| Some((name.to_owned(), value.parse().ok()?)))
         .collect()
 }
+
+/// The second of a JSON log (`"timestamp":"2026-11-25T23:14:26.257996Z"`,
+/// to the second) with the most warning or error lines: the second, how
+/// many, and what they said (by message). None when there are none.
+pub fn busiest_warning_second(
+    text: &str,
+) -> Option<(String, usize, std::collections::BTreeMap<String, usize>)> {
+    let warnings = || {
+        text.lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+    };
+    let second_of = |line: &str| {
+        line.split_once(r#""timestamp":""#)
+            .and_then(|(_, rest)| rest.get(..19))
+            .unwrap_or("?")
+            .to_owned()
+    };
+    let mut per_second: std::collections::BTreeMap<String, usize> = Default::default();
+    for line in warnings() {
+        *per_second.entry(second_of(line)).or_default() += 1;
+    }
+    let (second, count) = per_second.into_iter().max_by_key(|(_, n)| *n)?;
+    let mut said: std::collections::BTreeMap<String, usize> = Default::default();
+    for line in warnings().filter(|l| second_of(l) == second) {
+        let message = line
+            .split_once(r#""message":""#)
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map_or(line, |(m, _)| m);
+        *said.entry(message.to_owned()).or_default() += 1;
+    }
+    Some((second, count, said))
+}
