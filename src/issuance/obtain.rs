@@ -130,13 +130,13 @@ impl Issuer {
                     .await
             }
             Db::Pool(pool) => {
-                let reserved = async {
-                    let mut conn = pool.acquire().await?;
-                    self.counter
-                        .reserve_direct(&mut conn, sequence, period, n, &tag)
-                        .await
-                }
-                .await;
+                // No connection: nothing was sent, nothing is in doubt.
+                let mut conn = pool.acquire().await?;
+                let reserved = self
+                    .counter
+                    .reserve_direct(&mut conn, sequence, period, n, &tag)
+                    .await;
+                drop(conn);
                 match reserved {
                     // The statement committed by itself: if its answer was
                     // lost, its block is looked up rather than written off.

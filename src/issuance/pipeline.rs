@@ -247,7 +247,10 @@ impl Writer {
             Some(conn) => conn,
             None => match writer_connection(&self.db).await {
                 Ok(conn) => held.insert(conn),
-                Err(e) => return ledger::failed_all(writes, &e.into()),
+                // Nothing was sent: the numbers go back, nothing to look up.
+                Err(e) => {
+                    return ledger::failed_all(writes, &LedgerError::NotCommitted(Arc::new(e)));
+                }
             },
         };
         let gapless = GaplessOf {
