@@ -147,6 +147,7 @@ impl Application {
         lease_supervisor.stop(Duration::from_secs(10)).await;
         supervisor.stop(Duration::from_secs(10)).await;
         pools.finish_refills(Duration::from_secs(5)).await;
+        pools.return_held(true).await;
         pools.redis().shutdown().await;
         tracing::info!("idpool stopped");
         Ok(())

@@ -86,6 +86,9 @@ pub struct Stats {
     /// Numbers leases gave back that are not back in their pool yet
     /// (Postgres or Redis could not take them): tried again with backoff.
     pub lease_returns_retrying: Gauge,
+    /// Numbers surely not issued that Redis could not take back, held until
+    /// the pools are in use again.
+    pub numbers_unreturned: Gauge,
     pub lease_numbers: Counter,
     /// Numbers handed to callers from a lease (no Redis call, no commit).
     pub lease_numbers_served: Counter,
@@ -219,6 +222,10 @@ const METRICS: &[(&str, &str)] = &[
         "Numbers leases gave back that are not back in their pool yet (Postgres or Redis could not take them; tried again with backoff)",
     ),
     (
+        "numbers_unreturned",
+        "Numbers surely not issued that Redis could not take back, held until the pools are in use again",
+    ),
+    (
         "lease_numbers",
         "Numbers in the leases this instance recorded",
     ),
@@ -319,6 +326,7 @@ impl Default for Stats {
             task_panics: registered(r, "task_panics", Counter::default()),
             leases_taken: registered(r, "leases", Counter::default()),
             lease_returns_retrying: registered(r, "lease_returns_retrying", Gauge::default()),
+            numbers_unreturned: registered(r, "numbers_unreturned", Gauge::default()),
             lease_numbers: registered(r, "lease_numbers", Counter::default()),
             lease_numbers_served: registered(r, "lease_numbers_served", Counter::default()),
             lease_numbers_returned: registered(r, "lease_numbers_returned", Counter::default()),

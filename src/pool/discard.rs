@@ -65,15 +65,52 @@ impl PoolService {
             return;
         }
         if let Err(e) = self.give_back(pool, seqs).await {
+            // Redis out of use (a failover): held until the pools are in
+            // use again, not written off.
+            if self.hold_unreturned(pool, seqs) {
+                return;
+            }
             tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
-            let ranges = crate::numbers::runs(seqs);
-            self.record_discard(
-                &pool.sequence,
-                pool.period.key(),
-                &ranges,
-                DiscardCause::GiveBackFailed,
-            )
-            .await;
+            self.record_unreturned(pool, seqs).await;
+        }
+    }
+
+    /// Keeps numbers Redis could not take, within `MAX_UNRETURNED`.
+    fn hold_unreturned(&self, pool: &PoolRef, seqs: &[i64]) -> bool {
+        let mut held = self.unreturned.lock().unwrap_or_else(|e| e.into_inner());
+        let holding: usize = held.iter().map(|(_, s)| s.len()).sum();
+        if holding + seqs.len() > super::MAX_UNRETURNED {
+            return false;
+        }
+        held.push((pool.clone(), seqs.to_vec()));
+        self.stats
+            .numbers_unreturned
+            .set((holding + seqs.len()) as i64);
+        true
+    }
+
+    async fn record_unreturned(&self, pool: &PoolRef, seqs: &[i64]) {
+        let ranges = crate::numbers::runs(seqs);
+        self.record_discard(
+            &pool.sequence,
+            pool.period.key(),
+            &ranges,
+            DiscardCause::GiveBackFailed,
+        )
+        .await;
+    }
+
+    /// Gives back what Redis could not take before (the pools are in use
+    /// again); what it still cannot take stays held, or at the `last` try
+    /// (a stop) is recorded as discarded.
+    pub async fn return_held(&self, last: bool) {
+        let held = std::mem::take(&mut *self.unreturned.lock().unwrap_or_else(|e| e.into_inner()));
+        self.stats.numbers_unreturned.set(0);
+        for (pool, seqs) in held {
+            let given = self.give_back(&pool, &seqs).await.is_ok();
+            if !given && (last || !self.hold_unreturned(&pool, &seqs)) {
+                self.record_unreturned(&pool, &seqs).await;
+            }
         }
     }
 

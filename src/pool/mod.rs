@@ -110,7 +110,15 @@ pub struct PoolService {
     refills: TaskTracker,
     /// Which Postgres the last resync checked the pools against.
     postgres_seen: Mutex<Option<crate::counter::PostgresIdentity>>,
+    /// Numbers surely not issued that Redis could not take back (the
+    /// circuit open: a failover): given back once the pools are checked
+    /// and in use again. At most `MAX_UNRETURNED` numbers.
+    unreturned: Mutex<Vec<(PoolRef, Vec<i64>)>>,
 }
+
+/// Most numbers held for giving back at once; beyond, they are recorded
+/// as discarded at once.
+const MAX_UNRETURNED: usize = 100_000;
 
 /// Most sequences whose current pool one instance remembers.
 const MAX_POOL_REFS: usize = 10_000;
@@ -143,6 +151,7 @@ impl PoolService {
             pool_refs: Mutex::new(HashMap::new()),
             refills: TaskTracker::new(),
             postgres_seen: Mutex::new(None),
+            unreturned: Mutex::new(Vec::new()),
         })
     }
 

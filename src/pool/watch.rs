@@ -164,6 +164,7 @@ impl PoolService {
                     if self.redis.mark_up(failures_before) {
                         watch.unreachable_since = None;
                         watch.complained = None;
+                        self.return_held(false).await;
                     }
                 }
                 Err(e) => watch.not_in_use(e),
