@@ -234,13 +234,15 @@ impl Counter {
                     id,
                     range: SeqRange::new(start, end),
                 };
+                // Which session commits: a commit in doubt waits for its end.
+                let session = crate::db::session_of(&mut tx).await.ok();
                 match tx.commit().await {
                     Ok(()) => Ok(Reserved::Got(block)),
                     // The connection broke before the commit's answer (a
                     // crash, a failover): once the server answers again,
                     // a block that landed is pushed like any other instead
                     // of being written off.
-                    Err(e) if self.block_landed(&block).await == Some(true) => {
+                    Err(e) if self.block_landed(&block, session).await == Some(true) => {
                         tracing::info!(error = %e, block = id, "a block whose commit was in doubt had landed");
                         Ok(Reserved::Got(block))
                     }
@@ -256,9 +258,13 @@ impl Counter {
 
     /// Whether a pool block whose commit was in doubt is there, asked once
     /// the server answers again; None when it did not in time.
-    async fn block_landed(&self, block: &PoolBlock) -> Option<bool> {
+    async fn block_landed(
+        &self,
+        block: &PoolBlock,
+        session: Option<crate::db::Session>,
+    ) -> Option<bool> {
         let (id, start, end) = (block.id, block.range.start, block.range.end);
-        crate::db::once_answering(&self.refill_db, crate::db::IN_DOUBT_PATIENCE, |mut conn| async move {
+        crate::db::once_answering(&self.refill_db, crate::db::IN_DOUBT_PATIENCE, session, |mut conn| async move {
             sqlx::query_scalar!(
                 r#"SELECT EXISTS (SELECT 1 FROM blocks WHERE id = $1 AND seqs = int8range($2, $3)) AS "landed!""#,
                 id,
@@ -470,7 +476,9 @@ impl Counter {
         tag: &str,
     ) -> Option<SeqRange> {
         let (id, period, tag) = (sequence.id, period.key().to_owned(), tag.to_owned());
-        let found = crate::db::once_answering(&self.refill_db, crate::db::IN_DOUBT_PATIENCE, |mut conn| {
+        // The statement's session is not known (its answer was lost): a
+        // cut connection to a live server could still be committing it.
+        let found = crate::db::once_answering(&self.refill_db, crate::db::IN_DOUBT_PATIENCE, None, |mut conn| {
             let (period, tag) = (period.clone(), tag.clone());
             async move {
                 // Among the period's latest blocks (an index scan from the

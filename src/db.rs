@@ -210,13 +210,57 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
 /// be written anyway, and the answer to the caller is the true one.
 pub const IN_DOUBT_PATIENCE: Duration = Duration::from_secs(30);
 
+/// A server session (backend) of ours: its pid and when it started.
+#[derive(Debug, Clone, Copy)]
+pub struct Session {
+    pid: i32,
+    started: chrono::DateTime<chrono::Utc>,
+}
+
+/// The session `conn` talks to.
+pub async fn session_of(conn: &mut PgConnection) -> Result<Session, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT pid AS "pid!", backend_start AS "started!" FROM pg_stat_activity WHERE pid = pg_backend_pid()"#
+    )
+    .fetch_one(conn)
+    .await?;
+    Ok(Session {
+        pid: row.pid,
+        started: row.started,
+    })
+}
+
+/// Ends `session` if it still runs, and returns once it has. A connection
+/// cut between us and a live server leaves its backend running: it may
+/// still be committing what we gave up on, so what it wrote is final only
+/// once it is gone. (After a crash or a failover it is gone already; a pid
+/// met again on another server is another session: the start tells.)
+async fn end_session(conn: &mut PgConnection, session: Session) -> Result<(), sqlx::Error> {
+    loop {
+        let running = sqlx::query_scalar!(
+            r#"SELECT pg_terminate_backend(pid) AS "ended!" FROM pg_stat_activity
+               WHERE pid = $1 AND backend_start = $2"#,
+            session.pid,
+            session.started,
+        )
+        .fetch_optional(&mut *conn)
+        .await?;
+        if running.is_none() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// What became of a commit whose connection failed before its answer
 /// arrived (a crash, a failover): `ask` runs on a new connection once the
-/// server answers again (retried with backoff for up to `patience`). None
-/// when it never answered in time: the commit stays in doubt.
+/// server answers again (retried with backoff for up to `patience`), after
+/// the `lost` session that sent the commit, if known, has ended. None when
+/// it never answered in time: the commit stays in doubt.
 pub async fn once_answering<T, Asked>(
     db: &PgPool,
     patience: Duration,
+    lost: Option<Session>,
     mut ask: impl FnMut(sqlx::pool::PoolConnection<sqlx::Postgres>) -> Asked,
 ) -> Option<T>
 where
@@ -231,7 +275,10 @@ where
             return None;
         }
         let answer = tokio::time::timeout(left, async {
-            let conn = db.acquire().await?;
+            let mut conn = db.acquire().await?;
+            if let Some(lost) = lost {
+                end_session(&mut conn, lost).await?;
+            }
             ask(conn).await
         })
         .await;

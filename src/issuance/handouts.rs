@@ -8,6 +8,7 @@ use sqlx::pool::PoolConnection;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 
+use crate::db::Session;
 use crate::ledger::{self, LeaseReport, LedgerError};
 
 /// Writers of handouts working at once. One: everything that arrives while
@@ -60,7 +61,7 @@ impl Handouts {
         for _ in 0..HANDOUT_WRITERS {
             let (db, receiver) = (db.clone(), receiver.clone());
             tasks.spawn(async move {
-                let mut conn: Option<PoolConnection<sqlx::Postgres>> = None;
+                let mut conn: Option<(PoolConnection<sqlx::Postgres>, Option<Session>)> = None;
                 let mut batch = Vec::with_capacity(64);
                 loop {
                     let taken = receiver
@@ -96,14 +97,14 @@ impl Handouts {
 /// own commit) on the writer's connection, then answers each.
 async fn write(
     db: &PgPool,
-    conn: &mut Option<PoolConnection<sqlx::Postgres>>,
+    conn: &mut Option<(PoolConnection<sqlx::Postgres>, Option<Session>)>,
     batch: Vec<Handout>,
 ) {
     let reports: Vec<LeaseReport> = batch.iter().map(|h| h.report.clone()).collect();
     let outcome = match writer_connection(db, conn).await {
         // No connection: nothing was written.
         Err(e) => Err(HandoutFailed::NotWritten(LedgerError::from(e))),
-        Ok(held) => match ledger::record_handouts(held, &reports).await {
+        Ok((held, session)) => match ledger::record_handouts(held, &reports).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 let e = LedgerError::from(e);
@@ -115,7 +116,7 @@ async fn write(
                 if e.numbers_reusable() {
                     Err(HandoutFailed::NotWritten(e))
                 } else {
-                    settle_in_doubt(db, reports, e).await
+                    settle_in_doubt(db, reports, e, session).await
                 }
             }
         },
@@ -133,13 +134,15 @@ async fn settle_in_doubt(
     db: &PgPool,
     reports: Vec<LeaseReport>,
     e: LedgerError,
+    session: Option<Session>,
 ) -> Result<(), HandoutFailed> {
     let reports = std::sync::Arc::new(reports);
-    let landed = crate::db::once_answering(db, crate::db::IN_DOUBT_PATIENCE, |mut conn| {
-        let reports = reports.clone();
-        async move { ledger::handouts_landed(&mut conn, &reports).await }
-    })
-    .await;
+    let landed =
+        crate::db::once_answering(db, crate::db::IN_DOUBT_PATIENCE, session, |mut conn| {
+            let reports = reports.clone();
+            async move { ledger::handouts_landed(&mut conn, &reports).await }
+        })
+        .await;
     match (landed.flatten(), e) {
         (Some(true), _) => Ok(()),
         (Some(false), LedgerError::Db(e)) => {
@@ -149,16 +152,19 @@ async fn settle_in_doubt(
     }
 }
 
-/// The writer's connection, taken from the pool when it has none.
+/// The writer's connection, taken from the pool when it has none, and
+/// the server session it talks to.
 async fn writer_connection<'c>(
     db: &PgPool,
-    conn: &'c mut Option<PoolConnection<sqlx::Postgres>>,
-) -> Result<&'c mut sqlx::PgConnection, sqlx::Error> {
+    conn: &'c mut Option<(PoolConnection<sqlx::Postgres>, Option<Session>)>,
+) -> Result<(&'c mut sqlx::PgConnection, Option<Session>), sqlx::Error> {
     if conn.is_none() {
-        *conn = Some(db.acquire().await?);
+        let mut taken = db.acquire().await?;
+        let session = crate::db::session_of(&mut taken).await.ok();
+        *conn = Some((taken, session));
     }
     match conn.as_mut() {
-        Some(held) => Ok(&mut **held),
+        Some((held, session)) => Ok((&mut **held, *session)),
         None => Err(sqlx::Error::PoolClosed),
     }
 }

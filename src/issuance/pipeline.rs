@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::batch::Batcher;
 use crate::counter::{Counter, Reserved};
+use crate::db::Session;
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{self, GaplessCounter, LedgerError, LedgerWrite, Recorded, Unnumbered, Via};
 use crate::numbers::without;
@@ -184,7 +185,9 @@ struct Writer {
     pools: Arc<PoolService>,
     counter: Arc<Counter>,
     stats: Arc<Stats>,
-    conn: tokio::sync::Mutex<Option<PoolConnection<Postgres>>>,
+    /// The connection, and the server session it talks to (looked up when
+    /// it is taken, so a commit in doubt can wait for that session's end).
+    conn: tokio::sync::Mutex<Option<(PoolConnection<Postgres>, Option<Session>)>>,
 }
 
 impl Writer {
@@ -226,12 +229,12 @@ impl Writer {
                 }
             })
             .collect();
-        let mut outcomes = self.record(&writes, &popped).await;
+        let (mut outcomes, session) = self.record(&writes, &popped).await;
         if outcomes
             .iter()
             .any(|o| o.as_ref().is_err_and(LedgerError::in_doubt))
         {
-            self.settle_in_doubt(&writes, &mut outcomes).await;
+            self.settle_in_doubt(&writes, &mut outcomes, session).await;
         }
         self.give_back_unwritten(&popped, &outcomes).await;
         answer(popped, writes, outcomes);
@@ -241,18 +244,20 @@ impl Writer {
         &self,
         writes: &[LedgerWrite],
         popped: &[Popped],
-    ) -> Vec<Result<Recorded, LedgerError>> {
+    ) -> (Vec<Result<Recorded, LedgerError>>, Option<Session>) {
         let mut held = self.conn.lock().await;
-        let conn = match held.as_mut() {
-            Some(conn) => conn,
+        let (conn, session) = match held.as_mut() {
+            Some(held) => held,
             None => match writer_connection(&self.db).await {
-                Ok(conn) => held.insert(conn),
+                Ok(taken) => held.insert(taken),
                 // Nothing was sent: the numbers go back, nothing to look up.
                 Err(e) => {
-                    return ledger::failed_all(writes, &LedgerError::NotCommitted(Arc::new(e)));
+                    let e = LedgerError::NotCommitted(Arc::new(e));
+                    return (ledger::failed_all(writes, &e), None);
                 }
             },
         };
+        let session = *session;
         let gapless = GaplessOf {
             counter: &self.counter,
             popped,
@@ -265,11 +270,11 @@ impl Writer {
             // The connection may have broken: the next batch takes a fresh
             // one. This one is closed rather than returned, with its
             // writer's settings.
-            if let Some(conn) = held.take() {
+            if let Some((conn, _)) = held.take() {
                 drop(conn.detach());
             }
         }
-        outcomes
+        (outcomes, session)
     }
 }
 
@@ -283,18 +288,23 @@ impl Writer {
         &self,
         writes: &[LedgerWrite],
         outcomes: &mut [Result<Recorded, LedgerError>],
+        session: Option<Session>,
     ) {
         let doubtful: Vec<usize> = (0..writes.len())
             .filter(|&i| outcomes[i].as_ref().is_err_and(LedgerError::in_doubt))
             .collect();
         let asked: Arc<Vec<LedgerWrite>> =
             Arc::new(doubtful.iter().map(|&i| writes[i].clone()).collect());
-        let landed =
-            crate::db::once_answering(&self.db, crate::db::IN_DOUBT_PATIENCE, |mut conn| {
+        let landed = crate::db::once_answering(
+            &self.db,
+            crate::db::IN_DOUBT_PATIENCE,
+            session,
+            |mut conn| {
                 let asked = asked.clone();
                 async move { ledger::landed(&mut conn, &asked).await }
-            })
-            .await;
+            },
+        )
+        .await;
         let Some(landed) = landed else {
             tracing::error!(
                 writes = doubtful.len(),
@@ -370,12 +380,17 @@ impl GaplessCounter for GaplessOf<'_> {
 /// means another transaction holds a number it should not; everyone queued
 /// behind the write waits with it, so it gives up soon and the request at
 /// fault is found (see `ledger::write_shared`).
-async fn writer_connection(db: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+async fn writer_connection(
+    db: &PgPool,
+) -> Result<(PoolConnection<Postgres>, Option<Session>), sqlx::Error> {
     let mut conn = db.acquire().await?;
     sqlx::query!("SET lock_timeout = '200ms'")
         .execute(&mut *conn)
         .await?;
-    Ok(conn)
+    // Without it a commit in doubt is looked up without waiting for its
+    // session to end (right after a crash or failover, where it is gone).
+    let session = crate::db::session_of(&mut conn).await.ok();
+    Ok((conn, session))
 }
 
 /// Each job's answer: what of its numbers the ledger took, its document.
