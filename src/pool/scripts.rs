@@ -131,10 +131,11 @@ return {redis.call('LLEN', KEYS[1]), runs(values, false)}
 /// KEYS: installation. ARGV: our installation id.
 /// Claims the key prefix for one database; returns the id that owns it.
 pub const CLAIM_PREFIX: &str = r#"
-local owner = redis.call('GET', KEYS[1])
-if not owner then
-  redis.call('SET', KEYS[1], ARGV[1])
-  return ARGV[1]
+local owner = redis.call('GET', KEYS[1]) or ARGV[1]
+if owner == ARGV[1] then
+  -- Written every time: a server that takes no writes (a replica, a
+  -- demoted master) refuses here, before any pool is used on it.
+  redis.call('SET', KEYS[1], owner)
 end
 return owner
 "#;

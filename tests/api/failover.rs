@@ -864,3 +864,57 @@ impl DocumentTraffic {
         all
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_turned_replica_is_left_out_of_use_quietly_and_taken_back_once_writable() {
+    let redis = RedisServer::start();
+    let mut env = TestEnv::new();
+    env.redis_url = redis.url();
+    env.auth = false;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("idpool.log");
+    let instance = ServeProcess::start_logging(&env, &log, "warn").await;
+    let base = format!("http://127.0.0.1:{}", instance.port);
+    let client = client_with_key(None);
+    let mode = async || {
+        let ready: Value = client
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ready["mode"].as_str().unwrap_or_default().to_owned()
+    };
+    assert_eq!(mode().await, "pool");
+    // A master demoted (a Sentinel failover, an operator's REPLICAOF): it
+    // still answers PING and reads, but refuses every write.
+    redis.cli(&["REPLICAOF", "127.0.0.1", "1"]);
+    let observed = Instant::now();
+    let mut served = 0;
+    while observed.elapsed() < Duration::from_secs(3) {
+        let answer = client
+            .post(format!("{base}/ids"))
+            .json(&serde_json::json!({"project": "RO", "type": "A"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "served from Postgres");
+        served += 1;
+    }
+    assert_eq!(mode().await, "fallback", "not back in use while read-only");
+    redis.cli(&["REPLICAOF", "NO", "ONE"]);
+    until(Duration::from_secs(10), "pools in use again", async || {
+        mode().await == "pool"
+    })
+    .await;
+    drop(instance);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let (second, busiest, said) = crate::helpers::busiest_warning_second(&text).unwrap_or_default();
+    println!("{served} served; busiest second {second}: {busiest} lines {said:?}");
+    assert!(
+        busiest <= 20,
+        "{busiest} warning lines in one second:\n{text}"
+    );
+}
