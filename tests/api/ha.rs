@@ -345,9 +345,8 @@ async fn reconcile_until_judged(
     let deadline = Instant::now() + Duration::from_secs(60);
     reconcile(client, base).await;
     loop {
-        // The settle time of reconciliation itself: numbers younger than
-        // it are not judged yet.
-        tokio::time::sleep(settle + Duration::from_millis(500)).await;
+        // Numbers younger than reconciliation's settle time are not judged.
+        tokio::time::sleep(settle + Duration::from_millis(500)).await; // the settle time, not a sync
         reconcile(client, base).await;
         match judged(url, answered).await {
             Ok(()) => return gaps_by_reason(client, base).await,
