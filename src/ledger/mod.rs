@@ -71,7 +71,7 @@ pub enum LedgerError {
     Waited(#[source] Arc<sqlx::Error>),
     /// The database cannot store a value of the request (SQLSTATE class
     /// 22: a number out of range, a character it cannot hold).
-    #[error("the database cannot store a value of this request: {}", database_message(.0))]
+    #[error("the database cannot store a value of this request: {}", unstorable_what(.0))]
     Unstorable(#[source] Arc<sqlx::Error>),
     /// The connection failed, and once the server answered again the
     /// write was found not to have committed: nothing was written.
@@ -107,6 +107,17 @@ fn database_message(e: &sqlx::Error) -> String {
     match e {
         sqlx::Error::Database(db) => db.message().to_owned(),
         other => other.to_string(),
+    }
+}
+
+/// Which kind of value the database could not store, in our words (its
+/// own message names its internals: types, formats, encodings).
+fn unstorable_what(e: &sqlx::Error) -> &'static str {
+    match sqlstate::of(e).as_deref() {
+        Some("22003") => "a number out of the range it can hold",
+        Some("22021") => "a character it cannot hold",
+        Some("22001") => "a text longer than it can hold",
+        _ => "a value it cannot hold",
     }
 }
 

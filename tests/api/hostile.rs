@@ -449,7 +449,14 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
     let mut accepted = 0;
     for (poisoned, response) in answers {
         if poisoned {
-            assert_problem(response, StatusCode::BAD_REQUEST, "unstorable_value").await;
+            let problem =
+                assert_problem(response, StatusCode::BAD_REQUEST, "unstorable_value").await;
+            // Said in our words, not the database's ("value overflows
+            // numeric format").
+            assert_eq!(
+                problem["detail"],
+                "the database cannot store a value of this request: a number out of the range it can hold"
+            );
         } else {
             assert_eq!(response.status(), StatusCode::ACCEPTED);
             accepted += 1;
