@@ -715,10 +715,16 @@ async fn a_processor_killed_mid_batch_loses_nothing_and_never_writes_other_conte
     assert_eq!(accepted.len(), 5000);
 
     // One processor claims all 5000 rows in one transaction and dies while
-    // writing files.
+    // writing files. One delivery loop: with two, the second could claim
+    // the rows the first had not locked yet (SKIP LOCKED) and commit them
+    // before the kill (83 of them in one CI run).
     env.processor = true;
     env.outbox_batch = 10_000;
-    let mut first = ServeProcess::start(&env).await;
+    let mut single_loop = env.clone();
+    single_loop
+        .extra_env
+        .push(("IDPOOL_OUTBOX_WORKERS".to_owned(), "1".to_owned()));
+    let mut first = ServeProcess::start(&single_loop).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     while json_files(dir.path()).len() < 200 {
         assert!(
