@@ -1,5 +1,6 @@
 //! The `idpool` command line.
 
+use crate::db::Db;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -65,6 +66,17 @@ struct DatabaseArgs {
         global = true
     )]
     database_url: String,
+
+    /// What sits between idpool and Postgres, as `serve` is told.
+    #[arg(
+        long = "idpool-pg-pooler",
+        env = "IDPOOL_PG_POOLER",
+        value_name = "IDPOOL_PG_POOLER",
+        value_enum,
+        default_value = "none",
+        global = true
+    )]
+    pg_pooler: db::Pooler,
 }
 
 #[derive(Debug, clap::Args)]
@@ -151,9 +163,14 @@ pub fn run() -> ExitCode {
             // Keys live in a database `serve` or `db migrate` made: a
             // mistyped URL is an error, never a new empty database.
             let options = db::connect_options(&database.database_url)?;
-            let pool = db::pool(options, 2, db::Limits::default().for_background())
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot reach the database of DATABASE_URL: {e}"))?;
+            let pool = db::pool(
+                options,
+                2,
+                db::Limits::default().for_background(),
+                database.pg_pooler,
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach the database of DATABASE_URL: {e}"))?;
             require_migrated(&pool).await?;
             keys(&KeyStore::new(pool), action).await
         }),
@@ -166,6 +183,7 @@ pub fn run() -> ExitCode {
                 &database.database_url,
                 2,
                 db::Limits::default().for_background(),
+                database.pg_pooler,
             )
             .await?;
             db::migrate(&pool).await?;
@@ -198,7 +216,7 @@ fn check_database_url(url: &str) -> anyhow::Result<()> {
 }
 
 /// Fails unless the database holds idpool's tables.
-async fn require_migrated(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+async fn require_migrated(pool: &Db) -> anyhow::Result<()> {
     let migrated =
         sqlx::query_scalar!(r#"SELECT to_regclass('api_keys') IS NOT NULL AS "migrated!""#)
             .fetch_one(pool)

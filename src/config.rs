@@ -32,6 +32,30 @@ pub struct Config {
     )]
     pub database_url: String,
 
+    /// What sits between idpool and Postgres at `DATABASE_URL`: `none`,
+    /// or a pooler in `session` or `transaction` mode (PgBouncer's
+    /// `pool_mode`). Behind a pooler no statement, setting or lock outlives
+    /// its transaction.
+    #[arg(
+        long = "idpool-pg-pooler",
+        env = "IDPOOL_PG_POOLER",
+        value_name = "IDPOOL_PG_POOLER",
+        value_enum,
+        default_value = "none"
+    )]
+    pub pg_pooler: crate::db::Pooler,
+
+    /// A connection straight to Postgres (not through a pooler) for
+    /// listening to notifications. Without it, behind a pooler in
+    /// transaction mode, idpool polls instead of listening.
+    #[arg(
+        long = "idpool-pg-listen-url",
+        env = "IDPOOL_PG_LISTEN_URL",
+        value_name = "IDPOOL_PG_LISTEN_URL",
+        hide_env_values = true
+    )]
+    pub pg_listen_url: Option<String>,
+
     /// Redis; `redis-cluster://h1:p1?node=h2:p2` for a Redis Cluster.
     #[arg(
         long = "redis-url",
@@ -102,13 +126,15 @@ pub struct Config {
     )]
     pub redis_start_wait_ms: u64,
 
-    /// Postgres connections of this instance.
+    /// Postgres connections of this instance, all told (requests and
+    /// writers, refills, the notification listener, reconciliation); at
+    /// least 4.
     #[arg(
         long = "idpool-db-pool-size",
         env = "IDPOOL_DB_POOL_SIZE",
         value_name = "IDPOOL_DB_POOL_SIZE",
-        default_value_t = 16,
-        value_parser = clap::value_parser!(u32).range(1..=10_000),
+        default_value_t = 8,
+        value_parser = clap::value_parser!(u32).range(4..=10_000),
     )]
     pub db_pool_size: u32,
 
@@ -442,6 +468,11 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
             .field("database_url", &without_credentials(&self.database_url))
+            .field("pg_pooler", &self.pg_pooler)
+            .field(
+                "pg_listen_url",
+                &self.pg_listen_url.as_deref().map(without_credentials),
+            )
             .field("redis_url", &without_credentials(&self.redis_url))
             .field("listen", &self.listen)
             .field("auth", &self.auth)

@@ -4,8 +4,8 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
+use crate::db::{Db, Link};
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
 
 use crate::numbers::SeqRange;
 use crate::sequence::{Period, Sequence};
@@ -46,7 +46,7 @@ pub struct PoolBlock {
 pub struct Counter {
     /// Connections of their own for refills, so a flood of requests waiting
     /// on the main pool never starves the refills that would relieve it.
-    refill_db: PgPool,
+    refill_db: Db,
     instance_id: String,
     /// Periods whose counter row this instance has already seen to exist.
     known_periods: Mutex<HashSet<(i64, String)>>,
@@ -60,7 +60,7 @@ pub struct Counter {
 }
 
 impl Counter {
-    pub fn new(refill_db: PgPool, instance_id: String) -> Self {
+    pub fn new(refill_db: Db, instance_id: String) -> Self {
         Self {
             refill_db,
             instance_id,
@@ -118,7 +118,7 @@ impl Counter {
         .await
     }
 
-    pub fn refill_db(&self) -> &PgPool {
+    pub fn refill_db(&self) -> &Db {
         &self.refill_db
     }
 
@@ -221,7 +221,7 @@ impl Counter {
             lock_acquired_at,
             sequence.identity_version,
         )
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut tx)
         .await?
         .map(|r| (r.id, r.start, r.end, r.timeline));
         match row {
@@ -271,7 +271,7 @@ impl Counter {
                 start,
                 end,
             )
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut conn)
             .await
         })
         .await
@@ -310,13 +310,13 @@ impl Counter {
         max_end: i64,
     ) -> Result<Option<SeqRange>, sqlx::Error> {
         let mut tx = self.refill_db.begin().await?;
-        create_counter(&mut *tx, sequence, period).await?;
+        create_counter(&mut tx, sequence, period).await?;
         let next: i64 = sqlx::query_scalar!(
             "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2 FOR UPDATE",
             sequence.id,
             period.key(),
         )
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut tx)
         .await?;
         if next >= max_end {
             return Ok(None);
@@ -327,7 +327,7 @@ impl Counter {
             period.key(),
             max_end,
         )
-        .execute(&mut *tx)
+        .execute(&mut tx)
         .await?;
         sqlx::query!(
             "INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
@@ -338,7 +338,7 @@ impl Counter {
             max_end,
             format!("fence:{}", self.instance_id),
         )
-        .execute(&mut *tx)
+        .execute(&mut tx)
         .await?;
         tx.commit().await?;
         Ok(Some(SeqRange::new(next, max_end)))
@@ -403,7 +403,7 @@ impl Counter {
     /// [`Counter::direct_tag`]): a commit in doubt is looked up by it.
     pub async fn reserve_direct(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequence: &Sequence,
         period: &Period,
         n: i64,
@@ -435,7 +435,7 @@ impl Counter {
             sequence.identity_version,
             fenced,
         )
-        .fetch_optional(&mut *conn)
+        .fetch_optional(conn.statements())
         .await?
         .map(|r| (r.first, r.timeline));
         match taken {
@@ -451,7 +451,7 @@ impl Counter {
                 Some(asked) if *asked != self.timeline_of(&mut *conn).await? => {
                     Ok(Reserved::Unfenced)
                 }
-                _ => self.why_not(&mut *conn, sequence).await,
+                _ => self.why_not(conn.statements(), sequence).await,
             },
         }
     }
@@ -493,7 +493,7 @@ impl Counter {
                     &period,
                     &tag,
                 )
-                .fetch_optional(&mut *conn)
+                .fetch_optional(&mut conn)
                 .await
             }
         })
@@ -512,11 +512,11 @@ impl Counter {
             .clone()
     }
 
-    async fn timeline_of(&self, conn: &mut PgConnection) -> Result<String, sqlx::Error> {
+    async fn timeline_of(&self, conn: &mut impl Link) -> Result<String, sqlx::Error> {
         sqlx::query_scalar!(
             r#"SELECT substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS "timeline!""#
         )
-        .fetch_one(conn)
+        .fetch_one(conn.statements())
         .await
     }
 }
@@ -529,7 +529,7 @@ impl Counter {
     /// transaction ever holds them).
     pub async fn take_gapless(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequence: &Sequence,
         period: &Period,
         n: i64,
@@ -548,11 +548,11 @@ impl Counter {
             sequence.definition.max_seq(),
             sequence.identity_version,
         )
-        .fetch_optional(&mut *conn)
+        .fetch_optional(conn.statements())
         .await?;
         match first {
             Some(first) => Ok(Reserved::Got(SeqRange::new(first, first + n))),
-            None => self.why_not(&mut *conn, sequence).await,
+            None => self.why_not(conn.statements(), sequence).await,
         }
     }
 
@@ -562,7 +562,7 @@ impl Counter {
     /// than making every document of the commit wait for it.
     pub async fn take_gapless_unless_held(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequence: &Sequence,
         period: &Period,
         n: i64,
@@ -591,12 +591,12 @@ impl Counter {
             sequence.definition.max_seq(),
             sequence.identity_version,
         )
-        .fetch_one(&mut *conn)
+        .fetch_one(conn.statements())
         .await?;
         match (taken.locked, taken.first) {
             (false, _) => Ok(None),
             (true, Some(first)) => Ok(Some(Reserved::Got(SeqRange::new(first, first + n)))),
-            (true, None) => Ok(Some(self.why_not(&mut *conn, sequence).await?)),
+            (true, None) => Ok(Some(self.why_not(conn.statements(), sequence).await?)),
         }
     }
 }

@@ -6,9 +6,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
-use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use sqlx::{ConnectOptions, Connection};
 
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+mod link;
+pub use link::{Conn, Db, Link, Pooler, Statements, Tx};
+
+/// The migrations, applied by `migrate`.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// How long Postgres may work or wait for one connection of ours.
 #[derive(Debug, Clone, Copy)]
@@ -53,26 +57,53 @@ impl Limits {
         }
     }
 
-    fn apply(&self, options: PgConnectOptions) -> PgConnectOptions {
-        let ms = |d: Duration| d.as_millis().max(1).to_string();
-        // Every statement at trace only: debug logs stay readable (slow
-        // statements are still logged as warnings).
-        options.log_statements(log::LevelFilter::Trace).options([
+    fn settings(&self) -> [(&'static str, String); 3] {
+        let ms = |d: Duration| format!("{}ms", d.as_millis().max(1));
+        [
             ("statement_timeout", ms(self.statement)),
             ("lock_timeout", ms(self.lock)),
             (
                 "idle_in_transaction_session_timeout",
                 ms(self.idle_in_transaction),
             ),
-        ])
+        ]
+    }
+
+    /// The limits as `SET LOCAL` statements, for the start of a
+    /// transaction.
+    fn set_local(&self) -> String {
+        self.settings()
+            .iter()
+            .map(|(name, value)| format!("SET LOCAL {name} = '{value}'"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    fn apply(&self, options: PgConnectOptions, pooler: Pooler) -> PgConnectOptions {
+        // Every statement at trace only: debug logs stay readable (slow
+        // statements are still logged as warnings).
+        let options = options.log_statements(log::LevelFilter::Trace);
+        match pooler {
+            Pooler::None => options.options(self.settings()),
+            // A pooler refuses startup parameters it does not know (or is
+            // told to drop them): none is sent, and the limits are set in
+            // every transaction instead (see `link`).
+            Pooler::Session => options.extra_float_digits(None),
+            Pooler::Transaction => options.extra_float_digits(None).statement_cache_capacity(0),
+        }
     }
 }
 
 /// Connects to `url`, creating its database first if it does not exist.
-pub async fn connect(url: &str, max_connections: u32, limits: Limits) -> anyhow::Result<PgPool> {
+pub async fn connect(
+    url: &str,
+    max_connections: u32,
+    limits: Limits,
+    pooler: Pooler,
+) -> anyhow::Result<Db> {
     let options = connect_options(url)?;
     ensure_database(&options).await?;
-    pool(options, max_connections, limits).await
+    pool(options, max_connections, limits, pooler).await
 }
 
 /// Options from `url`. Without an explicit `sslmode` (in the URL or
@@ -99,20 +130,29 @@ pub async fn pool(
     options: PgConnectOptions,
     max_connections: u32,
     limits: Limits,
-) -> anyhow::Result<PgPool> {
-    let options = limits.apply(options);
+    pooler: Pooler,
+) -> anyhow::Result<Db> {
+    let options = limits.apply(options, pooler);
     let pool = PgPoolOptions::new()
         .test_before_acquire(limits.ping_on_acquire)
         // A connection opened before its server was seen read-only or
         // going away is closed rather than used: the address (HAProxy, a
         // DNS name) leads a new one to the writable primary.
         .before_acquire(|_, meta| Box::pin(async move { Ok(!opened_before_distrust(meta.age)) }))
-        .max_connections(max_connections.max(2))
+        .max_connections(max_connections.max(1))
         .min_connections(1)
         .acquire_timeout(limits.acquire)
         .connect_with(options)
         .await?;
-    Ok(pool)
+    Ok(Db::new(pool, link::Shape::new(pooler, &limits)))
+}
+
+impl Db {
+    /// Another pool on the same server, as shaped as this one.
+    pub async fn sibling(&self, max_connections: u32, limits: Limits) -> anyhow::Result<Db> {
+        let options = self.connect_options();
+        pool(options, max_connections, limits, self.pooler()).await
+    }
 }
 
 /// When a server was last seen unable to take writes (read-only, shutting
@@ -218,7 +258,9 @@ pub struct Session {
 }
 
 /// The session `conn` talks to.
-pub async fn session_of(conn: &mut PgConnection) -> Result<Session, sqlx::Error> {
+pub(crate) async fn session_of<'c>(
+    conn: impl sqlx::PgExecutor<'c>,
+) -> Result<Session, sqlx::Error> {
     let row = sqlx::query!(
         r#"SELECT pid AS "pid!", backend_start AS "started!" FROM pg_stat_activity WHERE pid = pg_backend_pid()"#
     )
@@ -235,7 +277,7 @@ pub async fn session_of(conn: &mut PgConnection) -> Result<Session, sqlx::Error>
 /// still be committing what we gave up on, so what it wrote is final only
 /// once it is gone. (After a crash or a failover it is gone already; a pid
 /// met again on another server is another session: the start tells.)
-async fn end_session(conn: &mut PgConnection, session: Session) -> Result<(), sqlx::Error> {
+async fn end_session(conn: &mut Conn, session: Session) -> Result<(), sqlx::Error> {
     loop {
         let running = sqlx::query_scalar!(
             r#"SELECT pg_terminate_backend(pid) AS "ended!" FROM pg_stat_activity
@@ -258,10 +300,10 @@ async fn end_session(conn: &mut PgConnection, session: Session) -> Result<(), sq
 /// the `lost` session that sent the commit, if known, has ended. None when
 /// it never answered in time: the commit stays in doubt.
 pub async fn once_answering<T, Asked>(
-    db: &PgPool,
+    db: &Db,
     patience: Duration,
     lost: Option<Session>,
-    mut ask: impl FnMut(sqlx::pool::PoolConnection<sqlx::Postgres>) -> Asked,
+    mut ask: impl FnMut(Conn) -> Asked,
 ) -> Option<T>
 where
     Asked: std::future::Future<Output = Result<T, sqlx::Error>>,
@@ -304,13 +346,13 @@ where
 /// until Postgres ends it, failing whoever uses it next.) When the ROLLBACK
 /// itself fails, the connection is broken and that error wins.
 pub async fn in_transaction<T, E>(
-    conn: &mut PgConnection,
-    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    conn: &mut impl Link,
+    work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
 ) -> Result<T, E>
 where
     E: From<sqlx::Error>,
 {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let mut tx = conn.begin().await?;
     match work(&mut tx).await {
         Ok(done) => {
             tx.commit().await?;
@@ -323,8 +365,68 @@ where
     }
 }
 
-pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
-    MIGRATOR.run(pool).await?;
+/// Applies the migrations not applied yet, in sqlx's bookkeeping table
+/// (`_sqlx_migrations`), all in one transaction that holds a
+/// transaction-scoped advisory lock: instances started together apply them
+/// once, and a pooler can neither keep the lock on a server connection nor
+/// hand a half-migrated schema to anyone. (sqlx's own migrator takes a
+/// session lock and leaves named statements behind.) The SQL of each
+/// migration runs as a simple query, which needs no prepared statement.
+pub async fn migrate(db: &Db) -> Result<(), sqlx::migrate::MigrateError> {
+    use sqlx::migrate::MigrateError;
+    let mut tx = db.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idpool:migrations', 0))")
+        .execute(&mut tx)
+        .await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
+            version BIGINT PRIMARY KEY,
+            description TEXT NOT NULL,
+            installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+            success BOOLEAN NOT NULL,
+            checksum BYTEA NOT NULL,
+            execution_time BIGINT NOT NULL
+        )",
+    )
+    .execute(&mut tx)
+    .await?;
+    let applied: Vec<(i64, Vec<u8>, bool)> =
+        sqlx::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
+            .fetch_all(&mut tx)
+            .await?;
+    let applied: std::collections::HashMap<i64, (Vec<u8>, bool)> = applied
+        .into_iter()
+        .map(|(version, checksum, success)| (version, (checksum, success)))
+        .collect();
+    for migration in MIGRATOR.iter() {
+        if !migration.migration_type.is_up_migration() {
+            continue;
+        }
+        match applied.get(&migration.version) {
+            Some((_, false)) => return Err(MigrateError::Dirty(migration.version)),
+            Some((checksum, true)) if checksum[..] != migration.checksum[..] => {
+                return Err(MigrateError::VersionMismatch(migration.version));
+            }
+            Some(_) => continue,
+            None => {}
+        }
+        let started = Instant::now();
+        sqlx::raw_sql(migration.sql.clone())
+            .execute(&mut tx)
+            .await
+            .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES ($1, $2, TRUE, $3, $4)",
+        )
+        .bind(migration.version)
+        .bind(&*migration.description)
+        .bind(&*migration.checksum)
+        .bind(started.elapsed().as_nanos() as i64)
+        .execute(&mut tx)
+        .await?;
+    }
+    tx.commit().await?;
     Ok(())
 }
 
@@ -332,7 +434,7 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 /// fences what it can (see `PoolService::resync`), synchronous replication
 /// loses nothing. Says so when the primary has replicas but none is
 /// synchronous.
-pub async fn warn_without_synchronous_standby(db: &PgPool) {
+pub async fn warn_without_synchronous_standby(db: &Db) {
     let seen = sqlx::query!(
         r#"SELECT (SELECT count(*) FROM pg_stat_replication) AS "replicas!",
                   current_setting('synchronous_standby_names') AS "names!""#
@@ -393,7 +495,7 @@ pub mod sqlstate {
 /// modules: named like the API tests' (`make test` drops those of earlier
 /// runs), on the server of `DATABASE_URL`.
 #[cfg(test)]
-pub(crate) async fn scratch() -> PgPool {
+pub(crate) async fn scratch() -> Db {
     let base = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/idpool".to_owned());
     let server = base.split('?').next().and_then(|u| u.rsplit_once('/'));
@@ -402,9 +504,9 @@ pub(crate) async fn scratch() -> PgPool {
     };
     let name = uuid::Uuid::new_v4().simple().to_string();
     let url = format!("{server}/idpool_test_{}", &name[..16]);
-    let pool = connect(&url, 4, Limits::default())
+    let pool = connect(&url, 4, Limits::default(), Pooler::None)
         .await
         .expect("a scratch database on the server of DATABASE_URL");
-    MIGRATOR.run(&pool).await.expect("migrations");
+    migrate(&pool).await.expect("migrations");
     pool
 }

@@ -8,9 +8,9 @@
 
 use std::time::Duration;
 
+use crate::db::{Db, Tx};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 /// How long an answer is kept for replay (SPEC).
@@ -93,7 +93,7 @@ fn is_lock_timeout(e: &sqlx::Error) -> bool {
 }
 
 /// Makes lock waits of this transaction give up after [`WAIT_FOR_TWIN`].
-pub async fn wait_for_twins_briefly(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+pub async fn wait_for_twins_briefly(conn: &mut Tx<'_>) -> Result<(), sqlx::Error> {
     // set_config(.., true) is SET LOCAL with the value bound.
     sqlx::query_scalar!("SELECT set_config('lock_timeout', $1, true)", WAIT_FOR_TWIN)
         .fetch_one(&mut *conn)
@@ -106,7 +106,7 @@ pub async fn wait_for_twins_briefly(conn: &mut PgConnection) -> Result<(), sqlx:
 /// batches sharing keys cannot deadlock.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn claim(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     caller: &Caller,
     keys: &[(String, Vec<u8>)],
 ) -> Result<Vec<Claimed>, ClaimError> {
@@ -165,7 +165,7 @@ pub async fn claim(
 /// Stores the answers of claimed keys; commits with the caller's work.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn store(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     caller: &Caller,
     answers: &[(&str, u16, Value)],
 ) -> Result<(), sqlx::Error> {
@@ -191,7 +191,7 @@ pub async fn store(
 
 /// Deletes answers older than `ttl`; returns how many.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn prune(db: &PgPool, ttl: Duration) -> Result<u64, sqlx::Error> {
+pub async fn prune(db: &Db, ttl: Duration) -> Result<u64, sqlx::Error> {
     let result = sqlx::query!(
         "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)",
         ttl.as_secs_f64(),
@@ -202,7 +202,7 @@ pub async fn prune(db: &PgPool, ttl: Duration) -> Result<u64, sqlx::Error> {
 }
 
 /// Prunes expired keys every ten minutes until `stop`.
-pub async fn prune_periodically(db: PgPool, stop: CancellationToken) {
+pub async fn prune_periodically(db: Db, stop: CancellationToken) {
     loop {
         match prune(&db, KEY_TTL).await {
             Ok(0) => {}

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
@@ -24,7 +24,58 @@ pub trait Subscriber: Send + Sync {
 
 pub type Subscribers = Vec<Arc<dyn Subscriber>>;
 
-pub async fn run(db: PgPool, subscribers: Subscribers, stop: CancellationToken) {
+/// How often, where nothing can be listened for, every subscriber is told
+/// it missed what was sent: the longest a revoked key, a changed
+/// definition or a document waiting for delivery goes unseen.
+pub const POLL: Duration = Duration::from_secs(1);
+
+/// Where notifications come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// A connection of the pool, kept for listening (no pooler, or one in
+    /// session mode: the server session stays the listener's).
+    Pool(crate::db::Db),
+    /// A connection of its own, straight to Postgres.
+    Url(String),
+    /// Nothing to listen on (behind a pooler in transaction mode, which
+    /// would drop notifications or hand them to other clients): every
+    /// `POLL`, each subscriber is told it missed what was sent.
+    Poll,
+}
+
+/// Which `Source` a configuration leads to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Pool,
+    Url,
+    Poll,
+}
+
+impl Source {
+    pub fn new(db: &crate::db::Db, listen_url: Option<&str>) -> Self {
+        match (
+            Self::new_kind(db.pooler(), listen_url.is_some()),
+            listen_url,
+        ) {
+            (Kind::Url, Some(url)) => Source::Url(url.to_owned()),
+            (Kind::Poll, _) => Source::Poll,
+            _ => Source::Pool(db.clone()),
+        }
+    }
+
+    pub fn new_kind(pooler: crate::db::Pooler, listen_url: bool) -> Kind {
+        match (listen_url, pooler) {
+            (true, _) => Kind::Url,
+            (false, crate::db::Pooler::Transaction) => Kind::Poll,
+            (false, _) => Kind::Pool,
+        }
+    }
+}
+
+pub async fn run(source: Source, subscribers: Subscribers, stop: CancellationToken) {
+    if let Source::Poll = source {
+        return poll(&subscribers, &stop).await;
+    }
     let by_channel: HashMap<&'static str, Arc<dyn Subscriber>> = subscribers
         .iter()
         .map(|s| (s.channel(), s.clone()))
@@ -34,7 +85,7 @@ pub async fn run(db: PgPool, subscribers: Subscribers, stop: CancellationToken) 
     static TROUBLE: Repeated = Repeated::new("cannot listen for notifications; retrying");
     let mut backoff = Backoff::background();
     loop {
-        match listen(&db, &by_channel).await {
+        match listen(&source, &by_channel).await {
             Ok(mut listener) => {
                 TROUBLE.ended();
                 backoff.reset();
@@ -55,11 +106,36 @@ pub async fn run(db: PgPool, subscribers: Subscribers, stop: CancellationToken) 
     }
 }
 
+async fn poll(subscribers: &Subscribers, stop: &CancellationToken) {
+    let mut every = tokio::time::interval(POLL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = every.tick() => {}
+        }
+        for subscriber in subscribers {
+            subscriber.missed();
+        }
+    }
+}
+
 async fn listen(
-    db: &PgPool,
+    source: &Source,
     by_channel: &HashMap<&'static str, Arc<dyn Subscriber>>,
 ) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(db).await?;
+    let mut listener = match source {
+        Source::Pool(db) => PgListener::connect_with(db.raw()).await?,
+        Source::Url(url) => {
+            let options = crate::db::connect_options(url).map_err(|e| {
+                sqlx::Error::Configuration(format!("IDPOOL_PG_LISTEN_URL: {e}").into())
+            })?;
+            PgListener::connect_with(&sqlx::PgPool::connect_lazy_with(options)).await?
+        }
+        Source::Poll => {
+            return Err(sqlx::Error::Configuration("nothing to listen on".into()));
+        }
+    };
     listener.listen_all(by_channel.keys().copied()).await?;
     Ok(listener)
 }

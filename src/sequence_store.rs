@@ -14,8 +14,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::db::{Db, Tx};
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
 
 use crate::sequence::pattern::{Part, Pattern};
 use crate::sequence::{
@@ -98,7 +98,7 @@ struct Cached {
 }
 
 pub struct SequenceStore {
-    db: PgPool,
+    db: Db,
     cache: RwLock<HashMap<String, Cached>>,
     max_per_project: usize,
 }
@@ -191,7 +191,7 @@ struct Printed {
 }
 
 impl SequenceStore {
-    pub fn new(db: PgPool, max_per_project: usize) -> Self {
+    pub fn new(db: Db, max_per_project: usize) -> Self {
         Self {
             db,
             cache: RwLock::new(HashMap::new()),
@@ -474,7 +474,7 @@ impl SequenceStore {
             CHANGED_CHANNEL,
             cache_key(project.as_str(), doc_type.as_str()),
         )
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut tx)
         .await
         .map_err(StoreError::from)?;
         tx.commit().await.map_err(StoreError::from)?;
@@ -496,11 +496,7 @@ impl SequenceStore {
     }
 
     /// Refuses a new sequence in a project that has as many as it may.
-    async fn check_room(
-        &self,
-        conn: &mut PgConnection,
-        project: &ProjectCode,
-    ) -> Result<(), StoreError> {
+    async fn check_room(&self, conn: &mut Tx<'_>, project: &ProjectCode) -> Result<(), StoreError> {
         let count = sqlx::query_scalar!(
             r#"SELECT count(*) AS "count!" FROM sequences WHERE project = $1"#,
             project.as_str(),
@@ -519,7 +515,7 @@ impl SequenceStore {
 
 /// Serialises creations and changes of one project's sequences, so two of
 /// them cannot each pass the conflict check against the other's old state.
-async fn lock_project(conn: &mut PgConnection, project: &ProjectCode) -> Result<(), StoreError> {
+async fn lock_project(conn: &mut Tx<'_>, project: &ProjectCode) -> Result<(), StoreError> {
     sqlx::query_scalar!(
         "SELECT pg_advisory_xact_lock(hashtextextended('idpool:project:' || $1, 0))",
         project.as_str(),
@@ -530,7 +526,7 @@ async fn lock_project(conn: &mut PgConnection, project: &ProjectCode) -> Result<
 }
 
 async fn select_for_update(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     project: &ProjectCode,
     doc_type: &TypeCode,
 ) -> Result<Option<SequenceRow>, StoreError> {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::PgPool;
+use crate::db::Db;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -71,8 +71,9 @@ impl Application {
     pub async fn build_with(config: &Config, overrides: Overrides) -> anyhow::Result<Self> {
         let db = db::connect(
             &config.database_url,
-            config.db_pool_size,
+            ConnectionBudget::of(config).requests,
             config.db_limits(),
+            config.pg_pooler,
         )
         .await?;
         let server = server_limits(config);
@@ -172,7 +173,7 @@ fn server_limits(config: &Config) -> ServerLimits {
 /// tries again, backing off, until the address leads to a primary; the
 /// listener it bound then, if any.
 async fn migrate_when_writable(
-    db: &PgPool,
+    db: &Db,
     config: &Config,
     server: ServerLimits,
 ) -> anyhow::Result<Option<TcpListener>> {
@@ -182,7 +183,7 @@ async fn migrate_when_writable(
     let mut backoff = Backoff::background();
     let mut listener = None;
     loop {
-        let error = match db::MIGRATOR.run(db).await {
+        let error = match db::migrate(db).await {
             Ok(()) => {
                 WAITING.ended();
                 return Ok(listener);
@@ -211,7 +212,7 @@ async fn migrate_when_writable(
 
 /// Everything the routes and the background tasks share, built once.
 struct Parts {
-    db: PgPool,
+    db: Db,
     stats: Arc<Stats>,
     keys: Arc<KeyStore>,
     auth: Arc<Authenticator>,
@@ -226,7 +227,7 @@ impl Parts {
     async fn build(
         config: &Config,
         overrides: &Overrides,
-        db: PgPool,
+        db: Db,
         stats: Arc<Stats>,
     ) -> anyhow::Result<Self> {
         let keys = Arc::new(KeyStore::new(db.clone()));
@@ -302,23 +303,18 @@ impl Parts {
         })
     }
 
-    /// Reconciliation, on two connections of its own (a run never waits
-    /// behind requests).
+    /// Reconciliation, on the request pool under its own limits (a run
+    /// holds two connections: its lock's transaction and its work).
     async fn reconciler(
         config: &Config,
         overrides: &Overrides,
-        db: &PgPool,
+        db: &Db,
         pools: &Arc<PoolService>,
         sequences: &Arc<SequenceStore>,
         stats: &Arc<Stats>,
         instance_id: &str,
     ) -> anyhow::Result<Arc<Reconciler>> {
-        let background_db = db::pool(
-            (*db.connect_options()).clone(),
-            2,
-            config.db_limits().for_background(),
-        )
-        .await?;
+        let background_db = db.under(&config.db_limits().for_background());
         Ok(Arc::new(Reconciler::new(
             background_db,
             pools.clone(),
@@ -338,7 +334,7 @@ impl Parts {
     async fn pools(
         config: &Config,
         overrides: &Overrides,
-        db: &PgPool,
+        db: &Db,
         sequences: &Arc<SequenceStore>,
         stats: &Arc<Stats>,
         instance_id: &str,
@@ -353,12 +349,9 @@ impl Parts {
             },
             stats.clone(),
         )?;
-        let refill_db = db::pool(
-            (*db.connect_options()).clone(),
-            config.refill_concurrency.clamp(1, 4) as u32,
-            config.db_limits(),
-        )
-        .await?;
+        let refill_db = db
+            .sibling(ConnectionBudget::of(config).refills, config.db_limits())
+            .await?;
         let counter = Arc::new(Counter::new(refill_db, instance_id.to_owned()));
         let installation = sqlx::query_scalar!("SELECT id FROM installation")
             .fetch_one(db)
@@ -405,9 +398,10 @@ impl Parts {
                 tenants: pending_tenants.clone(),
             }),
         ];
-        let (listen_db, listen_stop) = (db.clone(), stop.clone());
+        let source = listen::Source::new(&db, config.pg_listen_url.as_deref());
+        let listen_stop = stop.clone();
         supervisor.spawn("notifications", move || {
-            listen::run(listen_db.clone(), subscribers.clone(), listen_stop.clone())
+            listen::run(source.clone(), subscribers.clone(), listen_stop.clone())
         });
         let key_stop = stop.clone();
         supervisor.spawn("keys", move || {
@@ -506,7 +500,10 @@ impl Parts {
             batch_bodies: FairSlots::new(2 * config.batch_concurrency, BATCH_BODIES_PER_KEY),
             probes: Default::default(),
             in_flight: FairSlots::new(usize::MAX / 2, config.max_in_flight_per_key as usize),
-            db_turns: FairSlots::new(request_db_turns(config.db_pool_size), usize::MAX / 2),
+            db_turns: FairSlots::new(
+                request_db_turns(ConnectionBudget::of(config).requests),
+                usize::MAX / 2,
+            ),
         }))
     }
 }
@@ -517,6 +514,35 @@ impl Parts {
 /// bodies read or held (a body is held until its batch is answered), which
 /// bounds what batches take of the instance's memory.
 pub const BATCH_BODIES_PER_KEY: usize = 4;
+
+/// How the instance's Postgres connections (`IDPOOL_DB_POOL_SIZE`, all
+/// told) are shared. Refills have a pool of their own, so a busy request
+/// path makes them slower, never leaves the pools empty; the listener
+/// takes one when it listens on the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionBudget {
+    /// Requests, the writers, the outbox loops and reconciliation.
+    pub requests: u32,
+    pub refills: u32,
+    pub listener: u32,
+}
+
+impl ConnectionBudget {
+    pub fn of(config: &Config) -> Self {
+        let total = config.db_pool_size.max(4);
+        let listener =
+            match listen::Source::new_kind(config.pg_pooler, config.pg_listen_url.is_some()) {
+                listen::Kind::Pool => 1,
+                _ => 0,
+            };
+        let refills = (config.refill_concurrency as u32).clamp(1, if total >= 8 { 2 } else { 1 });
+        Self {
+            requests: total - refills - listener,
+            refills,
+            listener,
+        }
+    }
+}
 
 /// Request-path turns on the Postgres pool: its connections less those the
 /// instance's own work keeps (the shared ledger writer, the handout writer,

@@ -19,12 +19,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::db::Db;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use rand::Rng;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use sqlx::PgPool;
 use subtle::ConstantTimeEq;
 
 use crate::sequence::ProjectCode;
@@ -173,7 +173,7 @@ struct Looks {
 }
 
 pub struct KeyStore {
-    db: PgPool,
+    db: Db,
     /// Every key of the installation, revoked ones included, by id.
     keys: RwLock<HashMap<String, Arc<ApiKey>>>,
     /// One look for new keys at a time; waiters queue here.
@@ -186,7 +186,7 @@ pub struct KeyStore {
 }
 
 impl KeyStore {
-    pub fn new(db: PgPool) -> Self {
+    pub fn new(db: Db) -> Self {
         Self {
             db,
             keys: RwLock::new(HashMap::new()),
@@ -223,14 +223,14 @@ impl KeyStore {
             r#"SELECT statement_timestamp() - make_interval(secs => $1) AS "next!""#,
             LOOK_OVERLAP_SECONDS,
         )
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut conn)
         .await?;
         let rows = key_rows!(
             "SELECT",
             "FROM api_keys WHERE $1::timestamptz IS NULL OR created_at >= $1",
             since
         )
-        .fetch_all(&mut *conn)
+        .fetch_all(&mut conn)
         .await?;
         Ok((rows, next))
     }
@@ -356,14 +356,14 @@ impl KeyStore {
             "",
             id
         )
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut tx)
         .await?;
         let Some(revoked) = revoked else {
             let exists = sqlx::query_scalar!(
                 r#"SELECT EXISTS (SELECT 1 FROM api_keys WHERE id = $1) AS "exists!""#,
                 id,
             )
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut tx)
             .await?;
             return Err(if exists {
                 KeyError::AlreadyRevoked(id.to_owned())
@@ -372,7 +372,7 @@ impl KeyStore {
             });
         };
         sqlx::query_scalar!("SELECT pg_notify($1, $2)", REVOKED_CHANNEL, id)
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut tx)
             .await?;
         tx.commit().await?;
         self.revoked(id);

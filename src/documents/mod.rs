@@ -9,8 +9,8 @@ pub mod sink;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::db::Tx;
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
 
 use crate::issuance::{IssueError, Issuer, Want};
 use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
@@ -234,7 +234,7 @@ impl Documents {
     /// number is taken.
     pub async fn accept_in(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         inputs: &[DocumentInput],
         placements: &Placements,
     ) -> Result<Vec<(Accepted, bool)>, BatchError> {
@@ -262,7 +262,7 @@ impl Documents {
     /// Writes documents none of which is known by its source id.
     async fn write_new(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         inputs: &[DocumentInput],
         placements: &Placements,
     ) -> Result<Vec<Accepted>, BatchError> {
@@ -313,7 +313,7 @@ impl Documents {
     /// the ledger in the caller's transaction, in request order.
     async fn number_group(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         placement: &Arc<Placement>,
         members: Vec<usize>,
         inputs: &[DocumentInput],
@@ -340,7 +340,7 @@ type PlacedRow = (i64, String, OutboxRow);
 /// (its project and type are the item's, so inside the caller's scope).
 /// Two items of one request with the same source id are refused.
 async fn known_sources(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     inputs: &[DocumentInput],
 ) -> Result<Vec<(usize, Accepted)>, BatchError> {
     let mut first_of: HashMap<(&str, &str, &str), usize> = HashMap::new();
@@ -378,10 +378,7 @@ async fn known_sources(
 
 /// Inserts the outbox rows, after checking no other document has one of
 /// their IDs (naming the first item that collides).
-async fn write_rows(
-    conn: &mut PgConnection,
-    rows: &[PlacedRow],
-) -> Result<Vec<Accepted>, BatchError> {
+async fn write_rows(conn: &mut Tx<'_>, rows: &[PlacedRow]) -> Result<Vec<Accepted>, BatchError> {
     let ids: Vec<&str> = rows
         .iter()
         .map(|(_, _, r)| r.document_id.as_str())
@@ -413,7 +410,7 @@ async fn write_rows(
 /// Checks that `id` was issued by `POST /ids` for this sequence and carries
 /// no document yet; the outbox row that attaches it.
 async fn attachable(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     placement: &Placement,
     input: &DocumentInput,
     id: &str,
@@ -476,7 +473,7 @@ async fn attachable(
 /// deadline passed (the expiry sweep voids it). The outbox row that
 /// attaches it.
 async fn confirm_reservation(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     placement: &Placement,
     input: &DocumentInput,
     id: &str,

@@ -1,9 +1,9 @@
 //! SQL of the outbox (`id_outbox`) after a document's row is written:
 //! reading, listing, retrying, abandoning.
 
+use crate::db::{Db, Link, Tx};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
 
 pub use crate::ledger::outbox::DocumentStatus;
 use utoipa::ToSchema;
@@ -16,10 +16,7 @@ pub use listing::{DocumentView, ListError, ListFilter, find, list};
 
 /// The index (in `ids`) of the first document ID another document has.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn first_taken(
-    conn: &mut PgConnection,
-    ids: &[&str],
-) -> Result<Option<usize>, sqlx::Error> {
+pub async fn first_taken(conn: &mut Tx<'_>, ids: &[&str]) -> Result<Option<usize>, sqlx::Error> {
     let taken: Vec<String> = sqlx::query_scalar!(
         "SELECT document_id FROM id_outbox WHERE document_id = ANY($1)",
         ids as &[&str],
@@ -57,7 +54,7 @@ impl KnownSource {
 /// The documents that carry these `(project, type, source id)`s.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn by_source_ids(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     keys: &[(&str, &str, &str)],
 ) -> Result<Vec<KnownSource>, sqlx::Error> {
     let projects: Vec<&str> = keys.iter().map(|k| k.0).collect();
@@ -80,7 +77,7 @@ pub async fn by_source_ids(
 
 /// Whether number `seq` of the sequence period carries a document.
 pub async fn carries_document(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     sequence_id: i64,
     period: &str,
     seq: i64,
@@ -148,7 +145,7 @@ const ABANDON: Transition = Transition {
 /// Back to `pending`, retry count reset: for dead letters (and abandoned
 /// documents an operator wants back).
 pub async fn retry(
-    db: &PgPool,
+    db: &Db,
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<DocumentView, TransitionError> {
@@ -157,7 +154,7 @@ pub async fn retry(
 
 /// Gives up on a document: its number becomes an `abandoned` gap.
 pub async fn abandon(
-    db: &PgPool,
+    db: &Db,
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<DocumentView, TransitionError> {
@@ -165,7 +162,7 @@ pub async fn abandon(
 }
 
 async fn transition(
-    db: &PgPool,
+    db: &Db,
     document_id: &str,
     projects: Option<&[String]>,
     change: &Transition,
@@ -178,7 +175,7 @@ async fn transition(
         document_id,
         projects,
     )
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut tx)
     .await?;
     let Some(current) = current else {
         return Err(TransitionError::NotFound(document_id.to_owned()));
@@ -198,12 +195,12 @@ async fn transition(
     let view: DocumentView = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(document_id)
         .bind(change.to)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut tx)
         .await?;
     if current != DocumentStatus::Pending {
         // Wake processors for a document that is due again.
         sqlx::query_scalar!("SELECT pg_notify('idpool_outbox', '')")
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut tx)
             .await?;
     }
     tx.commit().await?;
@@ -215,7 +212,7 @@ async fn transition(
 /// payload is read only when the sink needs it.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn claim_due(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     limit: i64,
     with_payload: bool,
     tenants: &[String],
@@ -279,7 +276,7 @@ pub async fn claim_due(
 /// What the shares left of the batch goes to the tenants that filled
 /// theirs (their rows may be due; the others had no more).
 async fn claim_what_shares_left(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     sql: &str,
     tenants: &[String],
     limit: i64,
@@ -309,7 +306,7 @@ async fn claim_what_shares_left(
 /// Up to `limit` due rows of `tenant` that no other transaction holds,
 /// leaving out `held` (this one's).
 async fn claim_of(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     sql: &str,
     tenant: &str,
     limit: i64,
@@ -328,7 +325,7 @@ async fn claim_of(
 /// has none pending. Inside the claim's transaction: the due-order index of
 /// the tenant's pending rows is the one read.
 pub async fn next_due_of(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     tenant: &str,
 ) -> Result<Option<std::time::Duration>, sqlx::Error> {
     // `pending` spelt out (DocumentStatus::Pending), so the planner matches
@@ -346,7 +343,7 @@ pub async fn next_due_of(
 
 /// How long the oldest pending row has waited, in seconds (0 with none):
 /// what an operator is alerted on when delivery stalls.
-pub async fn oldest_pending_age(db: &PgPool) -> Result<f64, sqlx::Error> {
+pub async fn oldest_pending_age(db: &Db) -> Result<f64, sqlx::Error> {
     let seconds = sqlx::query_scalar!(
         "SELECT extract(epoch FROM clock_timestamp() - created_at)::float8 AS \"seconds!\" \
          FROM id_outbox WHERE status = 'pending' ORDER BY status, id LIMIT 1"
@@ -359,9 +356,7 @@ pub async fn oldest_pending_age(db: &PgPool) -> Result<f64, sqlx::Error> {
 /// The tenants that have pending rows, found by skipping through the index
 /// of pending rows by tenant: one probe per such tenant, however many rows
 /// each holds.
-pub async fn tenants_with_pending_rows(
-    conn: &mut PgConnection,
-) -> Result<Vec<String>, sqlx::Error> {
+pub async fn tenants_with_pending_rows(conn: &mut Tx<'_>) -> Result<Vec<String>, sqlx::Error> {
     // `pending` spelt out (DocumentStatus::Pending), so the planner matches
     // the partial index.
     sqlx::query_scalar!(
@@ -395,7 +390,7 @@ pub struct Outcomes {
 /// every loop). A row refused even alone is left for the next claim and
 /// logged.
 pub async fn record_outcomes(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     delivered: &[i64],
     failed: &[(i64, String)],
     retry: &Retry,
@@ -464,11 +459,8 @@ impl<'a> Marking<'a> {
         }
     }
 
-    async fn in_savepoint(
-        &self,
-        conn: &mut PgConnection,
-    ) -> Result<(Vec<f64>, usize), sqlx::Error> {
-        let mut savepoint = sqlx::Connection::begin(&mut *conn).await?;
+    async fn in_savepoint(&self, conn: &mut Tx<'_>) -> Result<(Vec<f64>, usize), sqlx::Error> {
+        let mut savepoint = conn.begin().await?;
         let done = match self {
             Marking::Delivered(rows) => mark_delivered(&mut savepoint, rows)
                 .await
@@ -493,10 +485,7 @@ impl<'a> Marking<'a> {
 /// Marks rows delivered (and forgets the error of an earlier attempt);
 /// returns each one's seconds from acceptance to delivery.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn mark_delivered(
-    conn: &mut PgConnection,
-    row_ids: &[i64],
-) -> Result<Vec<f64>, sqlx::Error> {
+pub async fn mark_delivered(conn: &mut Tx<'_>, row_ids: &[i64]) -> Result<Vec<f64>, sqlx::Error> {
     if row_ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -524,7 +513,7 @@ pub struct Retry {
 /// dead-lettered.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn mark_failed(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     failed: &[(i64, String)],
     retry: &Retry,
 ) -> Result<usize, sqlx::Error> {

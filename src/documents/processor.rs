@@ -4,10 +4,11 @@
 //! ever held by one, and a processor that dies releases its rows with its
 //! connection, so they are due again at once.
 
+use crate::db::Tx;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::PgPool;
+use crate::db::Db;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -89,7 +90,7 @@ impl PendingTenants {
     }
 
     /// The tenants to serve now, scanning first when it is time.
-    async fn current(&self, conn: &mut sqlx::PgConnection) -> Result<Vec<String>, sqlx::Error> {
+    async fn current(&self, conn: &mut Tx<'_>) -> Result<Vec<String>, sqlx::Error> {
         let due = self
             .known()
             .scanned
@@ -154,7 +155,7 @@ pub struct Step {
 }
 
 pub struct Processor {
-    db: PgPool,
+    db: Db,
     sink: Sink,
     settings: ProcessorSettings,
     wake: Arc<Notify>,
@@ -166,7 +167,7 @@ pub struct Processor {
 
 impl Processor {
     pub fn new(
-        db: PgPool,
+        db: Db,
         sink: Sink,
         settings: ProcessorSettings,
         wake: Arc<Notify>,
@@ -178,7 +179,7 @@ impl Processor {
     /// The same, told of tenants with new rows through `tenants` (see
     /// [`OutboxWake`]).
     pub fn with_tenants(
-        db: PgPool,
+        db: Db,
         sink: Sink,
         settings: ProcessorSettings,
         wake: Arc<Notify>,
@@ -271,7 +272,7 @@ impl Processor {
     /// with none pending are forgotten.
     async fn next_due(
         &self,
-        conn: &mut sqlx::PgConnection,
+        conn: &mut Tx<'_>,
         tenants: &[String],
     ) -> Result<Option<Duration>, sqlx::Error> {
         let mut soonest: Option<Duration> = None;

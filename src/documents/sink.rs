@@ -11,8 +11,8 @@ use futures::StreamExt;
 use serde::Serialize;
 
 use crate::clock::Clock;
+use crate::db::{Link, Tx};
 use serde_json::value::RawValue;
-use sqlx::PgConnection;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SinkConfig {
@@ -257,7 +257,7 @@ impl Sink {
     /// Postgres sink writes inside the processor's transaction.
     pub async fn deliver(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         batch: &[Delivery],
     ) -> Vec<Result<(), DeliveryError>> {
         match self {
@@ -302,10 +302,10 @@ impl Sink {
     }
 }
 
-async fn upsert_documents(conn: &mut PgConnection, batch: &[Delivery]) -> Result<(), sqlx::Error> {
+async fn upsert_documents(conn: &mut Tx<'_>, batch: &[Delivery]) -> Result<(), sqlx::Error> {
     let ids: Vec<i64> = batch.iter().map(|d| d.row_id).collect();
     // A savepoint: a failed insert must not abort the claim transaction.
-    let mut savepoint = sqlx::Connection::begin(&mut *conn).await?;
+    let mut savepoint = conn.begin().await?;
     sqlx::query!(
         "INSERT INTO documents (document_id, project, doc_type, seq, metadata, created_at) \
          SELECT document_id, tenant_code, entity_type_id, seq_number, payload, created_at \
@@ -313,7 +313,7 @@ async fn upsert_documents(conn: &mut PgConnection, batch: &[Delivery]) -> Result
          ON CONFLICT (document_id) DO UPDATE SET metadata = EXCLUDED.metadata, delivered_at = now()",
         &ids,
     )
-    .execute(&mut *savepoint)
+    .execute(&mut savepoint)
     .await?;
     savepoint.commit().await
 }

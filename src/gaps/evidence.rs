@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
+use crate::db::Link;
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
 
 use super::classify::{Evidence, OpenGap, Reason};
 use crate::ledger::Via;
@@ -41,7 +41,7 @@ impl RunsTable {
 
 /// The runs of `table` that overlap the windows `[los[i], his[i])`.
 pub(super) async fn overlapping_runs(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     table: RunsTable,
     sequence_id: i64,
     period: &str,
@@ -61,7 +61,7 @@ pub(super) async fn overlapping_runs(
         .bind(period)
         .bind(los)
         .bind(his)
-        .fetch_all(&mut *conn)
+        .fetch_all(conn.statements())
         .await
 }
 
@@ -81,7 +81,7 @@ type Documents = Vec<(i64, DocumentStatus, String)>;
 /// Every statement of `Windows` binds the same four: `$1` sequence, `$2`
 /// period, `$3` and `$4` the windows' starts and ends.
 impl Windows<'_> {
-    async fn blocks(&self, conn: &mut PgConnection) -> Result<Blocks, sqlx::Error> {
+    async fn blocks(&self, conn: &mut impl Link) -> Result<Blocks, sqlx::Error> {
         let rows = sqlx::query!(
             "SELECT DISTINCT lower(b.seqs) AS \"start!\", upper(b.seqs) AS \"end!\", b.reserved_at \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
@@ -92,7 +92,7 @@ impl Windows<'_> {
             &self.los,
             &self.his,
         )
-        .fetch_all(&mut *conn)
+        .fetch_all(conn.statements())
         .await?;
         Ok(rows
             .into_iter()
@@ -100,7 +100,7 @@ impl Windows<'_> {
             .collect())
     }
 
-    async fn ledger(&self, conn: &mut PgConnection) -> Result<LedgerRows, sqlx::Error> {
+    async fn ledger(&self, conn: &mut impl Link) -> Result<LedgerRows, sqlx::Error> {
         let rows = sqlx::query!(
             "SELECT DISTINCT lower(l.seqs) AS \"start!\", upper(l.seqs) AS \"end!\", l.issued_at, \
                     l.via = $5 AS \"leased!\" \
@@ -113,7 +113,7 @@ impl Windows<'_> {
             &self.his,
             Via::Lease.as_str(),
         )
-        .fetch_all(&mut *conn)
+        .fetch_all(conn.statements())
         .await?;
         Ok(rows
             .into_iter()
@@ -121,7 +121,7 @@ impl Windows<'_> {
             .collect())
     }
 
-    async fn documents(&self, conn: &mut PgConnection) -> Result<Documents, sqlx::Error> {
+    async fn documents(&self, conn: &mut impl Link) -> Result<Documents, sqlx::Error> {
         let rows = sqlx::query!(
             "SELECT DISTINCT o.seq, o.status::text AS \"status!: DocumentStatus\", o.document_id \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
@@ -132,7 +132,7 @@ impl Windows<'_> {
             &self.los,
             &self.his,
         )
-        .fetch_all(&mut *conn)
+        .fetch_all(conn.statements())
         .await?;
         Ok(rows
             .into_iter()
@@ -142,7 +142,7 @@ impl Windows<'_> {
 
     async fn runs(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         table: RunsTable,
     ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
         overlapping_runs(
@@ -159,7 +159,7 @@ impl Windows<'_> {
 
 /// Everything that says what became of the numbers in `windows`.
 pub(super) async fn fetch_evidence(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     period: &str,
     windows: &[SeqRange],
@@ -232,7 +232,7 @@ impl FetchedEvidence {
 
 /// Open gaps overlapping or touching the windows, with their printed IDs.
 pub(super) async fn open_gaps_near(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     period: &str,
     windows: &[SeqRange],
@@ -261,7 +261,7 @@ pub(super) async fn open_gaps_near(
         &los,
         &his,
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     Ok(rows
         .into_iter()

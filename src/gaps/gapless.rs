@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use sqlx::PgConnection;
+use crate::db::Link;
 
 use super::reconcile::{ReconcileError, Reconciler};
 use super::store::{self, GaplessPeriod};
@@ -22,7 +22,7 @@ impl Reconciler {
     /// returns how many were neither a document nor a reservation.
     pub(super) async fn check_gapless(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequences: &mut HashMap<i64, Arc<Sequence>>,
         summary: &mut super::reconcile::Summary,
     ) -> Result<i64, ReconcileError> {

@@ -7,9 +7,9 @@ mod gapless;
 pub mod reconcile;
 mod store;
 
+use crate::db::Db;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::PgPool;
 use utoipa::ToSchema;
 
 pub use classify::Reason;
@@ -59,7 +59,7 @@ pub struct GapQuery<'a> {
 
 /// Open gaps of a sequence in (period, position) order, from the index.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::Error> {
+pub async fn list(db: &Db, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::Error> {
     let (after_period, after_seq) = query.after.clone().unwrap_or((String::new(), i64::MIN));
     if let Some(sequence_id) = query.gapless {
         return voids(db, query, sequence_id, (&after_period, after_seq)).await;
@@ -101,7 +101,7 @@ pub async fn list(db: &PgPool, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::E
 /// The voids of a gapless sequence, one gap per number: reason `voided`
 /// (with the caller's note) or `reservation_expired`.
 async fn voids(
-    db: &PgPool,
+    db: &Db,
     query: &GapQuery<'_>,
     sequence_id: i64,
     after: (&str, i64),
@@ -137,7 +137,7 @@ async fn voids(
 }
 
 /// Numbers of a sequence currently in open gaps.
-pub async fn open_numbers(db: &PgPool, sequence_id: i64) -> Result<i64, sqlx::Error> {
+pub async fn open_numbers(db: &Db, sequence_id: i64) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar!(
         "SELECT coalesce(sum(to_seq - from_seq + 1), 0)::bigint AS \"numbers!\" FROM id_gaps \
          WHERE sequence_id = $1 AND resolved_at IS NULL",

@@ -13,9 +13,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::db::{Db, Link};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::classify::{self, Judged, OpenGap, Reason};
@@ -48,6 +48,12 @@ impl Default for ReconcileSettings {
         }
     }
 }
+
+/// How long a run is taken to be under way after it started, unless it
+/// finished or failed: an instance that died mid-run holds up the next run
+/// at most this long. Far above the longest run (its statements end after
+/// 300 s).
+const RUN_LEASE: Duration = Duration::from_secs(15 * 60);
 
 /// What one run did.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -82,7 +88,7 @@ fn reason_counts(counts: &BTreeMap<Reason, i64>) -> String {
 }
 
 pub struct Reconciler {
-    db: PgPool,
+    db: Db,
     pools: Arc<PoolService>,
     sequences: Arc<SequenceStore>,
     clock: Arc<dyn Clock>,
@@ -105,7 +111,7 @@ impl Reconciler {
     /// The reconciler, working on `db` (connections of its own, so a run
     /// never waits behind requests).
     pub fn new(
-        db: PgPool,
+        db: Db,
         pools: Arc<PoolService>,
         sequences: Arc<SequenceStore>,
         clock: Arc<dyn Clock>,
@@ -140,13 +146,11 @@ impl Reconciler {
         }
     }
 
-    /// One run, unless another instance holds the lock.
+    /// One run, unless another is under way.
     pub async fn run_once(&self) -> Result<Summary, ReconcileError> {
         let started = Instant::now();
-        // Advisory locks belong to a session: take and release it on one connection.
         let mut conn = self.db.acquire().await?;
-        let locked = store::try_lock(&mut conn).await?;
-        if !locked {
+        let Some(run) = store::start_run(&mut conn, &self.instance_id, RUN_LEASE).await? else {
             // The instance that runs reconciliation says how many; a stale
             // figure here would keep an alert firing.
             self.stats.sequences_near_max.set(0);
@@ -154,9 +158,14 @@ impl Reconciler {
                 skipped: true,
                 ..Default::default()
             });
+        };
+        let result = self.run_started(&mut conn, &run).await;
+        if result.is_err()
+            && let Err(e) = store::abandon_run(&mut conn, run.id).await
+        {
+            tracing::warn!(error = %e, "a failed reconciliation run stays recorded as under way; the next starts once it is older than the lease");
         }
-        let result = self.run_locked(&mut conn).await;
-        store::unlock(&mut conn).await;
+        drop(conn);
         let mut summary = result?;
         summary.duration_ms = started.elapsed().as_millis() as u64;
         self.stats.reconcile_runs.inc();
@@ -199,8 +208,11 @@ impl Reconciler {
         }
     }
 
-    async fn run_locked(&self, conn: &mut PgConnection) -> Result<Summary, ReconcileError> {
-        let run = store::start_run(conn, &self.instance_id).await?;
+    async fn run_started(
+        &self,
+        conn: &mut impl Link,
+        run: &store::Run,
+    ) -> Result<Summary, ReconcileError> {
         let mut summary = Summary {
             redis_available: self.pools.in_use(),
             ..Default::default()
@@ -250,7 +262,7 @@ impl Reconciler {
     /// than the settle time, then moves its checkpoint there.
     async fn judge_settled(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequence: &Arc<Sequence>,
         period: &ActivePeriod,
         now: DateTime<Utc>,
@@ -298,7 +310,7 @@ impl Reconciler {
     /// everything. Returns whether a pool was closed.
     async fn observe(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequence: &Arc<Sequence>,
         period: &ActivePeriod,
         now: DateTime<Utc>,
@@ -343,7 +355,7 @@ impl Reconciler {
     /// changed since `since` in a way the gap list does not show yet.
     async fn changed_since(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         since: DateTime<Utc>,
     ) -> Result<BTreeMap<(i64, String), Vec<i64>>, sqlx::Error> {
         let rows = store::contradicting_changes(conn, since).await?;
@@ -361,7 +373,7 @@ impl Reconciler {
     /// `id_gaps` in line, in one transaction.
     async fn rejudge(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         sequence: &Sequence,
         period: &str,
         windows: &[SeqRange],
@@ -371,7 +383,7 @@ impl Reconciler {
         if windows.is_empty() {
             return Ok(());
         }
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let mut tx = conn.begin().await?;
         let evidence = fetch_evidence(&mut tx, sequence.id, period, windows).await?;
         let judged: Vec<Judged> = windows
             .iter()
@@ -455,7 +467,7 @@ impl<'a> Labels<'a> {
         }
     }
 
-    async fn id(&mut self, conn: &mut PgConnection, seq: i64) -> Result<String, sqlx::Error> {
+    async fn id(&mut self, conn: &mut impl Link, seq: i64) -> Result<String, sqlx::Error> {
         if let Some(id) = self
             .known
             .get(&seq)

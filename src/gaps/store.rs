@@ -2,8 +2,8 @@
 //! period's numbers and the gap rows. The judgement is in `reconcile` and
 //! `classify`; nothing here decides.
 
+use crate::db::{Db, Link};
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
 
 use super::classify::{GapPiece, Reason};
 use crate::ledger::outbox::DocumentStatus;
@@ -25,25 +25,11 @@ pub(super) struct Run {
     pub(super) previous: Option<DateTime<Utc>>,
 }
 
-/// Advisory lock key: one reconciliation at a time across instances.
+/// Advisory lock key: one run starts at a time across instances.
 const LOCK_KEY: i64 = 0x1d_9001_9a95;
 
-/// Takes the reconciliation lock on this session, without waiting.
-pub(super) async fn try_lock(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar!(r#"SELECT pg_try_advisory_lock($1) AS "taken!""#, LOCK_KEY)
-        .fetch_one(&mut *conn)
-        .await
-}
-
-/// Releases the lock (a failure leaves it to the session's end).
-pub(super) async fn unlock(conn: &mut PgConnection) {
-    let _ = sqlx::query_scalar!("SELECT pg_advisory_unlock($1)", LOCK_KEY)
-        .fetch_one(&mut *conn)
-        .await;
-}
-
 /// Numbers in open gaps, per reason.
-pub(super) async fn open_gap_totals(db: &PgPool) -> Result<Vec<(Reason, i64)>, sqlx::Error> {
+pub(super) async fn open_gap_totals(db: &Db) -> Result<Vec<(Reason, i64)>, sqlx::Error> {
     let rows = sqlx::query!(
         r#"SELECT reason AS "reason: Reason", sum(to_seq - from_seq + 1)::bigint AS "numbers!"
            FROM id_gaps WHERE resolved_at IS NULL GROUP BY reason"#,
@@ -55,7 +41,7 @@ pub(super) async fn open_gap_totals(db: &PgPool) -> Result<Vec<(Reason, i64)>, s
 
 /// Sequences whose latest period has less than a tenth of its numbers
 /// left before its `max` (or none): they will soon refuse every request.
-pub(super) async fn sequences_near_max(db: &PgPool) -> Result<i64, sqlx::Error> {
+pub(super) async fn sequences_near_max(db: &Db) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar!(
         r#"SELECT count(*) AS "near!" FROM (
              SELECT DISTINCT ON (c.sequence_id) c.next_seq, s.max_seq, s.start_seq
@@ -72,30 +58,59 @@ pub(super) async fn sequences_near_max(db: &PgPool) -> Result<i64, sqlx::Error> 
 /// Records the run's start, by the database's clock, and finds when the
 /// last finished run started.
 pub(super) async fn start_run(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     instance_id: &str,
-) -> Result<Run, sqlx::Error> {
-    let now = sqlx::query_scalar!(r#"SELECT clock_timestamp() AS "now!""#)
-        .fetch_one(&mut *conn)
+    lease: std::time::Duration,
+) -> Result<Option<Run>, sqlx::Error> {
+    // A run under way is its row without `finished_at`, younger than
+    // `lease`: no lock is held for the run (a session's lock would stay
+    // with a server connection a pooler hands to someone else), and one
+    // transaction-scoped lock lets one instance at a time look and start.
+    let mut tx = conn.begin().await?;
+    sqlx::query_scalar!("SELECT pg_advisory_xact_lock($1)", LOCK_KEY)
+        .fetch_one(&mut tx)
         .await?;
+    let now = sqlx::query_scalar!(r#"SELECT clock_timestamp() AS "now!""#)
+        .fetch_one(&mut tx)
+        .await?;
+    let since = now - chrono::Duration::from_std(lease).unwrap_or_default();
+    let running = sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM reconcile_runs WHERE finished_at IS NULL AND started_at > $1) AS "running!""#,
+        since,
+    )
+    .fetch_one(&mut tx)
+    .await?;
+    if running {
+        return Ok(None);
+    }
     let previous = sqlx::query_scalar!(
         "SELECT started_at FROM reconcile_runs WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
     )
-    .fetch_optional(&mut *conn)
+    .fetch_optional(&mut tx)
     .await?;
     let id = sqlx::query_scalar!(
         "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
         instance_id,
         now,
     )
-    .fetch_one(&mut *conn)
+    .fetch_one(&mut tx)
     .await?;
-    Ok(Run { id, now, previous })
+    tx.commit().await?;
+    Ok(Some(Run { id, now, previous }))
+}
+
+/// Forgets a run that failed: the next one starts at once, and judges
+/// from where the last finished run left off.
+pub(super) async fn abandon_run(conn: &mut impl Link, id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query!("DELETE FROM reconcile_runs WHERE id = $1", id)
+        .execute(conn.statements())
+        .await?;
+    Ok(())
 }
 
 /// Records the run as finished, with what it did.
 pub(super) async fn finish_run(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     id: i64,
     summary: serde_json::Value,
 ) -> Result<(), sqlx::Error> {
@@ -104,7 +119,7 @@ pub(super) async fn finish_run(
         id,
         summary,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -112,7 +127,7 @@ pub(super) async fn finish_run(
 /// The highest mark of `period` observed by `settled_before`, and its
 /// newest mark.
 pub(super) async fn marks(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     period: &ActivePeriod,
     settled_before: DateTime<Utc>,
 ) -> Result<(Option<i64>, Option<i64>), sqlx::Error> {
@@ -124,7 +139,7 @@ pub(super) async fn marks(
         &period.period,
         settled_before,
     )
-    .fetch_one(&mut *conn)
+    .fetch_one(conn.statements())
     .await?;
     Ok((row.settled, row.newest))
 }
@@ -132,7 +147,7 @@ pub(super) async fn marks(
 /// Moves `period`'s checkpoint to `bound` and drops the marks older than
 /// the one that settled it (never needed again).
 pub(super) async fn move_checkpoint(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     period: &ActivePeriod,
     bound: i64,
     settled_before: DateTime<Utc>,
@@ -144,7 +159,7 @@ pub(super) async fn move_checkpoint(
         &period.period,
         bound,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     sqlx::query!(
         "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2 AND observed_at < \
@@ -154,14 +169,12 @@ pub(super) async fn move_checkpoint(
         &period.period,
         settled_before,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
 
-pub(super) async fn active_periods(
-    conn: &mut PgConnection,
-) -> Result<Vec<ActivePeriod>, sqlx::Error> {
+pub(super) async fn active_periods(conn: &mut impl Link) -> Result<Vec<ActivePeriod>, sqlx::Error> {
     struct Row {
         sequence_id: i64,
         period: String,
@@ -182,7 +195,7 @@ pub(super) async fn active_periods(
          WHERE r.checkpoint IS NULL OR r.checkpoint < c.next_seq OR r.pool_closed_at IS NULL \
          ORDER BY c.sequence_id, c.period",
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     Ok(rows
         .into_iter()
@@ -201,7 +214,7 @@ pub(super) async fn active_periods(
 /// Notes that `period`'s pool was closed (its numbers discarded); the
 /// counter's next number, below which everything has left.
 pub(super) async fn close_pool(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     period: &ActivePeriod,
 ) -> Result<i64, sqlx::Error> {
     sqlx::query!(
@@ -212,21 +225,21 @@ pub(super) async fn close_pool(
         &period.period,
         period.checkpoint,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     sqlx::query_scalar!(
         "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2",
         period.sequence_id,
         &period.period,
     )
-    .fetch_one(&mut *conn)
+    .fetch_one(conn.statements())
     .await
 }
 
 /// Every number of `period` below `bound` had left the counter and the
 /// pool at `now`.
 pub(super) async fn add_mark(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     period: &ActivePeriod,
     now: DateTime<Utc>,
     bound: i64,
@@ -239,7 +252,7 @@ pub(super) async fn add_mark(
         now,
         bound,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -249,7 +262,7 @@ pub(super) async fn add_mark(
 /// document whose status disagrees with them, a ledger record or discard
 /// of a number judged never issued (a late write, a late discard record).
 pub(super) async fn contradicting_changes(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     since: DateTime<Utc>,
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
     let mut changed = documents_contradicting(conn, since).await?;
@@ -277,7 +290,7 @@ pub(super) async fn contradicting_changes(
 /// open gaps: dead-lettered or abandoned without the gap that says so, or
 /// pending or delivered inside a gap.
 async fn documents_contradicting(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     since: DateTime<Utc>,
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
     let rows = sqlx::query!(
@@ -301,7 +314,7 @@ async fn documents_contradicting(
         DocumentStatus::Abandoned.as_str(),
         Reason::Abandoned.as_str(),
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     Ok(rows
         .into_iter()
@@ -331,7 +344,7 @@ impl LateRuns {
 /// The parts of runs of `table` written since `since` that fall in open
 /// gaps of one of `reasons`.
 async fn late_runs(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     table: LateRuns,
     since: DateTime<Utc>,
     reasons: &[Reason],
@@ -348,12 +361,12 @@ async fn late_runs(
     sqlx::query_as(sqlx::AssertSqlSafe(query))
         .bind(since)
         .bind(&reasons)
-        .fetch_all(&mut *conn)
+        .fetch_all(conn.statements())
         .await
 }
 
 pub(super) async fn resolve_gaps(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     ids: &[i64],
     now: DateTime<Utc>,
 ) -> Result<(), sqlx::Error> {
@@ -362,7 +375,7 @@ pub(super) async fn resolve_gaps(
         ids,
         now
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -370,7 +383,7 @@ pub(super) async fn resolve_gaps(
 /// Inserts new gaps, `from_ids[i]` and `to_ids[i]` printing the ends of
 /// `pieces[i]`.
 pub(super) async fn insert_gaps(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     period: &str,
     pieces: &[GapPiece],
@@ -395,7 +408,7 @@ pub(super) async fn insert_gaps(
         &reasons as &[&str],
         &detected,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -403,7 +416,7 @@ pub(super) async fn insert_gaps(
 /// When `seq` was issued, or else reserved from the counter; None when
 /// nothing records either.
 pub(super) async fn issue_time(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     period: &str,
     seq: i64,
@@ -416,7 +429,7 @@ pub(super) async fn issue_time(
         period,
         seq,
     )
-    .fetch_one(&mut *conn)
+    .fetch_one(conn.statements())
     .await
 }
 
@@ -430,7 +443,7 @@ pub(super) struct GaplessPeriod {
 }
 
 pub(super) async fn gapless_periods(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
 ) -> Result<Vec<GaplessPeriod>, sqlx::Error> {
     sqlx::query_as!(
         GaplessPeriod,
@@ -440,14 +453,14 @@ pub(super) async fn gapless_periods(
          WHERE k.checked_below IS NULL OR k.checked_below < c.next_seq \
          ORDER BY c.sequence_id, c.period",
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await
 }
 
 /// Numbers of `[from, to)` of a gapless period that are neither a
 /// document nor a reservation, ascending (at most `limit`).
 pub(super) async fn gapless_holes(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     period: &GaplessPeriod,
     (from, to): (i64, i64),
     limit: i64,
@@ -469,12 +482,12 @@ pub(super) async fn gapless_holes(
         to,
         limit,
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await
 }
 
 pub(super) async fn move_gapless_checkpoint(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     period: &GaplessPeriod,
     checked_below: i64,
 ) -> Result<(), sqlx::Error> {
@@ -485,7 +498,7 @@ pub(super) async fn move_gapless_checkpoint(
         &period.period,
         checked_below,
     )
-    .execute(&mut *conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }

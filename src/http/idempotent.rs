@@ -5,12 +5,12 @@
 
 use std::collections::HashMap;
 
+use crate::db::Tx;
 use axum::extract::FromRequestParts;
 use axum::http::HeaderValue;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-use sqlx::PgConnection;
 
 use super::AppState;
 use super::problem::{ApiError, db_error, key_reused};
@@ -88,7 +88,7 @@ pub async fn run<W>(
     work: W,
 ) -> Result<Vec<Answer>, ApiError>
 where
-    W: AsyncFnOnce(&mut PgConnection, &[usize]) -> Result<Vec<Answer>, ApiError>,
+    W: AsyncFnOnce(&mut Tx<'_>, &[usize]) -> Result<Vec<Answer>, ApiError>,
 {
     let at = |e: ApiError, index: usize| if itemized { e.at_index(index) } else { e };
     let (mut fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
@@ -140,7 +140,7 @@ where
 /// Claims the keys in the caller's transaction, after twins of this
 /// request (the same key sent twice at once) had a moment to commit.
 async fn claim(
-    tx: &mut PgConnection,
+    tx: &mut Tx<'_>,
     caller: &Caller,
     claims: &[(String, Vec<u8>)],
 ) -> Result<Vec<Claimed>, ApiError> {

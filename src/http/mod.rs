@@ -22,12 +22,12 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::db::Db;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
 use axum::http::{HeaderName, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use sqlx::PgPool;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
@@ -60,7 +60,7 @@ pub struct AppInner {
     pub pools: Arc<PoolService>,
     pub stats: Arc<Stats>,
     pub clock: Arc<dyn Clock>,
-    pub db: PgPool,
+    pub db: Db,
     pub request_timeout: Duration,
     /// Turns, shared fairly by keys, to work on a document batch
     /// (`IDPOOL_BATCH_CONCURRENCY`); taken once its body is read.

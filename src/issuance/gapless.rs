@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::db::Tx;
 use chrono::{DateTime, SubsecRound, Utc};
-use sqlx::PgConnection;
 use tokio::time::Instant;
 
 use super::pipeline::{Demand, Served};
@@ -108,7 +108,7 @@ impl Issuer {
     /// deadline.
     pub(super) async fn gapless_in(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
@@ -212,7 +212,7 @@ impl Issuer {
     /// answers as it was voided.
     pub async fn void_in(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         project: &ProjectCode,
         doc_type: &TypeCode,
         id: &str,

@@ -3,8 +3,7 @@
 //! before their answers leave, so an ID answered is attachable at once
 //! through any instance, and still after this one was killed.
 
-use sqlx::PgPool;
-use sqlx::pool::PoolConnection;
+use crate::db::{Conn, Db};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 
@@ -55,13 +54,13 @@ pub(super) struct Handouts {
 impl Handouts {
     /// Starts the writers; they stop once the queue's sender is dropped
     /// and the queue is drained.
-    pub(super) fn spawn(db: PgPool, tasks: &TaskTracker) -> Self {
+    pub(super) fn spawn(db: Db, tasks: &TaskTracker) -> Self {
         let (queue, receiver) = mpsc::unbounded_channel();
         let receiver = std::sync::Arc::new(tokio::sync::Mutex::new(receiver));
         for _ in 0..HANDOUT_WRITERS {
             let (db, receiver) = (db.clone(), receiver.clone());
             tasks.spawn(async move {
-                let mut conn: Option<(PoolConnection<sqlx::Postgres>, Option<Session>)> = None;
+                let mut conn: Option<(Conn, Option<Session>)> = None;
                 let mut batch = Vec::with_capacity(64);
                 loop {
                     let taken = receiver
@@ -95,11 +94,7 @@ impl Handouts {
 
 /// Records the handouts of every request waiting in one statement (its
 /// own commit) on the writer's connection, then answers each.
-async fn write(
-    db: &PgPool,
-    conn: &mut Option<(PoolConnection<sqlx::Postgres>, Option<Session>)>,
-    batch: Vec<Handout>,
-) {
+async fn write(db: &Db, conn: &mut Option<(Conn, Option<Session>)>, batch: Vec<Handout>) {
     let reports: Vec<LeaseReport> = batch.iter().map(|h| h.report.clone()).collect();
     let outcome = match writer_connection(db, conn).await {
         // No connection: nothing was written.
@@ -131,7 +126,7 @@ async fn write(
 /// get their numbers; not, the numbers go back to their lease. Handouts
 /// queued behind wait meanwhile; nothing could be written anyway.
 async fn settle_in_doubt(
-    db: &PgPool,
+    db: &Db,
     reports: Vec<LeaseReport>,
     e: LedgerError,
     session: Option<Session>,
@@ -155,16 +150,16 @@ async fn settle_in_doubt(
 /// The writer's connection, taken from the pool when it has none, and
 /// the server session it talks to.
 async fn writer_connection<'c>(
-    db: &PgPool,
-    conn: &'c mut Option<(PoolConnection<sqlx::Postgres>, Option<Session>)>,
-) -> Result<(&'c mut sqlx::PgConnection, Option<Session>), sqlx::Error> {
+    db: &Db,
+    conn: &'c mut Option<(Conn, Option<Session>)>,
+) -> Result<(&'c mut Conn, Option<Session>), sqlx::Error> {
     if conn.is_none() {
         let mut taken = db.acquire().await?;
-        let session = crate::db::session_of(&mut taken).await.ok();
+        let session = taken.session().await;
         *conn = Some((taken, session));
     }
     match conn.as_mut() {
-        Some((held, session)) => Ok((&mut **held, *session)),
+        Some((held, session)) => Ok((held, *session)),
         None => Err(sqlx::Error::PoolClosed),
     }
 }

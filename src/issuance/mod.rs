@@ -19,8 +19,8 @@ mod returns;
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::db::{Db, Tx};
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
 use tokio_util::task::TaskTracker;
 
 use crate::clock::Clock;
@@ -141,7 +141,7 @@ pub struct IssuerParts {
     pub pools: Arc<PoolService>,
     pub clock: Arc<dyn Clock>,
     pub stats: Arc<Stats>,
-    pub db: PgPool,
+    pub db: Db,
     pub leases: LeaseSettings,
     /// How long a gapless reservation waits for its document.
     pub reservation_ttl: std::time::Duration,
@@ -158,7 +158,7 @@ pub struct Issuer {
     handouts: handouts::Handouts,
     clock: Arc<dyn Clock>,
     stats: Arc<Stats>,
-    db: PgPool,
+    db: Db,
     reservation_ttl: std::time::Duration,
     tasks: TaskTracker,
 }
@@ -280,7 +280,7 @@ impl Issuer {
     /// transaction [`Issuer::detached`].
     pub async fn issue_in(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Tx<'_>,
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
@@ -362,7 +362,7 @@ impl Issuer {
         }
         loop {
             let seqs = self
-                .obtain(&placement.pool, 1, obtain::Db::Pool(&self.db))
+                .obtain(&placement.pool, 1, obtain::Link::Pool(&self.db))
                 .await?;
             let demand = Demand::Document {
                 attachment: attachment.clone(),

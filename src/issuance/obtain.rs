@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use sqlx::{PgConnection, PgPool};
+use crate::db::{Db, Tx};
 
 use super::{IssueError, Issuer, demand};
 use crate::counter::Reserved;
@@ -19,7 +19,7 @@ impl Issuer {
         &self,
         placement: &Arc<Placement>,
         count: usize,
-        mut ledger: LedgerTarget<'_>,
+        mut ledger: LedgerTarget<'_, '_>,
     ) -> Result<Vec<i64>, IssueError> {
         let pool = &placement.pool;
         let (sequence_id, period) = (placement.sequence.id, placement.period.key());
@@ -64,7 +64,7 @@ impl Issuer {
         &self,
         pool: &PoolRef,
         count: usize,
-        mut db: Db<'_>,
+        mut db: Link<'_, '_>,
     ) -> Result<Vec<i64>, IssueError> {
         let mut seqs = match self.pools.take(pool, count).await {
             Ok(seqs) => seqs,
@@ -117,19 +117,19 @@ impl Issuer {
 
     async fn reserve_direct(
         &self,
-        db: &mut Db<'_>,
+        db: &mut Link<'_, '_>,
         pool: &PoolRef,
         n: i64,
     ) -> Result<Reserved<numbers::SeqRange>, sqlx::Error> {
         let (sequence, period) = (&pool.sequence, &pool.period);
         let tag = self.counter.direct_tag();
         match db {
-            Db::Transaction(conn) => {
+            Link::Transaction(conn) => {
                 self.counter
                     .reserve_direct(conn, sequence, period, n, &tag)
                     .await
             }
-            Db::Pool(pool) => {
+            Link::Pool(pool) => {
                 // No connection: nothing was sent, nothing is in doubt.
                 let mut conn = pool.acquire().await?;
                 let reserved = self
@@ -184,29 +184,29 @@ impl Issuer {
 }
 
 /// Where numbers of the slower path are recorded.
-pub(super) enum LedgerTarget<'a> {
+pub(super) enum LedgerTarget<'a, 't> {
     /// The pipeline's write stage: one statement and commit for concurrent
     /// requests.
     Shared(Via),
     /// The caller's transaction.
-    Transaction(&'a mut PgConnection, Via),
+    Transaction(&'a mut Tx<'t>, Via),
 }
 
-impl LedgerTarget<'_> {
+impl<'t> LedgerTarget<'_, 't> {
     /// Where numbers straight from the counter are reserved: inside the
     /// caller's transaction if it has one (never a second connection).
-    fn db<'s>(&'s mut self, pool: &'s PgPool) -> Db<'s> {
+    fn db<'s>(&'s mut self, pool: &'s Db) -> Link<'s, 't> {
         match self {
-            LedgerTarget::Shared(_) => Db::Pool(pool),
-            LedgerTarget::Transaction(conn, _) => Db::Transaction(conn),
+            LedgerTarget::Shared(_) => Link::Pool(pool),
+            LedgerTarget::Transaction(conn, _) => Link::Transaction(conn),
         }
     }
 }
 
 /// The connection a request works through.
-pub(super) enum Db<'a> {
+pub(super) enum Link<'a, 't> {
     /// Takes a connection for each statement.
-    Pool(&'a PgPool),
+    Pool(&'a Db),
     /// The request's own transaction.
-    Transaction(&'a mut PgConnection),
+    Transaction(&'a mut Tx<'t>),
 }

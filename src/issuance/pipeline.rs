@@ -15,16 +15,15 @@
 //! is left to the caller's slower path (`issuance::obtain`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres};
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 use crate::batch::Batcher;
 use crate::counter::{Counter, Reserved};
-use crate::db::Session;
+use crate::db::{Conn, Db, Link, Session};
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{self, GaplessCounter, LedgerError, LedgerWrite, Recorded, Unnumbered, Via};
 use crate::numbers::without;
@@ -101,12 +100,7 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    pub fn spawn(
-        db: PgPool,
-        pools: Arc<PoolService>,
-        stats: Arc<Stats>,
-        tasks: &TaskTracker,
-    ) -> Self {
+    pub fn spawn(db: Db, pools: Arc<PoolService>, stats: Arc<Stats>, tasks: &TaskTracker) -> Self {
         let stage = |name: &'static str| {
             let writer = Arc::new(Writer {
                 db: db.clone(),
@@ -181,13 +175,13 @@ impl Pipeline {
 /// The write stage. It keeps one connection between batches (one batch at
 /// a time uses it), so a batch costs no pool checkout and return.
 struct Writer {
-    db: PgPool,
+    db: Db,
     pools: Arc<PoolService>,
     counter: Arc<Counter>,
     stats: Arc<Stats>,
     /// The connection, and the server session it talks to (looked up when
     /// it is taken, so a commit in doubt can wait for that session's end).
-    conn: tokio::sync::Mutex<Option<(PoolConnection<Postgres>, Option<Session>)>>,
+    conn: tokio::sync::Mutex<Option<(Conn, Option<Session>)>>,
 }
 
 impl Writer {
@@ -271,7 +265,7 @@ impl Writer {
             // one. This one is closed rather than returned, with its
             // writer's settings.
             if let Some((conn, _)) = held.take() {
-                drop(conn.detach());
+                conn.discard();
             }
         }
         (outcomes, session)
@@ -355,12 +349,7 @@ struct GaplessOf<'a> {
 }
 
 impl GaplessCounter for GaplessOf<'_> {
-    async fn take(
-        &self,
-        conn: &mut sqlx::PgConnection,
-        index: usize,
-        n: i64,
-    ) -> Result<i64, LedgerError> {
+    async fn take(&self, conn: &mut impl Link, index: usize, n: i64) -> Result<i64, LedgerError> {
         let placement = &self.popped[index].job.placement;
         let taken = self
             .counter
@@ -380,16 +369,12 @@ impl GaplessCounter for GaplessOf<'_> {
 /// means another transaction holds a number it should not; everyone queued
 /// behind the write waits with it, so it gives up soon and the request at
 /// fault is found (see `ledger::write_shared`).
-async fn writer_connection(
-    db: &PgPool,
-) -> Result<(PoolConnection<Postgres>, Option<Session>), sqlx::Error> {
+async fn writer_connection(db: &Db) -> Result<(Conn, Option<Session>), sqlx::Error> {
     let mut conn = db.acquire().await?;
-    sqlx::query!("SET lock_timeout = '200ms'")
-        .execute(&mut *conn)
-        .await?;
+    conn.wait_for_locks_at_most(Duration::from_millis(200));
     // Without it a commit in doubt is looked up without waiting for its
     // session to end (right after a crash or failover, where it is gone).
-    let session = crate::db::session_of(&mut conn).await.ok();
+    let session = conn.session().await;
     Ok((conn, session))
 }
 

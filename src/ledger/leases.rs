@@ -2,6 +2,7 @@
 //! numbers a lease gives back taken off it.
 
 use super::*;
+use crate::db::Link;
 
 #[derive(Debug, Clone)]
 pub struct LeaseReport {
@@ -15,15 +16,12 @@ pub struct LeaseReport {
 /// left of it, in one transaction. Before they are pushed back, so no pool
 /// ever offers a number the ledger calls issued.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn release_lease(
-    conn: &mut PgConnection,
-    unused: &LeaseReport,
-) -> Result<(), sqlx::Error> {
+pub async fn release_lease(conn: &mut impl Link, unused: &LeaseReport) -> Result<(), sqlx::Error> {
     let released = runs(&unused.seqs);
     let (Some(first), Some(last)) = (released.first(), released.last()) else {
         return Ok(());
     };
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let mut tx = conn.begin().await?;
     let rows = sqlx::query!(
         "DELETE FROM issuance_ledger \
          WHERE sequence_id = $1 AND period = $2 AND via = $3 AND seqs && int8range($4, $5) \
@@ -34,7 +32,7 @@ pub async fn release_lease(
         first.start,
         last.end,
     )
-    .fetch_all(&mut *tx)
+    .fetch_all(tx.statements())
     .await?;
     let (mut starts, mut ends) = (Vec::new(), Vec::new());
     for row in rows {
@@ -53,7 +51,7 @@ pub async fn release_lease(
         &starts,
         &ends,
     )
-    .execute(&mut *tx)
+    .execute(tx.statements())
     .await?;
     tx.commit().await
 }
@@ -62,7 +60,7 @@ pub async fn release_lease(
 /// numbers of a period).
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn record_handouts(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     handouts: &[LeaseReport],
 ) -> Result<(), sqlx::Error> {
     let mut sequence_ids = Vec::new();
@@ -98,7 +96,7 @@ pub async fn record_handouts(
         &starts,
         &ends,
     )
-    .execute(conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -107,7 +105,7 @@ pub async fn record_handouts(
 /// every number is recorded as handed out, false when none is, None when
 /// only some are (not one statement's work: still unknown).
 pub async fn handouts_landed(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     handouts: &[LeaseReport],
 ) -> Result<Option<bool>, sqlx::Error> {
     let (mut sequence_ids, mut periods, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
@@ -127,7 +125,7 @@ pub async fn handouts_landed(
         &periods as &[&str],
         &seqs,
     )
-    .fetch_one(conn)
+    .fetch_one(conn.statements())
     .await? as usize;
     Ok(match found {
         0 => Some(false),

@@ -14,11 +14,11 @@ mod numbering;
 pub mod outbox;
 pub mod reservations;
 
+use crate::db::{Db, Link};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
 
 use crate::db::sqlstate;
 use crate::log_limit::Repeated;
@@ -229,7 +229,7 @@ const CONFLICT_ROUNDS: usize = 3;
 /// Returns the refused numbers.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn record_in(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     sequence_id: i64,
     period: &str,
@@ -289,7 +289,7 @@ pub fn failed_all(
 /// order.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn write_shared(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     writes: &[LedgerWrite],
 ) -> Vec<Result<Recorded, LedgerError>> {
@@ -301,7 +301,7 @@ pub async fn write_shared(
 /// be split to find the request at fault, what commits is numbered again.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn write_shared_numbering(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     writes: &[LedgerWrite],
     gapless: &impl GaplessCounter,
@@ -367,7 +367,7 @@ pub async fn write_shared_numbering(
 /// One statement (and, with documents, one transaction) for `writes`,
 /// which start at `offset` of the shared write.
 async fn write_part(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     writes: &[LedgerWrite],
     offset: usize,
@@ -405,7 +405,7 @@ async fn write_part(
 /// Ledger rows for every write, then the outbox rows of documents whose
 /// numbers were taken. Answers per write, in order.
 async fn write_together(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     batch: &[LedgerWrite],
 ) -> Result<Vec<Recorded>, LedgerError> {
@@ -455,7 +455,7 @@ async fn write_together(
 /// Inserts the rows; for any that conflict, inserts what is still free and
 /// returns, per group, the ranges that were already issued.
 async fn insert_resolving_conflicts(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     groups: &[Group],
     mut rows: Vec<Row>,
@@ -496,7 +496,7 @@ async fn insert_resolving_conflicts(
 
 /// One statement for all rows; returns the rows the constraint refused.
 async fn insert_rows(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     stats: &Stats,
     groups: &[Group],
     rows: &[Row],
@@ -521,7 +521,7 @@ async fn insert_rows(
         &ends,
         &vias as &[&str],
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?
     .into_iter()
     .map(|r| (r.sequence_id, r.period, r.start, r.via))
@@ -560,7 +560,7 @@ async fn insert_rows(
 /// document of it is there, None when none is. (A write is one
 /// transaction's: all or nothing. One partly there is left in doubt.)
 pub async fn landed(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     writes: &[LedgerWrite],
 ) -> Result<Vec<Landed>, sqlx::Error> {
     let (mut indexes, mut sequence_ids, mut periods, mut seqs, mut vias) =
@@ -594,7 +594,7 @@ pub async fn landed(
         &seqs,
         &vias as &[&str],
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     let documents_found = sqlx::query!(
         "SELECT w.i AS \"index!\", o.document_id AS \"document_id!\", o.created_at AS \"created_at!\" \
@@ -605,7 +605,7 @@ pub async fn landed(
         &doc_seqs,
         &doc_ids as &[&str],
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     let mut numbers: Vec<usize> = vec![0; writes.len()];
     for row in numbers_found {
@@ -652,7 +652,7 @@ pub enum Landed {
 
 /// Issued ranges overlapping `range`, sorted.
 async fn issued_within(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     group: &Group,
     range: SeqRange,
 ) -> Result<Vec<SeqRange>, sqlx::Error> {
@@ -664,7 +664,7 @@ async fn issued_within(
         range.start,
         range.end,
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     Ok(rows
         .into_iter()
@@ -676,7 +676,7 @@ async fn issued_within(
 /// `POST /ids`, with when (an attached ID is checked against each): per
 /// request, or from a lease whose instance reported handing it out.
 pub async fn issued_via_ids(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     seq: i64,
 ) -> Result<Vec<(String, DateTime<Utc>)>, sqlx::Error> {
@@ -690,7 +690,7 @@ pub async fn issued_via_ids(
         seq,
         Via::Ids.as_str(),
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     Ok(rows.into_iter().map(|r| (r.period, r.issued_at)).collect())
 }
@@ -699,7 +699,7 @@ pub async fn issued_via_ids(
 /// The highest number of `period` recorded as issued, and how many pool
 /// refills the sequence has had (a sequence's live figures).
 pub async fn last_issued_and_refills(
-    db: &sqlx::PgPool,
+    db: &Db,
     sequence_id: i64,
     period: &str,
 ) -> Result<(Option<i64>, i64), sqlx::Error> {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 
-use sqlx::PgConnection;
+use crate::db::Link;
 
 use super::outbox::Attachment;
 use super::{LedgerError, LedgerWrite};
@@ -26,7 +26,7 @@ pub trait GaplessCounter: Sync {
     /// given to [`write_shared`]); the first of them.
     fn take(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl Link,
         index: usize,
         n: i64,
     ) -> impl Future<Output = Result<i64, LedgerError>> + Send;
@@ -36,7 +36,7 @@ pub trait GaplessCounter: Sync {
 pub struct NoGapless;
 
 impl GaplessCounter for NoGapless {
-    async fn take(&self, _: &mut PgConnection, _: usize, _: i64) -> Result<i64, LedgerError> {
+    async fn take(&self, _: &mut impl Link, _: usize, _: i64) -> Result<i64, LedgerError> {
         Err(LedgerError::DefinitionChanged)
     }
 }
@@ -47,7 +47,7 @@ impl GaplessCounter for NoGapless {
 /// counters crosswise). Writes whose counter another transaction holds
 /// are left out (nothing of them is written) and listed, by index.
 pub(super) async fn number(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     writes: &[LedgerWrite],
     offset: usize,
     gapless: &impl GaplessCounter,

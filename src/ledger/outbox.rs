@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
+use crate::db::Link;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::PgConnection;
 use utoipa::ToSchema;
 
 use crate::sequence::IdShape;
@@ -99,7 +99,7 @@ impl DocumentStatus {
 /// `created_at`, in the order given.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn insert(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     rows: &[(i64, &str, &OutboxRow)],
 ) -> Result<Vec<DateTime<Utc>>, sqlx::Error> {
     let document_ids: Vec<&str> = rows
@@ -133,7 +133,7 @@ pub async fn insert(
         &numbers,
         &sources as &[Option<&str>],
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(conn.statements())
     .await?;
     let by_id: std::collections::HashMap<String, DateTime<Utc>> = created
         .into_iter()
@@ -151,7 +151,7 @@ pub async fn insert(
 
 /// Whether a document of the sequence carries the ID `document_id`.
 pub async fn carries_id(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     document_id: &str,
 ) -> Result<bool, sqlx::Error> {
@@ -161,6 +161,6 @@ pub async fn carries_id(
         document_id,
         sequence_id,
     )
-    .fetch_one(conn)
+    .fetch_one(conn.statements())
     .await
 }

@@ -4,9 +4,9 @@
 //! good: with the documents they account for every number of a gapless
 //! sequence.
 
+use crate::db::{Db, Link};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
 use utoipa::ToSchema;
 
 /// Where a reservation stands.
@@ -52,7 +52,7 @@ pub struct NewReservations<'a> {
 
 /// Records reservations in the caller's transaction (the one that took
 /// their numbers from the counter).
-pub async fn insert(conn: &mut PgConnection, new: &NewReservations<'_>) -> Result<(), sqlx::Error> {
+pub async fn insert(conn: &mut impl Link, new: &NewReservations<'_>) -> Result<(), sqlx::Error> {
     sqlx::query!(
         "INSERT INTO gapless_reservations (sequence_id, period, seq, id, reserved_at, reserved_until) \
          SELECT $1, $2, s, i, $5, $6 FROM UNNEST($3::bigint[], $4::text[]) AS u(s, i)",
@@ -63,7 +63,7 @@ pub async fn insert(conn: &mut PgConnection, new: &NewReservations<'_>) -> Resul
         new.reserved_at,
         new.reserved_until,
     )
-    .execute(conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -85,7 +85,7 @@ pub struct Reservation {
 /// the caller's transaction ends (so a confirmation, a void and the
 /// expiry sweep see it one at a time).
 pub async fn lock(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     seq: i64,
     id: &str,
@@ -97,7 +97,7 @@ pub async fn lock(
         seq,
         id,
     )
-    .fetch_optional(conn)
+    .fetch_optional(conn.statements())
     .await?;
     Ok(row.and_then(|r| {
         Some(Reservation {
@@ -115,7 +115,7 @@ pub async fn lock(
 
 /// Marks a locked reservation confirmed (a document was attached).
 pub async fn confirm(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     reservation: &Reservation,
 ) -> Result<(), sqlx::Error> {
@@ -126,7 +126,7 @@ pub async fn confirm(
         &reservation.period,
         reservation.seq,
     )
-    .execute(conn)
+    .execute(conn.statements())
     .await?;
     Ok(())
 }
@@ -134,7 +134,7 @@ pub async fn confirm(
 /// Voids a locked reservation: `voided` with the caller's reason, or
 /// `reservation_expired` (no reason); returns when.
 pub async fn void(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     reservation: &Reservation,
     status: ReservationStatus,
@@ -151,7 +151,7 @@ pub async fn void(
         reason,
         now,
     )
-    .execute(conn)
+    .execute(conn.statements())
     .await?;
     Ok(now)
 }
@@ -160,7 +160,7 @@ pub async fn void(
 /// `reservation_expired`; rows another transaction holds (a confirmation
 /// or a void under way) are left to it. Exactly once: a row leaves
 /// `reserved` in one transaction only. Returns how many.
-pub async fn expire_due(db: &PgPool, now: DateTime<Utc>, limit: i64) -> Result<u64, sqlx::Error> {
+pub async fn expire_due(db: &Db, now: DateTime<Utc>, limit: i64) -> Result<u64, sqlx::Error> {
     let expired = sqlx::query!(
         "UPDATE gapless_reservations r SET status = 'reservation_expired', voided_at = $1 \
          FROM (SELECT sequence_id, period, seq FROM gapless_reservations \
@@ -190,7 +190,7 @@ pub struct Void {
 /// Reservations of the sequence neither confirmed nor voided, counted up
 /// to `up_to` (the count costs no more than the cap).
 pub async fn open_count(
-    conn: &mut PgConnection,
+    conn: &mut impl Link,
     sequence_id: i64,
     up_to: i64,
 ) -> Result<i64, sqlx::Error> {
@@ -202,14 +202,14 @@ pub async fn open_count(
         sequence_id,
         up_to,
     )
-    .fetch_one(conn)
+    .fetch_one(conn.statements())
     .await
 }
 
 /// Voids of one sequence in (period, number) order after `after`, up to
 /// `limit`, of one period and one status if asked.
 pub async fn voids(
-    db: &PgPool,
+    db: &Db,
     sequence_id: i64,
     period: Option<&str>,
     status: Option<ReservationStatus>,
@@ -251,7 +251,7 @@ pub async fn voids(
 /// reservation, and how many of its numbers are voids (a gapless
 /// sequence's live figures: it has no ledger rows).
 pub async fn last_taken_and_voids(
-    db: &PgPool,
+    db: &Db,
     sequence_id: i64,
     period: &str,
 ) -> Result<(Option<i64>, i64), sqlx::Error> {

@@ -27,7 +27,7 @@ pub(super) fn stored_pattern(
 /// of them never print alike (a code holds no `-`), so a project of
 /// default sequences costs nothing to check.
 pub(super) async fn project_patterns(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     project: &ProjectCode,
     skip_default: bool,
 ) -> Result<Vec<Printed>, StoreError> {
@@ -71,7 +71,7 @@ pub(super) async fn project_patterns(
 /// like IDs another sequence of the project prints or printed. The
 /// sequence's own earlier formats are checked when it is changed.
 pub(super) async fn check_against_project(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     project: &ProjectCode,
     doc_type: &TypeCode,
     own_id: Option<i64>,
@@ -131,7 +131,7 @@ pub(super) fn default_of_any_project() -> Pattern {
 /// Serialises every definition that could clash across projects, so two
 /// of them saved at once cannot each pass the check against the other's
 /// old state.
-pub(super) async fn lock_formats(conn: &mut PgConnection) -> Result<(), StoreError> {
+pub(super) async fn lock_formats(conn: &mut Tx<'_>) -> Result<(), StoreError> {
     sqlx::query_scalar!("SELECT pg_advisory_xact_lock(hashtextextended('idpool:formats', 0))")
         .fetch_one(&mut *conn)
         .await?;
@@ -146,7 +146,7 @@ pub(super) async fn lock_formats(conn: &mut PgConnection) -> Result<(), StoreErr
 /// project code and a `-`, and every other definition was checked against
 /// that when it was saved.
 pub(super) async fn check_against_other_projects(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     project: &ProjectCode,
     doc_type: &TypeCode,
     definition: &Definition,
@@ -219,7 +219,7 @@ impl OtherDefinition {
 /// Every definition of other projects that does not print the default
 /// format, with the formats they printed before a forced change.
 pub(super) async fn other_projects_definitions(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     project: &ProjectCode,
 ) -> Result<Vec<OtherDefinition>, StoreError> {
     let current = sequence_rows!(

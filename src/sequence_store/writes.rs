@@ -8,7 +8,7 @@ use super::*;
 /// back under another reset, counters start above every number taken so
 /// far (a counter starting over would print the old IDs again).
 pub(super) async fn retire(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     current: &Sequence,
     next: &Definition,
 ) -> Result<(), StoreError> {
@@ -64,7 +64,7 @@ pub(super) async fn retire(
 /// Every counter of the sequence, and those its periods create for a while
 /// (`FLOOR_SPAN`), starts above the highest number taken so far.
 async fn raise_counters_above_every_number_taken(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     sequence_id: i64,
 ) -> Result<(), sqlx::Error> {
     let floor = sqlx::query_scalar!(
@@ -99,7 +99,7 @@ async fn raise_counters_above_every_number_taken(
 /// sequence with issued numbers unless `force`, which retires the old
 /// definition; returns the definition whose identity was replaced.
 pub(super) async fn replace_definition(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     current: &Sequence,
     next: &Definition,
     force: bool,
@@ -139,7 +139,7 @@ pub(super) async fn replace_definition(
 
 /// Whether any number of the sequence was issued: recorded in the ledger
 /// (pooled), or written with a document or reserved (gapless).
-async fn numbers_issued(conn: &mut PgConnection, sequence_id: i64) -> Result<bool, StoreError> {
+async fn numbers_issued(conn: &mut Tx<'_>, sequence_id: i64) -> Result<bool, StoreError> {
     Ok(sqlx::query_scalar!(
         "SELECT EXISTS (SELECT 1 FROM issuance_ledger WHERE sequence_id = $1) \
              OR EXISTS (SELECT 1 FROM id_outbox WHERE sequence_id = $1) \
@@ -152,7 +152,7 @@ async fn numbers_issued(conn: &mut PgConnection, sequence_id: i64) -> Result<boo
 
 /// Whether any number of the sequence left its counter: issued, or
 /// reserved for a pool or a caller (blocks).
-async fn numbers_taken(conn: &mut PgConnection, sequence_id: i64) -> Result<bool, StoreError> {
+async fn numbers_taken(conn: &mut Tx<'_>, sequence_id: i64) -> Result<bool, StoreError> {
     Ok(numbers_issued(&mut *conn, sequence_id).await?
         || sqlx::query_scalar!(
             "SELECT EXISTS (SELECT 1 FROM blocks WHERE sequence_id = $1) AS \"taken!\"",
@@ -196,7 +196,7 @@ macro_rules! with_definition_columns {
 }
 
 pub(super) async fn insert_definition(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     project: &ProjectCode,
     doc_type: &TypeCode,
     d: &Definition,
@@ -217,7 +217,7 @@ pub(super) async fn insert_definition(
 }
 
 pub(super) async fn update_definition(
-    conn: &mut PgConnection,
+    conn: &mut Tx<'_>,
     id: i64,
     d: &Definition,
     changes_identity: bool,

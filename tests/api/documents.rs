@@ -618,7 +618,7 @@ async fn expired_idempotency_keys_are_pruned() {
         .execute(&app.db)
         .await
         .unwrap();
-    let pruned = idpool::idempotency::prune(&app.db, idpool::idempotency::KEY_TTL)
+    let pruned = idpool::idempotency::prune(&app.state.db, idpool::idempotency::KEY_TTL)
         .await
         .unwrap();
     assert_eq!(pruned, 1);
@@ -795,7 +795,7 @@ fn dir_processor(app: &crate::helpers::TestApp, dir: &std::path::Path, batch: i6
         ..ProcessorSettings::default()
     };
     Processor::new(
-        app.db.clone(),
+        app.state.db.clone(),
         sink,
         settings,
         Arc::new(tokio::sync::Notify::new()),

@@ -429,13 +429,13 @@ async fn gap_queries_are_validated_and_one_reconciliation_runs_at_a_time() {
         .unwrap();
     assert_problem(bad_cursor, StatusCode::BAD_REQUEST, "invalid_cursor").await;
 
-    // Another instance holding the lock: this one answers 409.
-    let mut holder = app.db.acquire().await.unwrap();
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(0x1d_9001_9a95_i64)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    // Another instance's run under way: this one answers 409.
+    let other: i64 = sqlx::query_scalar(
+        "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ('other', now()) RETURNING id",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
     let busy = app
         .client
         .post(app.url("/api/v1/ids/gaps/reconcile"))
@@ -443,11 +443,14 @@ async fn gap_queries_are_validated_and_one_reconciliation_runs_at_a_time() {
         .await
         .unwrap();
     assert_problem(busy, StatusCode::CONFLICT, "reconcile_running").await;
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(0x1d_9001_9a95_i64)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    // That instance died mid-run: past the lease its run holds up nobody.
+    sqlx::query(
+        "UPDATE reconcile_runs SET started_at = now() - interval '16 minutes' WHERE id = $1",
+    )
+    .bind(other)
+    .execute(&app.db)
+    .await
+    .unwrap();
     let summary = app.reconcile().await;
     assert_eq!(summary["skipped"], false);
 }

@@ -225,6 +225,8 @@ impl TestEnv {
     pub fn config(&self) -> Config {
         Config {
             database_url: self.database_url.clone(),
+            pg_pooler: idpool::db::Pooler::None,
+            pg_listen_url: None,
             redis_url: self.redis_url.clone(),
             listen: "127.0.0.1:0".into(),
             migrate: Switch::On,

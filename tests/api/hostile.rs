@@ -944,7 +944,7 @@ async fn postgres_bounds_every_statement_lock_wait_and_idle_transaction() {
     let mut conn = app.state.db.acquire().await.unwrap();
     let mut show = async |setting: &'static str| -> String {
         sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {setting}")))
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut conn)
             .await
             .unwrap()
     };

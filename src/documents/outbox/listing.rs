@@ -38,7 +38,7 @@ pub(super) const VIEW_COLUMNS: &str = "document_id AS id, tenant_code AS project
 /// A document of one of `projects` (`None`: any project).
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn find(
-    db: &PgPool,
+    db: &Db,
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<Option<DocumentView>, sqlx::Error> {
@@ -83,7 +83,7 @@ pub enum ListError {
 /// own size, whatever other tenants hold. An admin listing every project
 /// walks the whole outbox in the order documents came.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn list(db: &PgPool, filter: &ListFilter<'_>) -> Result<Vec<DocumentView>, ListError> {
+pub async fn list(db: &Db, filter: &ListFilter<'_>) -> Result<Vec<DocumentView>, ListError> {
     let projects: Option<Vec<String>> = match (filter.projects, filter.project) {
         (Some(scope), Some(one)) => Some(
             scope
@@ -146,7 +146,7 @@ pub(super) struct Position {
 /// project could walk the whole outbox in row order, filtering, which costs
 /// a small tenant the size of a large one.
 pub(super) async fn list_project(
-    db: &PgPool,
+    db: &Db,
     project: &str,
     filter: &ListFilter<'_>,
     (after_type, after_row): (&str, i64),
@@ -193,7 +193,7 @@ pub(super) async fn list_project(
 /// Where the cursor's document stands, if the caller may see it (else the
 /// cursor is refused exactly as one that names no document).
 pub(super) async fn cursor_position(
-    db: &PgPool,
+    db: &Db,
     document_id: &str,
     projects: Option<&[String]>,
 ) -> Result<Option<Position>, sqlx::Error> {
@@ -210,7 +210,7 @@ pub(super) async fn cursor_position(
 
 /// An admin's page of every project, in row order.
 pub(super) async fn list_everything(
-    db: &PgPool,
+    db: &Db,
     filter: &ListFilter<'_>,
     after_row: i64,
 ) -> Result<Vec<DocumentView>, sqlx::Error> {

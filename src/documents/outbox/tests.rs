@@ -20,7 +20,7 @@ const DOCUMENTS: [(&str, &str, &str, DocumentStatus); 9] = [
     ("BBB-T1-10", "BBB", "T1", DocumentStatus::Pending),
 ];
 
-async fn seeded() -> PgPool {
+async fn seeded() -> Db {
     let db = crate::db::scratch().await;
     for (seq, (id, project, doc_type, status)) in DOCUMENTS.iter().enumerate() {
         sqlx::query(

@@ -8,7 +8,7 @@ use crate::gaps::evidence::{RunsTable, overlapping_runs};
 /// Numbers 10..20 of sequence 1, period "", in the ledger, the discards
 /// and the handouts; open gaps: 12-13 untracked loss, 15-16 lease lost,
 /// 18 pool discarded.
-async fn seeded() -> sqlx::PgPool {
+async fn seeded() -> Db {
     let db = crate::db::scratch().await;
     sqlx::raw_sql(
         "INSERT INTO sequences (id, project, doc_type, format, layout, start_seq, reset, timezone, \
