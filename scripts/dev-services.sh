@@ -9,7 +9,7 @@
 #   scripts/dev-services.sh tools  install the server binaries (Postgres,
 #                                  pgbench, Redis) without starting anything,
 #                                  for make bench, which starts its own
-#   scripts/dev-services.sh ha-tools  the same, and Patroni, etcd and HAProxy
+#   scripts/dev-services.sh ha-tools  the same, and Patroni, etcd, HAProxy and PgBouncer
 #                                  for the HA test (make test), which starts
 #                                  its own
 #
@@ -156,9 +156,10 @@ ha_tools() {
   command -v patroni >/dev/null || missing+=(patroni python3-psycopg2)
   command -v etcd >/dev/null || missing+=(etcd-server)
   command -v haproxy >/dev/null || missing+=(haproxy)
+  command -v pgbouncer >/dev/null || missing+=(pgbouncer)
   if (( ${#missing[@]} )); then
     apt_install "${missing[@]}"
-    for service in etcd haproxy patroni; do
+    for service in etcd haproxy patroni pgbouncer; do
       if command -v systemctl >/dev/null && systemctl is-active --quiet "$service" 2>/dev/null; then
         as_root systemctl disable --now "$service" >/dev/null 2>&1 || true
       fi

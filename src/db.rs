@@ -102,7 +102,11 @@ pub async fn connect(
     pooler: Pooler,
 ) -> anyhow::Result<Db> {
     let options = connect_options(url)?;
-    ensure_database(&options).await?;
+    // Behind a pooler the database is the pooler's to know: it serves only
+    // those it is configured for, and creating one is the operator's step.
+    if pooler == Pooler::None {
+        ensure_database(&options).await?;
+    }
     pool(options, max_connections, limits, pooler).await
 }
 

@@ -21,7 +21,7 @@ pub mod import;
 pub mod issuance;
 pub mod lease;
 pub mod ledger;
-mod listen;
+pub mod listen;
 pub mod log_limit;
 pub mod numbers;
 pub mod pool;

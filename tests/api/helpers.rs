@@ -109,6 +109,13 @@ pub struct TestEnv {
     pub reservation_ttl_s: u64,
     /// More environment for `ServeProcess` (after the settings above).
     pub extra_env: Vec<(String, String)>,
+    /// `IDPOOL_PG_POOLER`, `IDPOOL_PG_LISTEN_URL`.
+    pub pg_pooler: idpool::db::Pooler,
+    pub pg_listen_url: Option<String>,
+    /// The test's own checks connect here when the app's URL leads
+    /// through a pooler.
+    pub direct_database_url: Option<String>,
+    pub db_statement_timeout_ms: u64,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -147,6 +154,10 @@ impl TestEnv {
             leases: true,
             reservation_ttl_s: 300,
             extra_env: Vec::new(),
+            pg_pooler: idpool::db::Pooler::None,
+            pg_listen_url: None,
+            direct_database_url: None,
+            db_statement_timeout_ms: 10_000,
         }
     }
 
@@ -225,8 +236,8 @@ impl TestEnv {
     pub fn config(&self) -> Config {
         Config {
             database_url: self.database_url.clone(),
-            pg_pooler: idpool::db::Pooler::None,
-            pg_listen_url: None,
+            pg_pooler: self.pg_pooler,
+            pg_listen_url: self.pg_listen_url.clone(),
             redis_url: self.redis_url.clone(),
             listen: "127.0.0.1:0".into(),
             migrate: Switch::On,
@@ -258,7 +269,7 @@ impl TestEnv {
             write_timeout_s: self.write_timeout_s,
             idle_timeout_s: self.idle_timeout_s,
             max_connections: self.max_connections,
-            db_statement_timeout_ms: 10_000,
+            db_statement_timeout_ms: self.db_statement_timeout_ms,
             db_acquire_timeout_ms: 2_000,
             max_sequences_per_project: self.max_sequences_per_project,
             webhook_secret: Some(self.webhook_secret.clone()),
@@ -308,7 +319,11 @@ impl TestEnv {
         tokio::spawn(async move {
             let _ = app.run_until_stopped().await;
         });
-        let db = PgPool::connect(&self.database_url).await.expect("test db");
+        let direct = self
+            .direct_database_url
+            .as_ref()
+            .unwrap_or(&self.database_url);
+        let db = PgPool::connect(direct).await.expect("test db");
         let test_app = TestApp {
             address,
             client: client_with_key(Some(&admin_key)),

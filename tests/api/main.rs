@@ -17,6 +17,7 @@ mod isolation;
 mod leases;
 mod operations;
 mod patroni;
+mod pooler;
 mod pools;
 mod redis_server;
 mod resilience;

@@ -1,0 +1,313 @@
+//! Two instances behind PgBouncer in transaction mode, through a pool of
+//! ten server connections: every promise holds, and nothing of theirs
+//! (a statement, a setting, a lock) outlives its transaction.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::postgres::PgConnectOptions;
+
+use crate::helpers::{TestApp, TestEnv, base_database_url, client_with_key, create_key_with_id};
+use crate::topology::free_port;
+
+/// PgBouncer on a free loopback port in front of the server of
+/// `DATABASE_URL`; ended when dropped.
+pub struct PgBouncer {
+    child: Child,
+    port: u16,
+    user: String,
+    _dir: tempfile::TempDir,
+}
+
+impl PgBouncer {
+    pub fn start(pool_mode: &str, pool_size: u32) -> Self {
+        let base: PgConnectOptions = base_database_url().parse().expect("DATABASE_URL");
+        let host = base.get_host().to_owned();
+        let server_port = base.get_port();
+        let user = base.get_username().to_owned();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(dir.path().join("users.txt"), format!("\"{user}\" \"\"\n")).expect("users");
+        let config = format!(
+            "[databases]\n* = host={host} port={server_port}\n\n[pgbouncer]\n\
+             listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+             auth_type = trust\nauth_file = {users}\nadmin_users = {user}\n\
+             pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 2000\n\
+             ignore_startup_parameters = extra_float_digits,options\n\
+             logfile = {log}\npidfile = {pid}\n",
+            users = path("users.txt"),
+            log = path("pgbouncer.log"),
+            pid = path("pgbouncer.pid"),
+        );
+        std::fs::write(dir.path().join("pgbouncer.ini"), config).expect("config");
+        let mut command = Command::new("pgbouncer");
+        // PgBouncer refuses to run as root.
+        if crate::topology::is_root() {
+            set_owner(dir.path(), "postgres");
+            command.args(["-u", "postgres"]);
+        }
+        let child = command
+            .arg(dir.path().join("pgbouncer.ini"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("pgbouncer (scripts/dev-services.sh ha-tools installs it)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "PgBouncer did not start");
+            std::thread::sleep(Duration::from_millis(20)); // polling the port, with a deadline
+        }
+        Self {
+            child,
+            port,
+            user,
+            _dir: dir,
+        }
+    }
+
+    /// `database` on the server, through PgBouncer.
+    pub fn url(&self, database: &str) -> String {
+        format!(
+            "postgres://{}@127.0.0.1:{}/{database}",
+            self.user, self.port
+        )
+    }
+}
+
+fn set_owner(dir: &Path, user: &str) {
+    let status = Command::new("chown")
+        .args(["-R", user])
+        .arg(dir)
+        .status()
+        .expect("chown");
+    assert!(status.success());
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn database_of(url: &str) -> String {
+    let options: PgConnectOptions = url.parse().expect("URL");
+    options.get_database().expect("a database").to_owned()
+}
+
+/// Two instances of one database behind `bouncer`: the first listens for
+/// notifications on a direct connection, the second polls.
+async fn two_instances(bouncer: &PgBouncer, statement_timeout_ms: u64) -> (TestApp, TestApp) {
+    let mut env = TestEnv::new();
+    let direct = env.database_url.clone();
+    // The database is the operator's to create behind a pooler.
+    idpool::db::connect(
+        &direct,
+        1,
+        idpool::db::Limits::default(),
+        idpool::db::Pooler::None,
+    )
+    .await
+    .expect("the test database")
+    .close()
+    .await;
+    env.database_url = bouncer.url(&database_of(&direct));
+    env.pg_pooler = idpool::db::Pooler::Transaction;
+    env.direct_database_url = Some(direct.clone());
+    env.db_statement_timeout_ms = statement_timeout_ms;
+    let mut listening = env.clone();
+    listening.pg_listen_url = Some(direct);
+    // Both start at once: their migrations meet through the pooler.
+    tokio::join!(listening.spawn(), env.spawn())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
+    let bouncer = PgBouncer::start("transaction", 10);
+    let (a, b) = two_instances(&bouncer, 1_000).await;
+
+    // IDs from both at once: all answered, none twice.
+    let mut requests = Vec::new();
+    for app in [&a, &b] {
+        for _ in 0..20 {
+            let (client, url) = (app.client.clone(), app.url("/ids"));
+            requests.push(tokio::spawn(async move {
+                client
+                    .post(url)
+                    .json(&json!({"project": "POOL", "type": "1", "count": 50}))
+                    .send()
+                    .await
+                    .expect("request")
+            }));
+        }
+    }
+    let mut ids = HashSet::new();
+    for request in requests {
+        let response = request.await.expect("task");
+        assert_eq!(response.status(), StatusCode::OK);
+        let body: Value = response.json().await.expect("json");
+        for id in body["ids"].as_array().expect("ids") {
+            assert!(
+                ids.insert(id.as_str().expect("id").to_owned()),
+                "{id} twice"
+            );
+        }
+    }
+    assert_eq!(ids.len(), 2 * 20 * 50);
+
+    // Documents through each: delivered, by notification (a) and by
+    // polling (b).
+    let mut accepted = Vec::new();
+    for (n, app) in [&a, &b].into_iter().enumerate() {
+        for i in 0..25 {
+            let response = app
+                .post_document(
+                    &json!({"project": "POOL", "type": "2", "metadata": {"from": n, "i": i}}),
+                    None,
+                )
+                .await;
+            assert_eq!(response.status(), StatusCode::ACCEPTED);
+            let body: Value = response.json().await.expect("json");
+            accepted.push(body["id"].as_str().expect("id").to_owned());
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let delivered: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM documents WHERE document_id = ANY($1)")
+                .bind(&accepted)
+                .fetch_one(&a.db)
+                .await
+                .expect("count");
+        if delivered == accepted.len() as i64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{delivered} of {} documents delivered",
+            accepted.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await; // polling, with a deadline
+    }
+
+    // Reconciliation from both at once, again and again: never two runs
+    // under way together.
+    for _ in 0..5 {
+        let ask = |app: &TestApp| {
+            app.client
+                .post(app.url("/api/v1/ids/gaps/reconcile"))
+                .send()
+        };
+        let (x, y) = tokio::join!(ask(&a), ask(&b));
+        for answer in [x, y] {
+            let status = answer.expect("reconcile").status();
+            assert!(
+                status == StatusCode::OK || status == StatusCode::CONFLICT,
+                "reconcile answered {status}"
+            );
+        }
+    }
+    let runs: Vec<(
+        chrono::DateTime<chrono::Utc>,
+        Option<chrono::DateTime<chrono::Utc>>,
+    )> = sqlx::query_as("SELECT started_at, finished_at FROM reconcile_runs ORDER BY started_at")
+        .fetch_all(&a.db)
+        .await
+        .expect("runs");
+    assert!(runs.len() >= 5, "{} runs", runs.len());
+    for pair in runs.windows(2) {
+        let finished = pair[0].1.expect("every run finished");
+        assert!(finished <= pair[1].0, "two runs overlapped: {pair:?}");
+    }
+
+    // A key revoked through one instance is refused by the other (which
+    // polls) within the stated staleness.
+    let (key_id, key) = create_key_with_id(&a.state, &["POOL"], false).await;
+    let user = client_with_key(Some(&key));
+    let first = user
+        .post(b.url("/ids"))
+        .json(&json!({"project": "POOL", "type": "1", "count": 1}))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(first.status(), StatusCode::OK);
+    a.state.auth.keys().revoke(&key_id).await.expect("revoked");
+    let revoked_at = Instant::now();
+    loop {
+        let status = user
+            .post(b.url("/ids"))
+            .json(&json!({"project": "POOL", "type": "1", "count": 1}))
+            .send()
+            .await
+            .expect("request")
+            .status();
+        if status == StatusCode::UNAUTHORIZED {
+            break;
+        }
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            revoked_at.elapsed() < idpool::listen::POLL * 3,
+            "a revoked key still served after {:?}",
+            revoked_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await; // polling, with a deadline
+    }
+
+    // The statement timeout holds although the pooler dropped the
+    // startup parameters.
+    let slept = sqlx::query("SELECT pg_sleep(5)")
+        .execute(&b.state.db)
+        .await
+        .expect_err("cancelled by statement_timeout");
+    assert_eq!(
+        idpool::db::sqlstate::of(&slept).as_deref(),
+        Some(idpool::db::sqlstate::QUERY_CANCELED),
+        "{slept}"
+    );
+
+    // Nothing of ours is left on the server connections.
+    let pooled = bouncer.url(&database_of(
+        a.env.direct_database_url.as_ref().expect("direct"),
+    ));
+    let settings: Vec<(String, String)> = {
+        // Through the pooler, by the simple protocol only (no statement of
+        // the test's own is left behind either).
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect_with(
+            &pooled
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("url")
+                .extra_float_digits(None),
+        )
+        .await
+        .expect("through the pooler");
+        let mut found = Vec::new();
+        for _ in 0..10 {
+            use sqlx::Row;
+            let rows = sqlx::raw_sql(
+                "SELECT name, setting FROM pg_settings WHERE name IN ('statement_timeout', 'lock_timeout') \
+                 UNION ALL SELECT 'prepared', name FROM pg_prepared_statements \
+                 UNION ALL SELECT 'lock', objid::text FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()",
+            )
+            .fetch_all(&mut conn)
+            .await
+            .expect("settings");
+            for row in rows {
+                found.push((row.get::<String, _>(0), row.get::<String, _>(1)));
+            }
+        }
+        found
+    };
+    for (name, value) in &settings {
+        match name.as_str() {
+            "statement_timeout" | "lock_timeout" => {
+                assert_eq!(value, "0", "{name} left on a server connection")
+            }
+            other => panic!("{other} {value} left on a server connection"),
+        }
+    }
+}
