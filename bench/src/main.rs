@@ -9,6 +9,7 @@
 
 mod load;
 mod neighbour;
+mod pooler;
 mod services;
 
 use std::collections::{HashMap, HashSet};
@@ -46,6 +47,7 @@ const SCENARIOS: &[&str] = &[
     "gapless",
     "drain",
     "neighbour",
+    "poolers",
 ];
 
 #[derive(Parser)]
@@ -56,7 +58,7 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// gapless, drain, neighbour.
+    /// gapless, drain, neighbour, poolers.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
@@ -145,6 +147,16 @@ impl Bench {
     }
 
     /// A figure whose goal is an upper bound.
+    fn at_least(&mut self, figure: &str, value: f64, unit: &str, goal: f64) {
+        self.row(
+            figure,
+            value,
+            unit,
+            &format!(">= {goal}"),
+            Some(value >= goal),
+        );
+    }
+
     fn at_most(&mut self, figure: &str, value: f64, unit: &str, goal: f64) {
         self.row(
             figure,
@@ -457,6 +469,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             neighbour::Intensity::only(&args.floods)
         };
         hostile_neighbour(&mut bench, &idpool, &sizes, &intensity).await?;
+    }
+    if wanted("poolers") {
+        pooler::many_instances(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =

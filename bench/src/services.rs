@@ -576,3 +576,71 @@ impl Drop for Idpool {
         self.stop();
     }
 }
+
+/// PgBouncer in front of `postgres`, on a free port, in `pool_mode` with
+/// `pool_size` server connections (for all its clients); stopped when
+/// dropped.
+pub struct PgBouncer {
+    pub port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl PgBouncer {
+    pub fn start(postgres: &Postgres, pool_mode: &str, pool_size: u32) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let port = free_port()?;
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(dir.path().join("users.txt"), "\"postgres\" \"\"\n")?;
+        std::fs::write(
+            dir.path().join("pgbouncer.ini"),
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={server}\n\n[pgbouncer]\n\
+                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+                 auth_type = trust\nauth_file = {users}\n\
+                 pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 5000\n\
+                 ignore_startup_parameters = extra_float_digits,options\n\
+                 logfile = {log}\npidfile = {pid}\n",
+                server = postgres.port,
+                users = path("users.txt"),
+                log = path("pgbouncer.log"),
+                pid = path("pgbouncer.pid"),
+            ),
+        )?;
+        let mut command = Command::new("pgbouncer");
+        // PgBouncer refuses to run as root.
+        if is_root() {
+            let status = Command::new("chown")
+                .args(["-R", "postgres"])
+                .arg(dir.path())
+                .status()?;
+            if !status.success() {
+                bail!("chown of {} to postgres failed", dir.path().display());
+            }
+            command.args(["-u", "postgres"]);
+        }
+        let child = command
+            .arg(dir.path().join("pgbouncer.ini"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting pgbouncer (scripts/dev-services.sh ha-tools installs it)")?;
+        wait_for_port(port, "pgbouncer", Duration::from_secs(10))?;
+        Ok(Self {
+            port,
+            child,
+            _dir: dir,
+        })
+    }
+
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
