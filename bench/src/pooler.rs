@@ -17,6 +17,9 @@ use crate::{Bench, Sizes, ids_call, median, metadata, wait_for_mode};
 
 const DATABASE: &str = "idpool_bench";
 
+/// The bench's environment with some variables set anew.
+type EnvWith<'a> = &'a dyn Fn(&[(&str, String)]) -> Vec<(String, String)>;
+
 fn document_call(i: u64) -> Call {
     Call {
         method: Method::POST,
@@ -190,7 +193,7 @@ pub async fn many_instances(
 async fn twenty_instances(
     bench: &mut Bench,
     binary: &std::path::Path,
-    with: &dyn Fn(&[(&str, String)]) -> Vec<(String, String)>,
+    with: EnvWith<'_>,
     postgres: &Postgres,
     sizes: &Sizes,
 ) -> anyhow::Result<()> {
