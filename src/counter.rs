@@ -235,7 +235,7 @@ impl Counter {
                     range: SeqRange::new(start, end),
                 };
                 // Which session commits: a commit in doubt waits for its end.
-                let session = crate::db::session_of(&mut tx).await.ok();
+                let session = tx.session().await;
                 match tx.commit().await {
                     Ok(()) => Ok(Reserved::Got(block)),
                     // The connection broke before the commit's answer (a

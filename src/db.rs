@@ -262,7 +262,7 @@ pub struct Session {
 }
 
 /// The session `conn` talks to.
-pub(crate) async fn session_of<'c>(
+async fn session_of<'c>(
     conn: impl sqlx::PgExecutor<'c>,
 ) -> Result<Session, sqlx::Error> {
     let row = sqlx::query!(

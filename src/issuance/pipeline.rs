@@ -92,7 +92,9 @@ struct Popped {
 pub struct Pipeline {
     pools: Arc<PoolService>,
     stats: Arc<Stats>,
-    writes: Batcher<Vec<Popped>>,
+    /// The shared ledger write stages, taken in turn.
+    writes: Arc<[Batcher<Vec<Popped>>]>,
+    turn: Arc<std::sync::atomic::AtomicUsize>,
     /// Documents of gapless sequences commit in a write stage of their
     /// own: their counter rows may be held by another transaction (a batch,
     /// another instance), and a pooled request must never wait for that.
@@ -117,8 +119,16 @@ impl Pipeline {
                 writer.clone().write(batches)
             })
         };
+        // Behind a transaction pooler a commit costs several round trips
+        // more (each statement unnamed, in a transaction that sets its
+        // limits): two stages overlap them. Straight to Postgres, one.
+        let stages = match db.pooler() {
+            crate::db::Pooler::Transaction => 2,
+            _ => 1,
+        };
         Self {
-            writes: stage("ledger writes"),
+            writes: (0..stages).map(|_| stage("ledger writes")).collect(),
+            turn: Arc::default(),
             gapless_writes: stage("gapless writes"),
             pools,
             stats,
@@ -157,7 +167,10 @@ impl Pipeline {
         let (reply, answer) = oneshot::channel();
         let stage = match demand {
             Demand::Gapless { .. } => &self.gapless_writes,
-            _ => &self.writes,
+            _ => {
+                let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                &self.writes[turn % self.writes.len()]
+            }
         };
         let job = Job {
             placement,
