@@ -262,9 +262,7 @@ pub struct Session {
 }
 
 /// The session `conn` talks to.
-async fn session_of<'c>(
-    conn: impl sqlx::PgExecutor<'c>,
-) -> Result<Session, sqlx::Error> {
+async fn session_of<'c>(conn: impl sqlx::PgExecutor<'c>) -> Result<Session, sqlx::Error> {
     let row = sqlx::query!(
         r#"SELECT pid AS "pid!", backend_start AS "started!" FROM pg_stat_activity WHERE pid = pg_backend_pid()"#
     )

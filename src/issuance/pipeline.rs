@@ -92,9 +92,7 @@ struct Popped {
 pub struct Pipeline {
     pools: Arc<PoolService>,
     stats: Arc<Stats>,
-    /// The shared ledger write stages, taken in turn.
-    writes: Arc<[Batcher<Vec<Popped>>]>,
-    turn: Arc<std::sync::atomic::AtomicUsize>,
+    writes: Batcher<Vec<Popped>>,
     /// Documents of gapless sequences commit in a write stage of their
     /// own: their counter rows may be held by another transaction (a batch,
     /// another instance), and a pooled request must never wait for that.
@@ -119,16 +117,8 @@ impl Pipeline {
                 writer.clone().write(batches)
             })
         };
-        // Behind a transaction pooler a commit costs several round trips
-        // more (each statement unnamed, in a transaction that sets its
-        // limits): two stages overlap them. Straight to Postgres, one.
-        let stages = match db.pooler() {
-            crate::db::Pooler::Transaction => 2,
-            _ => 1,
-        };
         Self {
-            writes: (0..stages).map(|_| stage("ledger writes")).collect(),
-            turn: Arc::default(),
+            writes: stage("ledger writes"),
             gapless_writes: stage("gapless writes"),
             pools,
             stats,
@@ -167,10 +157,7 @@ impl Pipeline {
         let (reply, answer) = oneshot::channel();
         let stage = match demand {
             Demand::Gapless { .. } => &self.gapless_writes,
-            _ => {
-                let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                &self.writes[turn % self.writes.len()]
-            }
+            _ => &self.writes,
         };
         let job = Job {
             placement,
