@@ -542,6 +542,29 @@ impl Config {
     pub fn check_urls(&self) -> anyhow::Result<()> {
         check_database_url(&self.database_url)?;
         crate::pool::url::parse(&self.redis_url)?;
+        if let Some(listen) = &self.pg_listen_url {
+            check_database_url(listen).map_err(|e| {
+                anyhow::anyhow!(
+                    "IDPOOL_PG_LISTEN_URL: {}",
+                    e.to_string().replace("DATABASE_URL", "it")
+                )
+            })?;
+            // A listener through the pooler would leave LISTEN on a server
+            // connection other clients get: their statements then fail on
+            // notifications they never asked for.
+            let address = |url: &str| {
+                url.parse::<sqlx::postgres::PgConnectOptions>()
+                    .map(|o| (o.get_host().to_owned(), o.get_port()))
+                    .ok()
+            };
+            if self.pg_pooler != crate::db::Pooler::None
+                && address(listen) == address(&self.database_url)
+            {
+                anyhow::bail!(
+                    "IDPOOL_PG_LISTEN_URL must lead straight to Postgres, not to the pooler of DATABASE_URL"
+                );
+            }
+        }
         Ok(())
     }
 

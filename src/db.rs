@@ -296,6 +296,34 @@ async fn end_session(conn: &mut Conn, session: Session) -> Result<(), sqlx::Erro
     }
 }
 
+async fn server_now(conn: &mut Conn) -> Result<chrono::DateTime<chrono::Utc>, sqlx::Error> {
+    sqlx::query_scalar!(r#"SELECT clock_timestamp() AS "now!""#)
+        .fetch_one(conn)
+        .await
+}
+
+/// Returns once no commit that began in a transaction older than `cutoff`
+/// is still running (ours, whose answer was lost, among them).
+async fn commits_begun_before_ended(
+    conn: &mut Conn,
+    cutoff: chrono::DateTime<chrono::Utc>,
+) -> Result<(), sqlx::Error> {
+    loop {
+        let running = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                              WHERE state = 'active' AND query = 'COMMIT' AND xact_start < $1
+                                AND pid <> pg_backend_pid()) AS "running!""#,
+            cutoff,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if !running {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// What became of a commit whose connection failed before its answer
 /// arrived (a crash, a failover): `ask` runs on a new connection once the
 /// server answers again (retried with backoff for up to `patience`), after
@@ -311,6 +339,7 @@ where
     Asked: std::future::Future<Output = Result<T, sqlx::Error>>,
 {
     let deadline = Instant::now() + patience;
+    let mut cutoff = None;
     let mut backoff =
         crate::backoff::Backoff::between(Duration::from_millis(50), Duration::from_secs(2));
     loop {
@@ -320,8 +349,18 @@ where
         }
         let answer = tokio::time::timeout(left, async {
             let mut conn = db.acquire().await?;
-            if let Some(lost) = lost {
-                end_session(&mut conn, lost).await?;
+            match lost {
+                Some(lost) => end_session(&mut conn, lost).await?,
+                // Behind a pooler the session is not ours to know: every
+                // commit under way since before the lookup began ends first.
+                None if db.pooler() != Pooler::None => {
+                    let cutoff = *match &mut cutoff {
+                        Some(cutoff) => cutoff,
+                        None => cutoff.insert(server_now(&mut conn).await?),
+                    };
+                    commits_begun_before_ended(&mut conn, cutoff).await?;
+                }
+                None => {}
             }
             ask(conn).await
         })
@@ -462,6 +501,9 @@ pub async fn warn_without_synchronous_standby(db: &Db) {
 pub mod sqlstate {
     /// Class 22, data exception: a value the database cannot store.
     pub const DATA_EXCEPTION_CLASS: &str = "22";
+    /// Class 08, connection exception (PgBouncer's own errors, such as
+    /// `query_wait_timeout` or too many clients, are 08P01).
+    pub const CONNECTION_EXCEPTION_CLASS: &str = "08";
     /// Class 40, transaction rollback (serialization failure, deadlock).
     pub const TRANSACTION_ROLLBACK_CLASS: &str = "40";
     /// Class 53, insufficient resources.

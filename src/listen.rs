@@ -82,7 +82,9 @@ pub async fn run(source: Source, subscribers: Subscribers, stop: CancellationTok
         .collect();
     // On a standby or during a failover every attempt fails at once: the
     // attempts back off, and their failures are said once, then counted.
-    static TROUBLE: Repeated = Repeated::new("cannot listen for notifications; retrying");
+    static TROUBLE: Repeated = Repeated::new(
+        "cannot listen for notifications; polling every second until listening again",
+    );
     let mut backoff = Backoff::background();
     loop {
         match listen(&source, &by_channel).await {
@@ -99,9 +101,22 @@ pub async fn run(source: Source, subscribers: Subscribers, stop: CancellationTok
             }
             Err(e) => TROUBLE.warn(&e),
         }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(backoff.next_pause()) => {}
+        // Not listening: what is sent meanwhile is missed, so every
+        // subscriber is told so every `POLL` until the next attempt (a
+        // revoked key is refused as soon as it would be by polling).
+        let retry_at = tokio::time::Instant::now() + backoff.next_pause();
+        loop {
+            for subscriber in &subscribers {
+                subscriber.missed();
+            }
+            let next = (tokio::time::Instant::now() + POLL).min(retry_at);
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep_until(next) => {}
+            }
+            if next >= retry_at {
+                break;
+            }
         }
     }
 }
@@ -130,7 +145,13 @@ async fn listen(
             let options = crate::db::connect_options(url).map_err(|e| {
                 sqlx::Error::Configuration(format!("IDPOOL_PG_LISTEN_URL: {e}").into())
             })?;
-            PgListener::connect_with(&sqlx::PgPool::connect_lazy_with(options)).await?
+            PgListener::connect_with(&sqlx::PgPool::connect_lazy_with(options))
+                .await
+                .map_err(|e| {
+                    sqlx::Error::Configuration(
+                        format!("IDPOOL_PG_LISTEN_URL does not answer: {e}").into(),
+                    )
+                })?
         }
         Source::Poll => {
             return Err(sqlx::Error::Configuration("nothing to listen on".into()));

@@ -192,6 +192,11 @@ async fn migrate_when_writable(
                 sqlx::migrate::MigrateError::Execute(e)
                 | sqlx::migrate::MigrateError::ExecuteMigration(e, _),
             ) if db::distrust_server_after(&e) => e,
+            Err(e) if e.to_string().contains("prepared statement") => {
+                return Err(anyhow::anyhow!(
+                    "{e}: DATABASE_URL seems to lead to a pooler in transaction mode; set IDPOOL_PG_POOLER=transaction"
+                ));
+            }
             Err(e) => return Err(e.into()),
         };
         WAITING.warn(&error);

@@ -207,6 +207,31 @@ async fn transition(
     Ok(view)
 }
 
+/// Deliveries that may run at once across every instance behind a
+/// pooler. A delivery keeps its transaction open while the target answers,
+/// and behind a pooler that holds one of the server connections every
+/// instance shares: without a bound, one tenant's backlog and a slow target
+/// would take them all.
+pub const DELIVERY_SLOTS: i32 = 2;
+
+/// Takes one of the `DELIVERY_SLOTS` for as long as `tx` lasts; false when
+/// every one is taken.
+pub async fn take_delivery_slot(tx: &mut Tx<'_>) -> Result<bool, sqlx::Error> {
+    // Tried one after another: the first free one is taken, no other.
+    for slot in 0..DELIVERY_SLOTS {
+        let taken = sqlx::query_scalar!(
+            r#"SELECT pg_try_advisory_xact_lock(hashtext('idpool:outbox-delivery'), $1) AS "taken!""#,
+            slot,
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        if taken {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Claims up to `limit` due rows for delivery (locked until the caller's
 /// transaction ends; rows another processor holds are skipped). Their
 /// payload is read only when the sink needs it.

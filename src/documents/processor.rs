@@ -16,6 +16,9 @@ use super::outbox;
 use super::sink::Sink;
 use crate::stats::Stats;
 
+/// How soon a processor that found every delivery slot taken tries again.
+const DELIVERY_SLOT_WAIT: Duration = Duration::from_millis(250);
+
 #[derive(Debug, Clone)]
 pub struct ProcessorSettings {
     /// Longest sleep when idle; new rows wake the processor at once.
@@ -200,6 +203,15 @@ impl Processor {
     /// Claims and delivers one batch of due rows.
     pub async fn step(&self) -> Result<Step, sqlx::Error> {
         let mut tx = self.db.begin().await?;
+        if self.db.pooler() != crate::db::Pooler::None
+            && !outbox::take_delivery_slot(&mut tx).await?
+        {
+            // Every slot is another delivery's: try again soon.
+            return Ok(Step {
+                next_due: Some(DELIVERY_SLOT_WAIT),
+                ..Step::default()
+            });
+        }
         let tenants = self.tenants.current(&mut tx).await?;
         let claimed = outbox::claim_due(
             &mut tx,

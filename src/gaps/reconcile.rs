@@ -49,11 +49,13 @@ impl Default for ReconcileSettings {
     }
 }
 
-/// How long a run is taken to be under way after it started, unless it
-/// finished or failed: an instance that died mid-run holds up the next run
-/// at most this long. Far above the longest run (its statements end after
-/// 300 s).
-const RUN_LEASE: Duration = Duration::from_secs(15 * 60);
+/// How long a run is taken to be under way after it last said so, unless
+/// it finished or failed: an instance that died mid-run holds up the next
+/// run at most this long.
+const RUN_LEASE: Duration = Duration::from_secs(60);
+
+/// How often a run under way says so.
+const RUN_HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// What one run did.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -159,13 +161,14 @@ impl Reconciler {
                 ..Default::default()
             });
         };
-        let result = self.run_started(&mut conn, &run).await;
-        if result.is_err()
-            && let Err(e) = store::abandon_run(&mut conn, run.id).await
-        {
-            tracing::warn!(error = %e, "a failed reconciliation run stays recorded as under way; the next starts once it is older than the lease");
-        }
+        let result = tokio::select! {
+            result = self.run_started(&mut conn, &run) => result,
+            lost = self.keep_alive(run.id) => Err(lost),
+        };
         drop(conn);
+        if result.is_err() {
+            self.abandon(run.id).await;
+        }
         let mut summary = result?;
         summary.duration_ms = started.elapsed().as_millis() as u64;
         self.stats.reconcile_runs.inc();
@@ -185,6 +188,40 @@ impl Reconciler {
             "reconciliation run"
         );
         Ok(summary)
+    }
+
+    /// Says every `RUN_HEARTBEAT` that run `id` is under way; ends (the
+    /// run with it) once it could not for half the lease, before another
+    /// instance may take the run for dead and start one of its own.
+    async fn keep_alive(&self, id: i64) -> ReconcileError {
+        let mut said = Instant::now();
+        loop {
+            tokio::time::sleep(RUN_HEARTBEAT).await;
+            match store::still_running(&self.db, id).await {
+                Ok(()) => said = Instant::now(),
+                Err(e) if said.elapsed() >= RUN_LEASE / 2 => return e.into(),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Forgets a failed run, on a connection of its own (the run's may
+    /// have broken), retrying for a while: until then the next run waits
+    /// for the lease to lapse.
+    async fn abandon(&self, id: i64) {
+        let mut backoff =
+            crate::backoff::Backoff::between(Duration::from_millis(100), Duration::from_secs(2));
+        let deadline = Instant::now() + RUN_LEASE;
+        loop {
+            match store::abandon_run(&self.db, id).await {
+                Ok(()) => return,
+                Err(e) if Instant::now() >= deadline => {
+                    tracing::warn!(error = %e, "a failed reconciliation run stays recorded; the next starts once its lease lapses");
+                    return;
+                }
+                Err(_) => tokio::time::sleep(backoff.next_pause()).await,
+            }
+        }
     }
 
     async fn record_open_gaps(&self) {

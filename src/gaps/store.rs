@@ -75,7 +75,8 @@ pub(super) async fn start_run(
         .await?;
     let since = now - chrono::Duration::from_std(lease).unwrap_or_default();
     let running = sqlx::query_scalar!(
-        r#"SELECT EXISTS (SELECT 1 FROM reconcile_runs WHERE finished_at IS NULL AND started_at > $1) AS "running!""#,
+        r#"SELECT EXISTS (SELECT 1 FROM reconcile_runs
+                          WHERE finished_at IS NULL AND coalesce(alive_at, started_at) > $1) AS "running!""#,
         since,
     )
     .fetch_one(&mut tx)
@@ -89,7 +90,7 @@ pub(super) async fn start_run(
     .fetch_optional(&mut tx)
     .await?;
     let id = sqlx::query_scalar!(
-        "INSERT INTO reconcile_runs (instance_id, started_at) VALUES ($1, $2) RETURNING id",
+        "INSERT INTO reconcile_runs (instance_id, started_at, alive_at) VALUES ($1, $2, $2) RETURNING id",
         instance_id,
         now,
     )
@@ -99,11 +100,22 @@ pub(super) async fn start_run(
     Ok(Some(Run { id, now, previous }))
 }
 
+/// Says run `id` is still under way.
+pub(super) async fn still_running(db: &Db, id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "UPDATE reconcile_runs SET alive_at = clock_timestamp() WHERE id = $1",
+        id
+    )
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
 /// Forgets a run that failed: the next one starts at once, and judges
 /// from where the last finished run left off.
-pub(super) async fn abandon_run(conn: &mut impl Link, id: i64) -> Result<(), sqlx::Error> {
+pub(super) async fn abandon_run(db: &Db, id: i64) -> Result<(), sqlx::Error> {
     sqlx::query!("DELETE FROM reconcile_runs WHERE id = $1", id)
-        .execute(conn.statements())
+        .execute(db)
         .await?;
     Ok(())
 }

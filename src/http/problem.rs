@@ -292,12 +292,15 @@ pub fn db_error(e: sqlx::Error) -> ApiError {
                     ),
                 )
             } else if code.starts_with(TRANSACTION_ROLLBACK_CLASS)
+                || code.starts_with(CONNECTION_EXCEPTION_CLASS)
                 || code.starts_with(INSUFFICIENT_RESOURCES_CLASS)
                 || code.starts_with(OPERATOR_INTERVENTION_CLASS)
                 || code == LOCK_NOT_AVAILABLE
             {
-                // Serialization failures, deadlocks, resources, timeouts,
-                // lock waits, shutdowns: try again.
+                // Serialization failures, deadlocks, a connection the
+                // server or a pooler gave up (PgBouncer's query_wait_timeout,
+                // its client limit), resources, timeouts, lock waits,
+                // shutdowns: try again.
                 ApiError::unavailable(e)
             } else {
                 ApiError::internal(e)

@@ -13,6 +13,8 @@ use sqlx::postgres::PgConnectOptions;
 
 use crate::helpers::{TestApp, TestEnv, base_database_url, client_with_key, create_key_with_id};
 use crate::topology::free_port;
+use crate::webhook::{Behaviour, Webhook};
+use idpool::documents::sink::SinkConfig;
 
 /// PgBouncer on a free loopback port in front of the server of
 /// `DATABASE_URL`; ended when dropped.
@@ -310,4 +312,81 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
             other => panic!("{other} {value} left on a server connection"),
         }
     }
+}
+
+/// Deliveries keep their transaction open while the target answers; behind
+/// a pooler each holds a server connection every instance shares. One
+/// tenant's backlog to a slow target takes at most the delivery slots of
+/// them, and another tenant is served throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
+    let bouncer = PgBouncer::start("transaction", 4);
+    let webhook = Webhook::start(Behaviour::Succeed).await;
+    webhook.slow_down(Duration::from_millis(1500));
+    let mut env = TestEnv::new();
+    let direct = env.database_url.clone();
+    idpool::db::connect(
+        &direct,
+        1,
+        idpool::db::Limits::default(),
+        idpool::db::Pooler::None,
+    )
+    .await
+    .expect("the test database")
+    .close()
+    .await;
+    env.database_url = bouncer.url(&database_of(&direct));
+    env.pg_pooler = idpool::db::Pooler::Transaction;
+    env.direct_database_url = Some(direct);
+    env.sink = SinkConfig::Webhook(webhook.url.clone());
+    env.outbox_poll_ms = 50;
+    // Small batches: every delivery loop of both instances has rows to
+    // claim, and would hold a server connection with them.
+    env.outbox_batch = 5;
+    let (a, b) = tokio::join!(env.spawn(), env.spawn());
+
+    for i in 0..60 {
+        let app = if i % 2 == 0 { &a } else { &b };
+        let response = app
+            .post_document(
+                &json!({"project": "BACKLOG", "type": "1", "metadata": {"i": i}}),
+                None,
+            )
+            .await;
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while webhook.received().is_empty() {
+        assert!(Instant::now() < deadline, "no delivery began");
+        tokio::time::sleep(Duration::from_millis(20)).await; // polling, with a deadline
+    }
+
+    let (key_id, key) = create_key_with_id(&a.state, &["OTHER"], false).await;
+    let _ = key_id;
+    let other = client_with_key(Some(&key));
+    let mut most_held = 0;
+    for i in 0..40 {
+        let app = if i % 2 == 0 { &a } else { &b };
+        let status = other
+            .post(app.url("/ids"))
+            .json(&json!({"project": "OTHER", "type": "1", "count": 1}))
+            .send()
+            .await
+            .expect("request")
+            .status();
+        assert_eq!(status, StatusCode::OK, "request {i} of the other tenant");
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction' AND query LIKE '%id_outbox%'",
+        )
+        .fetch_one(&a.db)
+        .await
+        .expect("held");
+        most_held = most_held.max(held);
+    }
+    assert!(most_held >= 1, "no delivery was seen holding a connection");
+    assert!(
+        most_held <= i64::from(idpool::documents::outbox::DELIVERY_SLOTS),
+        "{most_held} deliveries held server connections at once"
+    );
 }
