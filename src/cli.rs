@@ -67,12 +67,13 @@ struct DatabaseArgs {
     )]
     database_url: String,
 
-    /// What sits between idpool and Postgres, as `serve` is told.
+    /// none, session or transaction, as for `serve`.
     #[arg(
-        long = "idpool-pg-pooler",
+        long = "pg-pooler",
         env = "IDPOOL_PG_POOLER",
-        value_name = "IDPOOL_PG_POOLER",
+        value_name = "MODE",
         value_enum,
+        hide_possible_values = true,
         default_value = "none",
         global = true
     )]
@@ -129,7 +130,8 @@ enum KeysAction {
     },
     /// Every key as JSON lines, without secrets.
     List,
-    /// Revoke a key: it is refused at once by every instance.
+    /// Revoke a key: it is refused at once by every instance (within a
+    /// second by one that polls behind a transaction pooler).
     Revoke {
         /// The key's id (from `keys list`).
         id: String,

@@ -28,13 +28,13 @@ use sqlx::{Connection, Describe, Either, Execute, Executor, PgPool, Postgres, Tr
 /// What sits between idpool and Postgres (`IDPOOL_PG_POOLER`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Pooler {
-    /// Postgres itself (or a proxy that passes sessions through: HAProxy).
+    // Postgres itself (or a proxy that passes sessions through: HAProxy).
     #[default]
     None,
-    /// A pooler that gives a client one server connection for as long as
-    /// it stays connected.
+    // A pooler that gives a client one server connection for as long as
+    // it stays connected.
     Session,
-    /// A pooler that gives a client a server connection per transaction.
+    // A pooler that gives a client a server connection per transaction.
     Transaction,
 }
 
@@ -185,8 +185,8 @@ impl fmt::Debug for Conn {
 }
 
 impl Conn {
-    /// Every transaction begun on this connection waits at most `wait`
-    /// for a lock.
+    /// Every statement on this connection waits at most `wait` for a
+    /// lock (each in a transaction that sets it, when not in one).
     pub fn wait_for_locks_at_most(&mut self, wait: std::time::Duration) {
         self.lock_wait = Some(wait);
     }
@@ -355,9 +355,12 @@ impl fmt::Debug for Statements<'_> {
 }
 
 impl Statements<'_> {
-    /// Whether a statement must run in a transaction of its own.
+    /// Whether a statement must run in a transaction of its own: where
+    /// limits are set per transaction, or this connection waits less for
+    /// locks than its pool (set only with `SET LOCAL`, never for a
+    /// session).
     fn alone(&self) -> bool {
-        !self.in_transaction && self.shape.per_transaction
+        !self.in_transaction && (self.shape.per_transaction || self.lock_wait.is_some())
     }
 }
 
