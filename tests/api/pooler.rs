@@ -102,9 +102,9 @@ fn database_of(url: &str) -> String {
     options.get_database().expect("a database").to_owned()
 }
 
-/// Two instances of one database behind `bouncer`: the first listens for
-/// notifications on a direct connection, the second polls.
-async fn two_instances(bouncer: &PgBouncer, statement_timeout_ms: u64) -> (TestApp, TestApp) {
+/// A test environment whose instances reach a new database through
+/// `bouncer` in transaction mode (the test's own checks go straight to it).
+async fn behind(bouncer: &PgBouncer) -> TestEnv {
     let mut env = TestEnv::new();
     let direct = env.database_url.clone();
     // The database is the operator's to create behind a pooler.
@@ -120,10 +120,17 @@ async fn two_instances(bouncer: &PgBouncer, statement_timeout_ms: u64) -> (TestA
     .await;
     env.database_url = bouncer.url(&database_of(&direct));
     env.pg_pooler = idpool::db::Pooler::Transaction;
-    env.direct_database_url = Some(direct.clone());
+    env.direct_database_url = Some(direct);
+    env
+}
+
+/// Two instances of one database behind `bouncer`: the first listens for
+/// notifications on a direct connection, the second polls.
+async fn two_instances(bouncer: &PgBouncer, statement_timeout_ms: u64) -> (TestApp, TestApp) {
+    let mut env = behind(bouncer).await;
     env.db_statement_timeout_ms = statement_timeout_ms;
     let mut listening = env.clone();
-    listening.pg_listen_url = Some(direct);
+    listening.pg_listen_url = env.direct_database_url.clone();
     // Both start at once: their migrations meet through the pooler.
     tokio::join!(listening.spawn(), env.spawn())
 }
@@ -323,21 +330,7 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
     let bouncer = PgBouncer::start("transaction", 4);
     let webhook = Webhook::start(Behaviour::Succeed).await;
     webhook.slow_down(Duration::from_millis(1500));
-    let mut env = TestEnv::new();
-    let direct = env.database_url.clone();
-    idpool::db::connect(
-        &direct,
-        1,
-        idpool::db::Limits::default(),
-        idpool::db::Pooler::None,
-    )
-    .await
-    .expect("the test database")
-    .close()
-    .await;
-    env.database_url = bouncer.url(&database_of(&direct));
-    env.pg_pooler = idpool::db::Pooler::Transaction;
-    env.direct_database_url = Some(direct);
+    let mut env = behind(&bouncer).await;
     env.sink = SinkConfig::Webhook(webhook.url.clone());
     env.outbox_poll_ms = 50;
     // Small batches: every delivery loop of both instances has rows to
@@ -361,8 +354,7 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
         tokio::time::sleep(Duration::from_millis(20)).await; // polling, with a deadline
     }
 
-    let (key_id, key) = create_key_with_id(&a.state, &["OTHER"], false).await;
-    let _ = key_id;
+    let (_, key) = create_key_with_id(&a.state, &["OTHER"], false).await;
     let other = client_with_key(Some(&key));
     let mut most_held = 0;
     for i in 0..40 {
