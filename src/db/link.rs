@@ -380,9 +380,20 @@ async fn alone<'q, E: 'q + Execute<'q, Postgres>>(
             unnamed: shape.pooler.unnamed(),
         })
         .try_collect()
-        .await?;
-    tx.commit().await?;
-    Ok(steps)
+        .await;
+    match steps {
+        Ok(steps) => {
+            tx.commit().await?;
+            Ok(steps)
+        }
+        // Ended now: a dropped transaction only queues its ROLLBACK until
+        // the connection is next used, and a connection kept between uses
+        // (a writer's) would sit in an aborted transaction meanwhile.
+        Err(e) => {
+            tx.rollback().await?;
+            Err(e)
+        }
+    }
 }
 
 fn replay<'e>(
