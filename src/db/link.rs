@@ -137,11 +137,6 @@ impl Db {
         (*self.pool.connect_options()).clone()
     }
 
-    /// Connections open now, and of those idle.
-    pub fn size(&self) -> (u32, usize) {
-        (self.pool.size(), self.pool.num_idle())
-    }
-
     pub async fn close(&self) {
         self.pool.close().await
     }
@@ -214,11 +209,6 @@ impl Conn {
     /// the pool (it may be broken).
     pub fn discard(self) {
         drop(self.conn.detach());
-    }
-
-    /// Closes the connection instead of returning it to the pool.
-    pub async fn close(self) -> Result<(), sqlx::Error> {
-        self.conn.close().await
     }
 }
 

@@ -269,7 +269,7 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
 
     // The statement timeout holds although the pooler dropped the
     // startup parameters.
-    let slept = sqlx::query("SELECT pg_sleep(5)")
+    let slept = sqlx::query("SELECT pg_sleep(5)") // a statement that outlasts the 1 s timeout: the delay is the point
         .execute(&b.state.db)
         .await
         .expect_err("cancelled by statement_timeout");
