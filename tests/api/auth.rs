@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
+use crate::helpers::eventually;
 use crate::helpers::{
     ServeProcess, TestApp, TestEnv, assert_problem, client_with_key, create_key, create_key_with_id,
 };
@@ -320,7 +321,9 @@ async fn a_burst_over_the_rate_is_429_and_another_key_is_served_meanwhile() {
         futures::future::join_all(flood),
         futures::future::join_all(calm)
     );
-    assert!(started.elapsed() < Duration::from_secs(1), "not one second");
+    // However long the burst took here, the bucket let through its burst
+    // and what refilled meanwhile, no more.
+    let refilled = (5.0 * started.elapsed().as_secs_f64()).ceil() as usize;
     let mut limited = 0;
     for response in flood {
         let response = response.unwrap();
@@ -338,7 +341,11 @@ async fn a_burst_over_the_rate_is_429_and_another_key_is_served_meanwhile() {
         }
     }
     // A burst of twice the rate passes, the rest is refused.
-    assert!((25..=30).contains(&limited), "{limited} of 40 limited");
+    let passed = 40 - limited;
+    assert!(
+        (10..=10 + refilled).contains(&passed),
+        "{passed} of 40 passed, {refilled} refilled meanwhile"
+    );
     for response in calm {
         assert_eq!(
             response.unwrap().status(),
@@ -452,18 +459,15 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
     let revoked: Value = serde_json::from_str(&cli(&env, &["keys", "revoke", &id])).unwrap();
     assert!(revoked["revoked_at"].is_string());
     // Every instance hears of it at once.
-    let started = Instant::now();
-    loop {
-        let status = answered(good.get(url("/api/v1/sequences")).send().await).status();
-        if status == StatusCode::UNAUTHORIZED {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "revocation not seen"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        Duration::from_secs(5),
+        "the revocation is seen",
+        async || {
+            let status = answered(good.get(url("/api/v1/sequences")).send().await).status();
+            (status == StatusCode::UNAUTHORIZED).then_some(())
+        },
+    )
+    .await;
     let listed = cli(&env, &["keys", "list"]);
     assert!(
         listed.contains(&id) && !listed.contains(&secret),
@@ -531,4 +535,60 @@ async fn authentication_is_off_only_when_asked_and_only_on_a_loopback_address() 
         first.contains("authentication is OFF"),
         "first line: {first}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_use_is_never_read_again_from_postgres() {
+    let app = TestEnv::new().spawn().await;
+    let (id, secret) = crate::helpers::create_key_with_id(&app.state, &["KEPT"], false).await;
+    let tenant = client_with_key(Some(&secret));
+    let issue = async || {
+        tenant
+            .post(app.url("/ids"))
+            .json(&json!({"project": "KEPT", "type": "1"}))
+            .send()
+            .await
+            .expect("answer")
+            .status()
+    };
+    assert_eq!(issue().await, StatusCode::OK);
+    // Its row changes behind the service's back (nothing announces it): an
+    // instance that read keys in use again would see another scope.
+    sqlx::query("UPDATE api_keys SET projects = ARRAY['ELSEWHERE'] WHERE id = $1")
+        .bind(&id)
+        .execute(&app.db)
+        .await
+        .unwrap();
+    // What the 30-second timer does (writing when keys were last used),
+    // then two seconds of steady use on Postgres' clock.
+    app.state
+        .auth
+        .keys()
+        .record_use()
+        .await
+        .expect("use recorded");
+    let mark: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    let mut requests = 0;
+    eventually(Duration::from_secs(30), "two seconds of use", async || {
+        assert_eq!(issue().await, StatusCode::OK, "the key was read again");
+        requests += 1;
+        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+        (now - mark > chrono::Duration::seconds(2)).then_some(())
+    })
+    .await;
+    assert!(requests > 10, "{requests} requests");
+    // What is announced is heard at once.
+    app.state.auth.keys().revoke(&id).await.expect("revoked");
+    eventually(
+        Duration::from_secs(5),
+        "the revocation is heard",
+        async || (issue().await == StatusCode::UNAUTHORIZED).then_some(()),
+    )
+    .await;
 }

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::sync::Barrier;
 
 use crate::helpers::{ServeProcess, TestEnv, assert_problem, ledger_numbers};
+use crate::helpers::{eventually, eventually_every};
 use crate::redis_server::RedisServer;
 use crate::webhook::{Behaviour, Webhook};
 
@@ -21,10 +22,11 @@ fn doc(project: &str, doc_type: &str, metadata: Value) -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_accepted_document_is_committed_in_the_default_sink_within_a_second() {
-    let app = TestEnv::new().spawn().await;
-    // Let the processor settle into its idle wait first.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+async fn an_accepted_document_is_committed_in_the_default_sink_without_waiting_for_a_poll() {
+    let mut env = TestEnv::new();
+    // Polling alone would take ten minutes: the notification wakes it.
+    env.outbox_poll_ms = 600_000;
+    let app = env.spawn().await;
     let response = app
         .post_document(
             &doc("PROJ", "9012", json!({"title": "Level 3", "rev": 2})),
@@ -42,7 +44,7 @@ async fn an_accepted_document_is_committed_in_the_default_sink_within_a_second()
     assert_eq!(location, format!("/api/v1/documents/{id}"));
 
     let took = app
-        .wait_for_status(id, "committed", Duration::from_secs(1))
+        .wait_for_status(id, "committed", Duration::from_secs(60))
         .await;
     println!("202 -> committed in {took:?}");
     let stored: (String, Value, i64) =
@@ -652,11 +654,10 @@ async fn two_processors_deliver_5000_rows_each_once_and_never_twice_at_a_time() 
     env.outbox_batch = 100;
     env.outbox_poll_ms = 100;
     let (a, b) = (env.spawn().await, env.spawn().await);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while ingest.outbox_count(Some("committed")).await < 5000 {
-        assert!(Instant::now() < deadline, "not all delivered within 60 s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(60), "all 5000 delivered", async || {
+        (ingest.outbox_count(Some("committed")).await >= 5000).then_some(())
+    })
+    .await;
     let received = webhook.received();
     let mut per_document: HashMap<String, usize> = HashMap::new();
     for r in &received {
@@ -725,14 +726,13 @@ async fn a_processor_killed_mid_batch_loses_nothing_and_never_writes_other_conte
         .extra_env
         .push(("IDPOOL_OUTBOX_WORKERS".to_owned(), "1".to_owned()));
     let mut first = ServeProcess::start(&single_loop).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while json_files(dir.path()).len() < 200 {
-        assert!(
-            Instant::now() < deadline,
-            "the processor never started writing"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    eventually_every(
+        Duration::from_secs(30),
+        Duration::from_millis(1),
+        "the processor writes",
+        async || (json_files(dir.path()).len() >= 200).then_some(()),
+    )
+    .await;
     first.kill();
     let written_before_kill = json_files(dir.path()).len();
     let still_pending = ingest.outbox_count(Some("pending")).await;
@@ -749,14 +749,12 @@ async fn a_processor_killed_mid_batch_loses_nothing_and_never_writes_other_conte
 
     // Restarted, everything that got a 202 ends committed.
     let _second = ServeProcess::start(&env).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while ingest.outbox_count(Some("committed")).await < 5000 {
-        assert!(
-            Instant::now() < deadline,
-            "not all committed after the restart"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        Duration::from_secs(60),
+        "all committed after the restart",
+        async || (ingest.outbox_count(Some("committed")).await >= 5000).then_some(()),
+    )
+    .await;
     let files = json_files(dir.path());
     assert_eq!(files.len(), 5000);
     for file in files {

@@ -238,18 +238,15 @@ async fn a_reservation_past_its_deadline_is_voided_once_and_cannot_be_attached()
     let apps = [env.spawn().await, env.spawn().await];
     gapless(&apps[0], "GE", "1", json!({})).await;
     let (ids, _) = apps[0].issue("GE", "1", 2).await;
-    let started = Instant::now();
-    let gaps = loop {
-        let gaps = apps[1].gaps("GE", "1").await;
-        if gaps.len() == 2 {
-            break gaps;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "not expired: {gaps:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await; // polling, bounded by the assert above
-    };
+    let gaps = crate::helpers::eventually(
+        Duration::from_secs(10),
+        "both reservations expire",
+        async || {
+            let gaps = apps[1].gaps("GE", "1").await;
+            (gaps.len() == 2).then_some(gaps)
+        },
+    )
+    .await;
     for (gap, id) in gaps.iter().zip(&ids) {
         assert_eq!(gap["reason"], "reservation_expired");
         assert_eq!(&gap["from_id"], id);
@@ -557,14 +554,11 @@ async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_
     let count = || acknowledged.lock().unwrap().len();
     let wait_for_more = async |more: usize, what: &str| {
         let target = count() + more;
-        let started = Instant::now();
-        while count() < target {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "no {more} documents acknowledged {what} within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await; // polling, bounded
-        }
+        let what = format!("{more} documents acknowledged {what}");
+        crate::helpers::eventually(Duration::from_secs(60), &what, async || {
+            (count() >= target).then_some(())
+        })
+        .await;
     };
     wait_for_more(200, "at first").await;
     first.kill();
@@ -791,6 +785,11 @@ async fn a_number_that_is_neither_a_document_nor_a_void_is_reported_as_a_violati
     assert_eq!(metrics.get("idpool_gapless_violations_total"), Some(&1.0));
     // Its gaps are still only voids: the violation is an error, not a reason.
     assert!(app.gaps("GV", "1").await.is_empty());
+    assert_eq!(
+        crate::helpers::expect_error_lines("neither a document nor a void"),
+        1,
+        "the violation is logged as an error"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

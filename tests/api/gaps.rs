@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use fred::prelude::*;
@@ -12,6 +12,7 @@ use idpool::documents::sink::SinkConfig;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::helpers::eventually;
 use crate::helpers::{ServeProcess, TestApp, TestEnv, assert_problem};
 use crate::redis_server::RedisServer;
 use crate::webhook::{Behaviour, Webhook};
@@ -209,7 +210,7 @@ async fn numbers_held_by_a_running_request_are_not_reported() {
     let app = env.spawn().await;
     let (_, early) = app.issue("HOLD", "1", 5).await;
     app.reconcile().await;
-    tokio::time::sleep(env.settle + Duration::from_millis(200)).await;
+    app.wait_out_the_settle_time().await;
 
     // The next number goes to a batch whose transaction we keep waiting:
     // our uncommitted row already has the document ID it will want.
@@ -241,24 +242,21 @@ async fn numbers_held_by_a_running_request_are_not_reported() {
         })
     };
     // Held: its insert waits for our row's lock.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
+    eventually(
+        Duration::from_secs(10),
+        "the request waits for the lock",
+        async || {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the request never waited for the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+            )
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
     assert!(!held.is_finished(), "the request is being held");
 
     // A run while it is held judges the settled numbers, not the held one.
@@ -320,7 +318,7 @@ async fn a_run_after_a_million_numbers_costs_what_was_issued_since() {
         app.issue("BIG", "1", 100).await;
     }
     app.reconcile().await;
-    tokio::time::sleep(app.env.settle + Duration::from_millis(200)).await;
+    app.wait_out_the_settle_time().await;
     let later = app.reconcile().await;
     println!("after 1000 more: {later}");
     assert_eq!(later["numbers_checked"], 1000, "{later}");
@@ -464,6 +462,7 @@ struct Outcomes {
     issued_by_b: HashSet<(String, i64)>,
     documents: Vec<(String, String, i64)>,
     server_errors: Vec<u16>,
+    client_errors: Vec<String>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -516,7 +515,9 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
                     continue;
                 }
                 let body: Value = response.json().await.unwrap_or(Value::Null);
-                if status == StatusCode::OK {
+                if status.is_client_error() {
+                    out.client_errors.push(format!("{status} {body}"));
+                } else if status == StatusCode::OK {
                     for seq in body["seqs"].as_array().unwrap() {
                         out.issued.push((sequence.to_owned(), seq.as_i64().unwrap()));
                         if base == b_url {
@@ -530,16 +531,14 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
             out
         }));
     }
-    let pause = |ms| tokio::time::sleep(Duration::from_millis(ms));
     let served = |more: usize| {
         let answered = answered.clone();
         async move {
             let target = answered.load(Ordering::Relaxed) + more;
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while answered.load(Ordering::Relaxed) < target {
-                assert!(Instant::now() < deadline, "traffic stalled");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            eventually(Duration::from_secs(30), "traffic goes on", async || {
+                (answered.load(Ordering::Relaxed) >= target).then_some(())
+            })
+            .await;
         }
     };
     served(300).await;
@@ -566,7 +565,14 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
         outcomes.issued_by_b.extend(out.issued_by_b);
         outcomes.documents.extend(out.documents);
         outcomes.server_errors.extend(out.server_errors);
+        outcomes.client_errors.extend(out.client_errors);
     }
+    // Every request of the schedule is well formed: a 4xx is a defect.
+    assert!(
+        outcomes.client_errors.is_empty(),
+        "4xx answers: {:?}",
+        &outcomes.client_errors[..outcomes.client_errors.len().min(5)]
+    );
     assert!(
         outcomes.server_errors.is_empty(),
         "5xx answers: {:?}",
@@ -587,14 +593,10 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
         );
     }
     // Every document that got a 202 ends committed or dead-lettered.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while a.outbox_count(Some("pending")).await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "documents still pending after 60 s"
-        );
-        pause(100).await;
-    }
+    eventually(Duration::from_secs(60), "no document pending", async || {
+        (a.outbox_count(Some("pending")).await == 0).then_some(())
+    })
+    .await;
     for (_, id, _) in &outcomes.documents {
         let status = a.document(id).await["status"].clone();
         assert!(

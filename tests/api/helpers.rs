@@ -23,16 +23,91 @@ pub fn test_log() -> bool {
     std::env::var_os("TEST_LOG").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
+/// Error lines the in-process apps of this test wrote (nextest runs each
+/// test in a process of its own), and the texts a test said to expect.
+static ERROR_LINES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+static EXPECTED_ERRORS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Keeps every ERROR event, its message and fields, for [`TestApp`]'s drop.
+struct ErrorLines;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ErrorLines {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!(" {}={value:?}", field.name()));
+            }
+        }
+        let mut text = Text(event.metadata().target().to_owned());
+        event.record(&mut text);
+        ERROR_LINES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(text.0);
+    }
+}
+
 fn init_test_logging() {
-    if test_log() {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{Layer as _, filter::LevelFilter};
+    let shown = test_log().then(|| {
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("debug"));
-        // Every app of the test process shares the first subscriber.
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
+        tracing_subscriber::fmt::layer()
             .with_test_writer()
-            .try_init();
-    }
+            .with_filter(filter)
+    });
+    // Every app of the test process shares the first subscriber.
+    let _ = tracing_subscriber::registry()
+        .with(ErrorLines.with_filter(LevelFilter::ERROR))
+        .with(shown)
+        .try_init();
+}
+
+/// Says error lines holding `text` are part of what this test does (a
+/// store it stops, a value it corrupts); any other fails the test. How
+/// many were written so far.
+pub fn expect_error_lines(text: &str) -> usize {
+    EXPECTED_ERRORS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(text.to_owned());
+    ERROR_LINES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|line| line.contains(text))
+        .count()
+}
+
+/// What an app logs as an error while the test has Redis down, hung, cut
+/// off or replaced (the harness says so when it does that).
+pub fn expect_redis_trouble() {
+    expect_error_lines("pools not in use");
+    expect_error_lines("dependency unavailable");
+}
+
+/// What an app logs as an error while the test has Postgres stopped,
+/// read-only or moved.
+pub fn expect_postgres_trouble() {
+    expect_error_lines("dependency unavailable");
+}
+
+/// Error lines written so far that no [`expect_error_lines`] covers.
+fn unexpected_error_lines() -> Vec<String> {
+    let expected = EXPECTED_ERRORS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    ERROR_LINES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|line| !expected.iter().any(|text| line.contains(text)))
+        .cloned()
+        .collect()
 }
 
 /// Where a child process's output goes: the test's output with
@@ -42,6 +117,82 @@ pub fn child_output() -> std::process::Stdio {
         std::process::Stdio::inherit()
     } else {
         std::process::Stdio::null()
+    }
+}
+
+/// How often a wait looks again.
+const POLL: Duration = Duration::from_millis(20);
+
+/// The one way a test waits: asks `check` until it answers `Some`, and
+/// fails the test, naming `what`, once `limit` has passed without it. A
+/// fixed sleep is no synchronisation; the sleep in [`within`] only spaces
+/// the questions.
+pub async fn eventually<T>(
+    limit: Duration,
+    what: &str,
+    check: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    match within(limit, check).await {
+        Some(done) => done,
+        None => panic!("{what}: not within {limit:?}"),
+    }
+}
+
+/// What `check` answers first within `limit`, or `None` once it has passed.
+pub async fn within<T>(limit: Duration, check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    within_every(limit, POLL, check).await
+}
+
+/// [`eventually`], asking every `poll`: for a test that must act within
+/// moments of a condition (a kill in the middle of a batch).
+pub async fn eventually_every<T>(
+    limit: Duration,
+    poll: Duration,
+    what: &str,
+    check: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    match within_every(limit, poll, check).await {
+        Some(done) => done,
+        None => panic!("{what}: not within {limit:?}"),
+    }
+}
+
+async fn within_every<T>(
+    limit: Duration,
+    poll: Duration,
+    mut check: impl AsyncFnMut() -> Option<T>,
+) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(done) = check().await {
+            return Some(done);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(poll).await; // spaces the questions; bounded by `limit`
+    }
+}
+
+/// [`eventually`] for a test's own threads (no runtime to yield to).
+pub fn eventually_blocking<T>(limit: Duration, what: &str, check: impl FnMut() -> Option<T>) -> T {
+    match within_blocking(limit, check) {
+        Some(done) => done,
+        None => panic!("{what}: not within {limit:?}"),
+    }
+}
+
+/// [`within`] for a test's own threads.
+pub fn within_blocking<T>(limit: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(done) = check() {
+            return Some(done);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(POLL); // spaces the questions; bounded by `limit`
     }
 }
 
@@ -116,6 +267,8 @@ pub struct TestEnv {
     /// through a pooler.
     pub direct_database_url: Option<String>,
     pub db_statement_timeout_ms: u64,
+    /// How long a request waits for a pooled connection before its 503.
+    pub db_acquire_timeout_ms: u64,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -158,6 +311,7 @@ impl TestEnv {
             pg_listen_url: None,
             direct_database_url: None,
             db_statement_timeout_ms: 10_000,
+            db_acquire_timeout_ms: 2_000,
         }
     }
 
@@ -270,7 +424,7 @@ impl TestEnv {
             idle_timeout_s: self.idle_timeout_s,
             max_connections: self.max_connections,
             db_statement_timeout_ms: self.db_statement_timeout_ms,
-            db_acquire_timeout_ms: 2_000,
+            db_acquire_timeout_ms: self.db_acquire_timeout_ms,
             max_sequences_per_project: self.max_sequences_per_project,
             webhook_secret: Some(self.webhook_secret.clone()),
             auth: if self.auth { Switch::On } else { Switch::Off },
@@ -418,6 +572,17 @@ pub struct TestApp {
 impl Drop for TestApp {
     fn drop(&mut self) {
         self.stop.cancel();
+        // Every test ends here: a background task that panicked was
+        // restarted and counted, and nothing else would tell.
+        if !std::thread::panicking() {
+            let panics = self.state.stats.task_panics.get();
+            assert_eq!(panics, 0, "{panics} background tasks panicked");
+            let unexpected = unexpected_error_lines();
+            assert!(
+                unexpected.is_empty(),
+                "error lines the test did not expect: {unexpected:#?}"
+            );
+        }
     }
 }
 
@@ -482,17 +647,11 @@ impl TestApp {
     /// Polls until the document has `status`; returns how long it took.
     pub async fn wait_for_status(&self, id: &str, status: &str, limit: Duration) -> Duration {
         let started = Instant::now();
-        loop {
-            let document = self.document(id).await;
-            if document["status"] == status {
-                return started.elapsed();
-            }
-            assert!(
-                started.elapsed() < limit,
-                "{id} not {status} within {limit:?}: {document}"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let what = format!("document {id} {status}");
+        eventually(limit, &what, async || {
+            (self.document(id).await["status"] == status).then(|| started.elapsed())
+        })
+        .await
     }
 
     pub async fn outbox_count(&self, status: Option<&str>) -> i64 {
@@ -521,8 +680,14 @@ impl TestApp {
     /// judges everything that left them before the first.
     pub async fn settle_and_reconcile(&self) -> Value {
         self.reconcile().await;
-        tokio::time::sleep(self.env.settle + Duration::from_millis(200)).await;
+        self.wait_out_the_settle_time().await;
         self.reconcile().await
+    }
+
+    /// Waits until Postgres' clock, which reconciliation reads, is past the
+    /// settle time from now: a run then judges what the last one observed.
+    pub async fn wait_out_the_settle_time(&self) {
+        wait_on_postgres_clock(&self.db, self.env.settle).await
     }
 
     /// Every open gap of a sequence (all pages).
@@ -597,16 +762,11 @@ impl TestApp {
     /// Waits until `/readyz` reports `mode`; panics after `limit`.
     pub async fn wait_for_mode(&self, mode: &str, limit: Duration) -> Duration {
         let started = Instant::now();
-        loop {
-            if self.mode().await.as_deref() == Some(mode) {
-                return started.elapsed();
-            }
-            assert!(
-                started.elapsed() < limit,
-                "mode {mode} not reached within {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("/readyz mode {mode}");
+        eventually(limit, &what, async || {
+            (self.mode().await.as_deref() == Some(mode)).then(|| started.elapsed())
+        })
+        .await
     }
 
     pub async fn metrics(&self) -> HashMap<String, f64> {
@@ -615,23 +775,12 @@ impl TestApp {
 
     /// Waits until the metric `series` exceeds `above`; returns its value.
     pub async fn wait_for_metric_above(&self, series: &str, above: f64, limit: Duration) -> f64 {
-        let started = Instant::now();
-        loop {
-            let value = self
-                .metrics()
-                .await
-                .get(series)
-                .copied()
-                .unwrap_or_default();
-            if value > above {
-                return value;
-            }
-            assert!(
-                started.elapsed() < limit,
-                "{series} still {value} (not above {above}) after {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{series} above {above}");
+        eventually(limit, &what, async || {
+            let value = self.metrics().await.get(series).copied();
+            value.filter(|value| *value > above)
+        })
+        .await
     }
 
     pub fn redis_pool_key(&self, project: &str, doc_type: &str, period: &str) -> String {
@@ -699,16 +848,42 @@ pub async fn ledger_numbers(db: &PgPool, project: &str, doc_type: &str, period: 
             .flat_map(|(s, e)| s..e)
             .collect::<Vec<i64>>()
     };
-    // Leases report in the background within milliseconds.
-    let mut last = read().await;
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // Leases report in the background within milliseconds: settled once
+    // nothing changed for 100 ms.
+    let mut last = (read().await, Instant::now());
+    eventually(Duration::from_secs(10), "the ledger settles", async || {
         let now = read().await;
-        if now == last {
-            return now;
+        if now != last.0 {
+            last = (now, Instant::now());
+            return None;
         }
-        last = now;
-    }
+        (last.1.elapsed() >= Duration::from_millis(100)).then(|| last.0.clone())
+    })
+    .await
+}
+
+/// Waits until the clock of the Postgres at `db` (which reconciliation and
+/// Postgres' own timeouts read) is `settle` past now.
+pub async fn wait_on_postgres_clock(db: &PgPool, settle: Duration) {
+    let mark: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(db)
+        .await
+        .expect("Postgres' clock");
+    let past = mark
+        + chrono::Duration::from_std(settle).expect("settle")
+        + chrono::Duration::milliseconds(1);
+    eventually(
+        settle * 2 + Duration::from_secs(5),
+        "Postgres' clock moves on",
+        async || {
+            let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+                .fetch_one(db)
+                .await
+                .ok()?;
+            (now > past).then_some(())
+        },
+    )
+    .await
 }
 
 pub fn assert_distinct(seqs: &[i64], what: &str) {
@@ -786,22 +961,17 @@ impl ServeProcess {
         let child = command.spawn().expect("idpool binary starts");
         let process = Self { child, port };
         let client = client_with_key(None);
-        let started = Instant::now();
-        loop {
-            if let Ok(r) = client
-                .get(format!("http://127.0.0.1:{port}/readyz"))
-                .send()
-                .await
-                && answered(r.status())
-            {
-                return process;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "idpool process did not become ready"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let readyz = format!("http://127.0.0.1:{port}/readyz");
+        eventually(
+            Duration::from_secs(30),
+            "the idpool process answers /readyz",
+            async || {
+                let response = client.get(&readyz).send().await.ok()?;
+                answered(response.status()).then_some(())
+            },
+        )
+        .await;
+        process
     }
 
     /// SIGTERM, and waits (up to 10 s) for a clean stop.
@@ -810,14 +980,11 @@ impl ServeProcess {
             nix::unistd::Pid::from_raw(self.child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
         );
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let child = &mut self.child;
+        let stopped = within_blocking(Duration::from_secs(10), || child.try_wait().ok().flatten());
+        if stopped.is_none() {
+            self.kill();
         }
-        self.kill();
     }
 
     /// SIGKILL: no shutdown, no cleanup.

@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::helpers::eventually;
 use crate::helpers::{TestApp, TestEnv, assert_problem, create_key};
 use crate::redis_server::RedisServer;
 
@@ -60,7 +61,7 @@ impl Probe {
                         Err(e) => report.failures.push(format!("{what}: {e}")),
                     }
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await; // the probe's own pace: a steady trickle of requests
             }
             report
         });
@@ -511,7 +512,9 @@ async fn a_number_locked_by_a_hung_transaction_delays_only_its_own_request() {
             .await
             .unwrap();
     let next: i64 = head.parse().unwrap();
-    // Another transaction holds the next number and never finishes.
+    // Another transaction holds the next number and never finishes: the
+    // request that meets it is refused (and says so in the log).
+    crate::helpers::expect_error_lines("canceling statement due to lock timeout");
     let mut hung = app.db.begin().await.unwrap();
     sqlx::query(
         "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) VALUES ($1, '', int8range($2, $3), 'ids')",
@@ -1009,15 +1012,12 @@ async fn deliver_through(address: &str, door: &str) -> (String, Value) {
         .as_str()
         .unwrap()
         .to_owned();
-    let started = Instant::now();
-    loop {
+    let document = eventually(Duration::from_secs(15), "the delivery ends", async || {
         let document = app.document(&id).await;
-        if document["status"] != "pending" {
-            return (id, document);
-        }
-        assert!(started.elapsed() < Duration::from_secs(15), "{document}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        (document["status"] != "pending").then_some(document)
+    })
+    .await;
+    (id, document)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,11 +5,12 @@ use std::collections::HashSet;
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use crate::helpers::{TestApp, TestEnv, create_key};
+use crate::helpers::{eventually, eventually_every};
 
 fn import(app: &TestApp, key: &str, file: &Path, out: &Path, extra: &[&str]) -> Command {
     import_as(app, "1", key, file, out, extra)
@@ -94,18 +95,19 @@ async fn an_import_killed_midway_and_run_again_gives_every_source_id_one_documen
     )
     .spawn()
     .unwrap();
-    let started = Instant::now();
-    while mapping(&first_out).len() < 1000 {
-        assert!(
-            first.try_wait().unwrap().is_none(),
-            "the first run finished before it could be killed"
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the first run is stuck"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually_every(
+        Duration::from_secs(60),
+        Duration::from_millis(5),
+        "the first run maps 1000 lines",
+        async || {
+            assert!(
+                first.try_wait().unwrap().is_none(),
+                "the first run finished before it could be killed"
+            );
+            (mapping(&first_out).len() >= 1000).then_some(())
+        },
+    )
+    .await;
     first.kill().unwrap();
     first.wait().unwrap();
     let before = mapping(&first_out);
@@ -145,11 +147,11 @@ async fn an_import_killed_midway_and_run_again_gives_every_source_id_one_documen
         5000,
         "no document twice"
     );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&app, "SELECT count(*) FROM documents WHERE project = 'IMP'").await < 5000 {
-        assert!(Instant::now() < deadline, "not all delivered");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(60), "all delivered", async || {
+        (count(&app, "SELECT count(*) FROM documents WHERE project = 'IMP'").await >= 5000)
+            .then_some(())
+    })
+    .await;
     assert_eq!(
         count(
             &app,

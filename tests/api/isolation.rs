@@ -154,11 +154,7 @@ impl Neighbour {
 
 /// Waits until `done` holds, up to `limit`.
 async fn eventually(limit: Duration, what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let started = Instant::now();
-    while !done().await {
-        assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await; // polling, bounded by `limit`
-    }
+    crate::helpers::eventually(limit, what, async || done().await.then_some(())).await
 }
 
 fn host_of(app: &TestApp) -> String {
@@ -356,7 +352,7 @@ async fn idle_connections_keep_the_idle_timeout_and_requests_the_header_timeout(
 
     // Idle longer than the header timeout, shorter than the idle timeout:
     // the keep-alive connection still serves.
-    tokio::time::sleep(Duration::from_millis(1800)).await;
+    tokio::time::sleep(Duration::from_millis(1800)).await; // the client idles on purpose: past the header timeout
     stream.write_all(request).await.unwrap();
     let n = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buffer))
         .await
@@ -613,6 +609,7 @@ async fn a_key_sending_slow_batch_bodies_holds_up_only_its_own_batches() {
     let fast = client_with_key(Some(&fast_key));
     // More batch bodies than there are batch turns, a byte at a time.
     let mut trickles = Vec::new();
+    let trickled = Arc::new(AtomicU64::new(0));
     for _ in 0..8 {
         let mut stream = TcpStream::connect(host_of(&app)).await.unwrap();
         let head = format!(
@@ -620,16 +617,21 @@ async fn a_key_sending_slow_batch_bodies_holds_up_only_its_own_batches() {
              authorization: Bearer {hostile}\r\ncontent-length: 100000\r\n\r\n"
         );
         stream.write_all(head.as_bytes()).await.unwrap();
+        let trickled = trickled.clone();
         trickles.push(tokio::spawn(async move {
             for _ in 0..60 {
                 if stream.write_all(b" ").await.is_err() {
                     return;
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                trickled.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100)).await; // the hostile client trickles on purpose
             }
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(Duration::from_secs(10), "every body trickles", async || {
+        trickled.load(Ordering::Relaxed) >= 8 * 3
+    })
+    .await;
     for n in 0..5 {
         let started = Instant::now();
         let answer = fast
@@ -748,11 +750,10 @@ async fn a_refused_value_leaves_no_connection_in_a_transaction() {
     };
     // The refused write's transaction is over as soon as it is answered,
     // not when its connection is next used (or ended by Postgres).
-    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(aborted().await, 0, "a connection sits in a transaction");
     // Past the idle-in-transaction timeout (request timeout + 5 s), every
     // request is still served.
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    crate::helpers::wait_on_postgres_clock(&app.db, Duration::from_secs(8)).await;
     let documents = (0..20).map(|n| {
         let app = &app;
         async move {
@@ -805,7 +806,12 @@ async fn anyone_asking_for_readiness_and_metrics_costs_the_tenants_nothing() {
             })
         })
     };
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    eventually(
+        Duration::from_secs(60),
+        "a flood of 2000 requests",
+        async || asked.load(Ordering::Relaxed) >= 2000,
+    )
+    .await;
     flooding.store(false, Ordering::Relaxed);
     tokio::task::spawn_blocking(move || flood.join())
         .await
@@ -1041,4 +1047,112 @@ async fn a_migration_at_full_speed_leaves_batch_turns_for_another_tenant() {
         slowest < USUAL,
         "another tenant's one-item batch waited {slowest:?} beside a migration"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_finds_the_postgres_pool_taken_is_answered_503_at_once() {
+    let mut env = TestEnv::new();
+    env.processor = false;
+    env.db_acquire_timeout_ms = 300;
+    let app = env.spawn().await;
+    let accepted = app
+        .post_document(
+            &json!({"project": "TAKEN", "type": "1", "metadata": {}}),
+            None,
+        )
+        .await;
+    assert_eq!(accepted.status(), StatusCode::ACCEPTED);
+    let id = accepted.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Every connection of the request pool taken (as requests stuck on a
+    // slow Postgres would hold them): the pool answers no more.
+    crate::helpers::expect_error_lines("pool timed out");
+    let mut held = Vec::new();
+    while let Ok(conn) = app.state.db.acquire().await {
+        held.push(conn);
+        assert!(held.len() <= 100, "a request pool without a bound");
+    }
+    // The answer comes while every connection is still held: 503 with
+    // Retry-After, not a wait for one to come back.
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let refused = client
+        .get(app.url(&format!("/api/v1/documents/{id}")))
+        .bearer_auth(&app.admin_key)
+        .send()
+        .await
+        .expect("an answer while the pool is taken");
+    assert!(
+        refused.headers().contains_key("retry-after"),
+        "{:?}",
+        refused.headers()
+    );
+    assert_problem(refused, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    drop(held);
+    let (status, document) = app.get_json(&format!("/api/v1/documents/{id}")).await;
+    assert_eq!(status, StatusCode::OK, "{document}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_at_once_on_two_database_turns_needs_no_second_connection() {
+    // The default pool: two turns for requests on the connections the
+    // instance's own work leaves. A path that held one connection and
+    // waited for another would, many at once, wait out the acquire timeout
+    // (503): none may.
+    let mut env = TestEnv::new();
+    env.processor = false;
+    let app = env.spawn().await;
+    let key = create_key(&app.state, &["ONE"], false).await;
+    let tenant = client_with_key(Some(&key));
+    app.issue("ONE", "1", 1).await;
+    let (_, first) = app.issue("ONE", "2", 40).await;
+    let accepted = app
+        .post_document(
+            &json!({"project": "ONE", "type": "1", "metadata": {}}),
+            None,
+        )
+        .await;
+    let id = accepted.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let requests = (0..80).map(|n| {
+        let (app, tenant, id, first) = (&app, &tenant, &id, &first);
+        async move {
+            let url = |path: &str| app.url(path);
+            let request = match n % 8 {
+                0 => tenant
+                    .post(url("/ids"))
+                    .json(&json!({"project": "ONE", "type": "1", "count": 3})),
+                1 => tenant
+                    .post(url("/documents"))
+                    .header("idempotency-key", format!("once-{n}"))
+                    .json(&json!({"project": "ONE", "type": "1", "metadata": {"n": n}})),
+                2 => tenant.post(url("/api/v1/documents/batch")).json(&json!({
+                    "documents": [{"project": "ONE", "type": "1", "metadata": {"n": n}}]
+                })),
+                3 => tenant.get(url(&format!("/api/v1/documents/{id}"))),
+                4 => tenant.get(url("/api/v1/outbox?project=ONE&limit=50")),
+                5 => tenant.get(url("/api/v1/ids/gaps?project=ONE&type=1")),
+                6 => tenant.get(url("/api/v1/sequences")),
+                _ => tenant.post(url("/documents")).json(&json!({
+                    "project": "ONE", "type": "2", "id": format!("ONE-2-{}", first[n / 8 % first.len()]),
+                    "metadata": {}
+                })),
+            };
+            let response = request.send().await.expect("an answer");
+            let status = response.status();
+            (n % 8, status, response.text().await.unwrap_or_default())
+        }
+    });
+    let answers = futures::future::join_all(requests).await;
+    let failed: Vec<_> = answers
+        .iter()
+        .filter(|(_, status, _)| !status.is_success())
+        .collect();
+    assert!(failed.is_empty(), "{failed:?}");
 }

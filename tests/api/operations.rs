@@ -2,7 +2,7 @@
 //! and graceful shutdown of the real binary.
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::StatusCode;
 
@@ -190,22 +190,12 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         .spawn()
         .unwrap();
     let client = crate::helpers::client_with_key(None);
-    let started = Instant::now();
-    loop {
-        if let Ok(r) = client
-            .get(format!("http://127.0.0.1:{port}/readyz"))
-            .send()
-            .await
-            && r.status() == StatusCode::OK
-        {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "binary did not become ready"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    crate::helpers::eventually(Duration::from_secs(20), "the binary is ready", async || {
+        let r = client.get(&readyz).send().await.ok()?;
+        (r.status() == StatusCode::OK).then_some(())
+    })
+    .await;
     let issued = client
         .post(format!("http://127.0.0.1:{port}/ids"))
         .json(&serde_json::json!({"project": "BIN", "type": "1"}))
@@ -218,17 +208,12 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "binary did not stop within 10 s of SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = crate::helpers::eventually(
+        Duration::from_secs(10),
+        "the binary stops after SIGTERM",
+        async || child.try_wait().unwrap(),
+    )
+    .await;
     assert!(status.success(), "exit status {status}");
 }
 
@@ -305,22 +290,15 @@ async fn a_redis_prefix_of_another_database_is_named_at_once() {
     crate::helpers::ServeProcess::start(&second).await.stop();
     let log = tempfile::NamedTempFile::new().unwrap();
     let mut server = crate::helpers::ServeProcess::start_logging(&second, log.path(), "info").await;
-    let started = Instant::now();
-    loop {
-        let errors = lines_at(log.path(), &["ERROR"]);
-        if let Some(first_error) = errors.first() {
-            assert!(
-                first_error.contains("belongs to another database"),
-                "the first error names the cause: {first_error}"
-            );
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the cause was not named within 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let first_error =
+        crate::helpers::eventually(Duration::from_secs(5), "the cause is named", async || {
+            lines_at(log.path(), &["ERROR"]).into_iter().next()
+        })
+        .await;
+    assert!(
+        first_error.contains("belongs to another database"),
+        "the first error names the cause: {first_error}"
+    );
     server.stop();
     let logs = std::fs::read_to_string(log.path()).unwrap();
     assert!(!logs.contains("unreachable: reconnected"), "{logs}");
@@ -483,4 +461,69 @@ async fn alert_rules_are_valid_fire_when_they_should_and_name_only_exported_metr
         missing.is_empty(),
         "rules name metrics /metrics does not export: {missing:?}"
     );
+}
+
+#[test]
+fn the_resource_inventory_gives_every_resource_a_bound_and_a_test() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let architecture = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let inventory = architecture
+        .split("## Shared resources")
+        .nth(1)
+        .expect("ARCHITECTURE.md has its \"Shared resources\" section");
+    let rows: Vec<Vec<&str>> = inventory
+        .lines()
+        .skip_while(|l| !l.starts_with("| resource"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
+    assert!(rows.len() >= 10, "{} rows", rows.len());
+    for row in &rows {
+        assert_eq!(row.len(), 5, "resource, bound, who, share, test: {row:?}");
+        assert!(row.iter().all(|cell| !cell.is_empty()), "{row:?}");
+        // Every test a row names exists.
+        let named: Vec<&str> = row[4]
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|name| name.contains("::"))
+            .collect();
+        assert!(
+            !named.is_empty() || row[4].contains("bench"),
+            "{}: no test",
+            row[0]
+        );
+        for name in named {
+            let (module, test) = name.split_once("::").unwrap();
+            let file = root.join(format!("tests/api/{module}.rs"));
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            assert!(
+                text.contains(&format!("fn {test}(")),
+                "{}: {name} is not a test",
+                row[0]
+            );
+        }
+    }
+    // Each resource SPEC names has its row.
+    let resources = rows
+        .iter()
+        .map(|r| r[0].to_lowercase())
+        .collect::<Vec<_>>()
+        .join(" / ");
+    for resource in [
+        "connections",
+        "buffers",
+        "postgres",
+        "batch",
+        "key",
+        "cache",
+        "outbox",
+        "redis",
+    ] {
+        assert!(
+            resources.contains(resource),
+            "no row for {resource}: {resources}"
+        );
+    }
 }

@@ -7,7 +7,7 @@
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -248,19 +248,17 @@ impl PatroniCluster {
     }
 
     async fn until(&self, within: Duration, what: &str, check: impl Fn(&[Value]) -> bool) {
-        let deadline = Instant::now() + within;
-        loop {
-            let members = self.members().await;
-            if check(&members) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "Patroni cluster: no {what} within {within:?}: {members:?}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await; // polled: Patroni's loop is 1 s
-        }
+        let mut members = Vec::new();
+        let reached = crate::helpers::within(within, async || {
+            members = self.members().await;
+            check(&members).then_some(())
+        })
+        .await;
+        assert!(
+            reached.is_some(),
+            "Patroni cluster: no {what} within {within:?}: {members:?}\n{}",
+            self.logs()
+        );
     }
 
     /// Every node running, one leader, the others streaming from it (one
@@ -297,29 +295,22 @@ impl PatroniCluster {
     }
 
     async fn wait_primary_through_haproxy(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let writable = async {
-                let mut conn =
-                    <sqlx::PgConnection as sqlx::Connection>::connect(&self.url("postgres"))
-                        .await
-                        .ok()?;
-                sqlx::query_scalar::<_, bool>("SELECT NOT pg_is_in_recovery()")
-                    .fetch_one(&mut conn)
-                    .await
-                    .ok()
-            }
-            .await;
-            if writable == Some(true) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no primary through HAProxy\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await; // polled with a deadline
-        }
+        let writable = crate::helpers::within(Duration::from_secs(30), async || {
+            let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url("postgres"))
+                .await
+                .ok()?;
+            let primary = sqlx::query_scalar::<_, bool>("SELECT NOT pg_is_in_recovery()")
+                .fetch_one(&mut conn)
+                .await
+                .ok()?;
+            primary.then_some(())
+        })
+        .await;
+        assert!(
+            writable.is_some(),
+            "no primary through HAProxy\n{}",
+            self.logs()
+        );
     }
 
     /// The leader's index.
@@ -447,8 +438,15 @@ impl Drop for PatroniCluster {
 }
 
 fn write_config(node: &PatroniNode, etcd_port: u16, dir: &Path) {
+    let text = patroni_config_text(node, etcd_port, dir);
+    std::fs::write(&node.config, text).expect("patroni config");
+}
+
+/// A node's Patroni configuration: `deploy/patroni/patroni.yml`'s settings
+/// on loopback addresses, with a quicker `loop_wait`.
+fn patroni_config_text(node: &PatroniNode, etcd_port: u16, dir: &Path) -> String {
     let bin_dir = pg_bindir();
-    let text = format!(
+    format!(
         "scope: {SCOPE}
 name: {name}
 restapi:
@@ -465,6 +463,7 @@ bootstrap:
     retry_timeout: 4
     maximum_lag_on_failover: 1048576
     synchronous_mode: true
+    synchronous_mode_strict: false
     postgresql:
       use_pg_rewind: true
       parameters:
@@ -498,8 +497,7 @@ postgresql:
         data = node.data.display(),
         bin = bin_dir.display(),
         dir = dir.display(),
-    );
-    std::fs::write(&node.config, text).expect("patroni config");
+    )
 }
 
 fn haproxy_config_text(port: u16, nodes: &[PatroniNode]) -> String {
@@ -526,4 +524,81 @@ listen primary
         ));
     }
     text
+}
+
+/// The value of the first `key: value` line (YAML) or `key value` line
+/// (HAProxy) of `text`, quotes taken off.
+fn setting<'t>(text: &'t str, key: &str) -> Option<&'t str> {
+    text.lines().find_map(|line| {
+        let line = line.trim();
+        let rest = line.strip_prefix(key)?;
+        let value = rest.strip_prefix(':').unwrap_or(rest);
+        (value.starts_with(' ') || value.is_empty())
+            .then(|| value.trim().trim_matches(|c| c == '\'' || c == '"'))
+    })
+}
+
+#[test]
+fn the_tested_patroni_and_haproxy_settings_are_those_of_deploy() {
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/patroni");
+    let operator = std::fs::read_to_string(deploy.join("patroni.yml")).expect("patroni.yml");
+    let operator_haproxy =
+        std::fs::read_to_string(deploy.join("haproxy.cfg")).expect("haproxy.cfg");
+    let dir = tempfile::tempdir().unwrap();
+    let node = PatroniNode {
+        name: "pg1".into(),
+        api_port: 8008,
+        pg_port: 5432,
+        config: dir.path().join("pg1.yml"),
+        data: dir.path().join("pg1"),
+        log: dir.path().join("pg1.log"),
+        patroni: None,
+    };
+    let tested = patroni_config_text(&node, 2379, dir.path());
+    // What decides what a failover costs is the same in both; `loop_wait`
+    // (1 s in the test, to be quick) and `max_connections` (sized for
+    // many instances) are the operator's to tune.
+    for key in [
+        "ttl",
+        "retry_timeout",
+        "maximum_lag_on_failover",
+        "synchronous_mode",
+        "synchronous_mode_strict",
+        "use_pg_rewind",
+        "wal_log_hints",
+        "max_wal_senders",
+        "max_replication_slots",
+    ] {
+        let (theirs, ours) = (setting(&operator, key), setting(&tested, key));
+        assert!(theirs.is_some(), "deploy/patroni/patroni.yml sets no {key}");
+        assert_eq!(theirs, ours, "{key}: deploy/ and the HA test differ");
+    }
+    assert_eq!(setting(&operator, "synchronous_mode"), Some("true"));
+    let tested_haproxy = haproxy_config_text(5000, std::slice::from_ref(&node));
+    for key in [
+        "mode",
+        "timeout connect",
+        "timeout client",
+        "timeout server",
+        "timeout check",
+        "option httpchk",
+        "http-check expect",
+        "default-server",
+    ] {
+        let (theirs, ours) = (
+            setting(&operator_haproxy, key),
+            setting(&tested_haproxy, key),
+        );
+        assert!(theirs.is_some(), "deploy/patroni/haproxy.cfg sets no {key}");
+        assert_eq!(theirs, ours, "{key}: deploy/ and the HA test differ");
+    }
+    assert_eq!(
+        setting(&operator_haproxy, "option httpchk"),
+        Some("GET /primary")
+    );
+    let servers = operator_haproxy
+        .lines()
+        .filter(|l| l.trim_start().starts_with("server ") && l.contains("check port 8008"))
+        .count();
+    assert_eq!(servers, 3, "three nodes, each checked at Patroni's API");
 }

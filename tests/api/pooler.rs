@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -59,11 +59,9 @@ impl PgBouncer {
             .stderr(Stdio::null())
             .spawn()
             .expect("pgbouncer (scripts/dev-services.sh ha-tools installs it)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "PgBouncer did not start");
-            std::thread::sleep(Duration::from_millis(20)); // polling the port, with a deadline
-        }
+        crate::helpers::eventually_blocking(Duration::from_secs(10), "PgBouncer starts", || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        });
         Self {
             child,
             port,
@@ -185,24 +183,17 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
             accepted.push(body["id"].as_str().expect("id").to_owned());
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    let what = format!("all {} documents delivered", accepted.len());
+    crate::helpers::eventually(Duration::from_secs(20), &what, async || {
         let delivered: i64 =
             sqlx::query_scalar("SELECT count(*) FROM documents WHERE document_id = ANY($1)")
                 .bind(&accepted)
                 .fetch_one(&a.db)
                 .await
                 .expect("count");
-        if delivered == accepted.len() as i64 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{delivered} of {} documents delivered",
-            accepted.len()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await; // polling, with a deadline
-    }
+        (delivered == accepted.len() as i64).then_some(())
+    })
+    .await;
 
     // Reconciliation from both at once, again and again: never two runs
     // under way together.
@@ -246,8 +237,8 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
         .expect("request");
     assert_eq!(first.status(), StatusCode::OK);
     a.state.auth.keys().revoke(&key_id).await.expect("revoked");
-    let revoked_at = Instant::now();
-    loop {
+    let what = "the revocation seen within the stated staleness";
+    crate::helpers::eventually(idpool::listen::POLL * 3, what, async || {
         let status = user
             .post(b.url("/ids"))
             .json(&json!({"project": "POOL", "type": "1", "count": 1}))
@@ -256,16 +247,12 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
             .expect("request")
             .status();
         if status == StatusCode::UNAUTHORIZED {
-            break;
+            return Some(());
         }
         assert_eq!(status, StatusCode::OK);
-        assert!(
-            revoked_at.elapsed() < idpool::listen::POLL * 3,
-            "a revoked key still served after {:?}",
-            revoked_at.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await; // polling, with a deadline
-    }
+        None
+    })
+    .await;
 
     // The statement timeout holds although the pooler dropped the
     // startup parameters.
@@ -348,11 +335,10 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
             .await;
         assert_eq!(response.status(), StatusCode::ACCEPTED);
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while webhook.received().is_empty() {
-        assert!(Instant::now() < deadline, "no delivery began");
-        tokio::time::sleep(Duration::from_millis(20)).await; // polling, with a deadline
-    }
+    crate::helpers::eventually(Duration::from_secs(20), "a delivery begins", async || {
+        (!webhook.received().is_empty()).then_some(())
+    })
+    .await;
 
     let (_, key) = create_key_with_id(&a.state, &["OTHER"], false).await;
     let other = client_with_key(Some(&key));

@@ -3,7 +3,7 @@
 
 use std::net::TcpListener;
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub struct RedisServer {
     pub port: u16,
@@ -63,18 +63,17 @@ impl RedisServer {
             .spawn()
             .expect("redis-server starts (is it installed?)");
         self.child = Some(child);
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "redis-server did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let port = self.port;
+        crate::helpers::eventually_blocking(
+            Duration::from_secs(10),
+            "redis-server comes up",
+            || std::net::TcpStream::connect(("127.0.0.1", port)).ok(),
+        );
     }
 
     /// SIGSTOP: the server hangs, connections stay open.
     pub fn pause(&self) {
+        crate::helpers::expect_redis_trouble();
         if let Some(child) = &self.child {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(child.id() as i32),
@@ -94,6 +93,7 @@ impl RedisServer {
 
     /// SIGKILL: the server and everything in it are gone.
     pub fn kill(&mut self) {
+        crate::helpers::expect_redis_trouble();
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -112,6 +112,7 @@ impl RedisServer {
 
     /// Starts again on the same port, empty.
     pub fn restart_empty(&mut self) {
+        crate::helpers::expect_redis_trouble();
         self.kill();
         let _ = std::fs::remove_file(self.dir.path().join("dump.rdb"));
         self.launch(false);
@@ -120,6 +121,7 @@ impl RedisServer {
     /// Saves the data, stops, and starts again on the same port with the
     /// data loaded: same lists, new run_id.
     pub fn restart_with_data(&mut self) {
+        crate::helpers::expect_redis_trouble();
         let status = Command::new("redis-cli")
             .args(["-p", &self.port.to_string(), "SAVE"])
             .stdout(crate::helpers::child_output())

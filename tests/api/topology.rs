@@ -3,12 +3,13 @@
 //! Postgres primary with a streaming standby, and a TCP proxy that can cut
 //! idpool off from Redis. Nothing here touches the shared servers.
 
+use crate::helpers::{eventually, eventually_blocking};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -28,14 +29,11 @@ fn cluster_port() -> u16 {
 }
 
 fn wait_for_port(port: u16) {
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "port {port} never opened"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_blocking(
+        Duration::from_secs(15),
+        &format!("port {port} opens"),
+        || std::net::TcpStream::connect(("127.0.0.1", port)).ok(),
+    );
 }
 
 fn redis_cli(port: u16, args: &[&str]) -> String {
@@ -91,6 +89,7 @@ impl RedisNode {
 
     /// SIGKILL: the node and its data are gone.
     pub fn kill(&mut self) {
+        crate::helpers::expect_redis_trouble();
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -100,6 +99,7 @@ impl RedisNode {
     /// Writes its data, stops, and starts again on the same port with it:
     /// the same lists, a new run_id (what a stale node looks like).
     pub fn restart_with_data(&mut self) {
+        crate::helpers::expect_redis_trouble();
         redis_cli(self.port, &["SAVE"]);
         self.kill();
         let mut args = std::mem::take(&mut self.args);
@@ -109,6 +109,7 @@ impl RedisNode {
     }
 
     pub fn pause(&self) {
+        crate::helpers::expect_redis_trouble();
         if let Some(child) = &self.child {
             signal(child, nix::sys::signal::Signal::SIGSTOP);
         }
@@ -187,17 +188,12 @@ impl RedisCluster {
             .status()
             .expect("redis-cli --cluster create");
         assert!(status.success(), "cluster create failed");
-        let started = Instant::now();
-        while !nodes
-            .iter()
-            .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(15),
-                "cluster never came up"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        eventually_blocking(Duration::from_secs(15), "the cluster comes up", || {
+            nodes
+                .iter()
+                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+                .then_some(())
+        });
         Self { nodes, _dir: dir }
     }
 
@@ -260,14 +256,11 @@ impl RedisSentinel {
             child: Some(child),
         };
         // The replica has caught up before anything else happens.
-        let started = Instant::now();
-        while !redis_cli(replica.port, &["INFO", "replication"]).contains("master_link_status:up") {
-            assert!(
-                started.elapsed() < Duration::from_secs(15),
-                "replica never synced"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        eventually_blocking(Duration::from_secs(15), "the replica syncs", || {
+            redis_cli(replica.port, &["INFO", "replication"])
+                .contains("master_link_status:up")
+                .then_some(())
+        });
         Self {
             master,
             replica,
@@ -553,6 +546,7 @@ impl PostgresServer {
 
     /// `fast` lets sessions end cleanly; `immediate` is a crash.
     pub fn stop(&mut self, mode: &str) {
+        crate::helpers::expect_postgres_trouble();
         if self.running {
             let _ = pg_tool("pg_ctl")
                 .arg("-D")
@@ -564,6 +558,7 @@ impl PostgresServer {
     }
 
     pub fn promote(&self) {
+        crate::helpers::expect_postgres_trouble();
         run_pg(
             pg_tool("pg_ctl")
                 .arg("-D")
@@ -582,7 +577,7 @@ impl PostgresServer {
         let db = sqlx::PgPool::connect(&self.url("postgres"))
             .await
             .expect("primary");
-        for _ in 0..200 {
+        eventually(Duration::from_secs(5), "the standby catches up", async || {
             let behind: bool = sqlx::query_scalar(
                 "SELECT count(*) = 0 OR bool_or(replay_lsn IS NULL OR replay_lsn < pg_current_wal_lsn()) \
                  FROM pg_stat_replication",
@@ -590,12 +585,9 @@ impl PostgresServer {
             .fetch_one(&db)
             .await
             .expect("pg_stat_replication");
-            if !behind {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
-        }
-        panic!("the standby did not catch up in 5 s");
+            (!behind).then_some(())
+        })
+        .await;
     }
 }
 
@@ -652,6 +644,7 @@ impl Partition {
     }
 
     pub fn cut(&self) {
+        crate::helpers::expect_redis_trouble();
         self.cut.store(true, Ordering::SeqCst);
     }
 
@@ -698,10 +691,12 @@ impl MovableAddress {
     /// New connections reach `port`; those open stay where they were (a
     /// proxy that does not end sessions on a node marked down).
     pub fn redirect(&self, port: u16) {
+        crate::helpers::expect_postgres_trouble();
         self.target.lock().unwrap().0 = port;
     }
 
     pub fn move_to(&self, port: u16) {
+        crate::helpers::expect_postgres_trouble();
         let mut target = self.target.lock().unwrap();
         target.1.cancel();
         *target = (port, tokio_util::sync::CancellationToken::new());
@@ -722,7 +717,7 @@ async fn pump(
             Ok(n) => n,
         };
         while cut.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(Duration::from_millis(10)).await; // the test proxy holds bytes while the link is cut
         }
         if to.write_all(&buffer[..n]).await.is_err() {
             return;

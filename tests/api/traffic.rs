@@ -3,7 +3,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -13,12 +14,15 @@ use sqlx::PgPool;
 pub struct Outcome {
     /// (type, seq) of every number answered.
     pub issued: Vec<(String, i64)>,
-    /// Answers that were not 200 (and errors of requests that got none).
+    /// Answers that were not 200, as "{status} retry-after={header} {body}"
+    /// (and errors of requests that got none).
     pub failures: Vec<String>,
 }
 
 pub struct Traffic {
     running: Arc<AtomicBool>,
+    /// Requests answered so far (any status, or an error).
+    answered: Arc<AtomicUsize>,
     workers: Vec<tokio::task::JoinHandle<Outcome>>,
 }
 
@@ -33,15 +37,17 @@ impl Traffic {
         workers: usize,
     ) -> Self {
         let running = Arc::new(AtomicBool::new(true));
+        let answered = Arc::new(AtomicUsize::new(0));
         let bases = Arc::new(bases);
         let types: Arc<Vec<String>> = Arc::new(types.iter().map(|t| t.to_string()).collect());
         let workers = (0..workers)
             .map(|w| {
-                let (client, bases, types, running) = (
+                let (client, bases, types, running, answered) = (
                     client.clone(),
                     bases.clone(),
                     types.clone(),
                     running.clone(),
+                    answered.clone(),
                 );
                 let project = project.to_owned();
                 tokio::spawn(async move {
@@ -68,17 +74,40 @@ impl Traffic {
                             }
                             Ok(r) => {
                                 let status = r.status();
+                                let retry_after = r
+                                    .headers()
+                                    .get("retry-after")
+                                    .and_then(|v| v.to_str().ok())
+                                    .unwrap_or("-")
+                                    .to_owned();
                                 let body = r.text().await.unwrap_or_default();
-                                out.failures.push(format!("{status} {body}"));
+                                out.failures
+                                    .push(format!("{status} retry-after={retry_after} {body}"));
                             }
                             Err(e) => out.failures.push(e.to_string()),
                         }
+                        answered.fetch_add(1, Ordering::Relaxed);
                     }
                     out
                 })
             })
             .collect();
-        Self { running, workers }
+        Self {
+            running,
+            answered,
+            workers,
+        }
+    }
+
+    /// Waits until the traffic has had `more` answers since now: a phase of
+    /// a test measured in requests, not in time.
+    pub async fn answers(&self, more: usize) {
+        let target = self.answered.load(Ordering::Relaxed) + more;
+        let what = format!("{more} more answers");
+        crate::helpers::eventually(Duration::from_secs(60), &what, async || {
+            (self.answered.load(Ordering::Relaxed) >= target).then_some(())
+        })
+        .await
     }
 
     pub async fn stop(self) -> Outcome {

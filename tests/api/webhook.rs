@@ -109,7 +109,7 @@ async fn receive(State(webhook): State<Webhook>, headers: HeaderMap, body: Bytes
         (inner.delay, answer)
     };
     if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
+        tokio::time::sleep(delay).await; // the test target is slow on purpose
     }
     let mut inner = webhook.inner.lock().unwrap();
     if let Some(n) = inner.in_flight.get_mut(&document_id) {
