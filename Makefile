@@ -3,11 +3,13 @@ SHELL := /bin/bash
 export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
 export REDIS_URL ?= redis://127.0.0.1:6379
 
-.PHONY: help run test lint sqlx-prepare openapi services services-down clean-test-dbs bench bench-quick bench-build sdk-tools ha-tools
+.PHONY: help run test spec-map flake-hunt lint sqlx-prepare openapi services services-down clean-test-data bench bench-quick bench-build sdk-tools ha-tools test-tools
 
 help:
 	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080 (no API keys)"
-	@echo "make test           start Postgres/Redis if needed, then the whole test suite"
+	@echo "make test           install what the tests need if missing, start Postgres/Redis if needed, then the whole suite"
+	@echo "make spec-map       which tests check each SPEC promise and bound (fails on an unmapped one)"
+	@echo "make flake-hunt     the whole suite N times (RUNS=5) with one core kept busy; failures per test"
 	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
 	@echo "make bench-quick    the same scenarios at about a tenth of the size"
 	@echo "make lint           rustfmt, clippy (warnings as errors), .sqlx/ current"
@@ -26,13 +28,15 @@ services-down:
 run: services
 	IDPOOL_AUTH=off IDPOOL_LISTEN=127.0.0.1:8080 cargo run --release -- serve
 
-# Every test makes its own database (idpool_test_*); drop those of earlier runs.
-clean-test-dbs:
-	@if command -v psql >/dev/null; then \
-	  base=$${DATABASE_URL%/*}; \
-	  psql "$$base/postgres" -Atqc "SELECT 'DROP DATABASE IF EXISTS \"' || datname || '\";' FROM pg_database WHERE datname LIKE 'idpool_test_%'" \
-	    | psql "$$base/postgres" -q >/dev/null 2>&1 || true; \
-	fi
+# Every test makes its own database (idpool_test_*) and Redis prefix; this
+# removes what test runs left (no psql or redis-cli needed).
+clean-test-data: services
+	@cargo run -q --example clean_test_data
+
+# The SPEC promises and bounds, each with the tests that check it
+# (tests/README.md); fails when one has none.
+spec-map:
+	@python3 scripts/spec-map.py
 
 # The client tools the tests drive (pinned; a venv and node_modules under
 # target/sdk, installed once).
@@ -44,15 +48,26 @@ sdk-tools:
 ha-tools:
 	@scripts/dev-services.sh ha-tools
 
+# All make test needs from Debian: the above, openssl, python3-venv, npm.
+test-tools:
+	@scripts/dev-services.sh test-tools
+
 # A failing test ends with its panic message, not a backtrace of tokio's
 # frames above it (TEST_BACKTRACE=1 brings them back).
-test: services clean-test-dbs sdk-tools ha-tools
-	@export RUST_BACKTRACE=$${TEST_BACKTRACE:-0}; \
-	if cargo nextest --version >/dev/null 2>&1; then \
-	  cargo nextest run --workspace --all-targets; \
-	else \
-	  cargo test --workspace --all-targets -- --test-threads 2; \
-	fi
+# nextest (pinned, installed if missing) groups the heavy tests and ends a
+# test that runs over 4 minutes (.config/nextest.toml). What the tests left
+# on the shared servers is removed after the run, failed or not.
+test: test-tools services sdk-tools
+	@python3 scripts/spec-map.py --quiet
+	@cargo run -q --example clean_test_data
+	@export RUST_BACKTRACE=$${TEST_BACKTRACE:-0} PATH="$$(scripts/nextest.sh):$$PATH"; \
+	status=0; cargo nextest run --workspace --all-targets $(NEXTEST_ARGS) || status=$$?; \
+	cargo run -q --example clean_test_data; exit $$status
+
+# The whole suite RUNS times with one core kept busy (stress-ng); prints
+# the failures per test.
+flake-hunt:
+	@scripts/flake-hunt.sh $(RUNS)
 
 # The query macros build from the committed .sqlx/ (.cargo/config.toml sets
 # SQLX_OFFLINE); these two describe every query again against a scratch

@@ -12,6 +12,8 @@
 #   scripts/dev-services.sh ha-tools  the same, and Patroni, etcd, HAProxy and PgBouncer
 #                                  for the HA test (make test), which starts
 #                                  its own
+#   scripts/dev-services.sh test-tools  the same, and openssl, python3-venv
+#                                  and npm: all make test needs from Debian
 #
 # Servers this script did not start are never stopped or reconfigured.
 set -euo pipefail
@@ -167,14 +169,26 @@ ha_tools() {
   fi
 }
 
+# Everything else `make test` runs (Debian's packages): openssl for the TLS
+# tests' certificates, python3's venv and npm for the SDK tools.
+test_tools() {
+  ha_tools
+  local missing=()
+  command -v openssl >/dev/null || missing+=(openssl)
+  python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+  command -v npm >/dev/null || missing+=(npm)
+  if (( ${#missing[@]} )); then apt_install "${missing[@]}"; fi
+}
+
 case ${1:-up} in
   up) postgres_up; redis_up ;;
   tools) tools ;;
   ha-tools) ha_tools ;;
+  test-tools) test_tools ;;
   down) down ;;
   status)
     pg_answers && say "postgres up at $pg_host:$pg_port" || say "postgres down at $pg_host:$pg_port"
     redis_answers && say "redis up at $redis_host:$redis_port" || say "redis down at $redis_host:$redis_port"
     ;;
-  *) echo "usage: $0 up|down|status|tools|ha-tools" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|tools|ha-tools|test-tools" >&2; exit 2 ;;
 esac
