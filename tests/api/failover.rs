@@ -966,19 +966,7 @@ impl DocumentTraffic {
                                 let body: Value = r.json().await.unwrap_or(Value::Null);
                                 out.ids.push(body["id"].as_str().unwrap_or("?").to_owned());
                             }
-                            Ok(r) => {
-                                let status = r.status();
-                                let retry_after = r
-                                    .headers()
-                                    .get("retry-after")
-                                    .and_then(|v| v.to_str().ok())
-                                    .unwrap_or("-")
-                                    .to_owned();
-                                out.failures.push(format!(
-                                    "{status} retry-after={retry_after} {}",
-                                    r.text().await.unwrap_or_default()
-                                ));
-                            }
+                            Ok(r) => out.failures.push(crate::traffic::failure(r).await),
                             Err(e) => out.failures.push(e.to_string()),
                         }
                     }

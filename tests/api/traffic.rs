@@ -72,18 +72,7 @@ impl Traffic {
                                         .push((doc_type.clone(), seq.as_i64().unwrap_or(-1)));
                                 }
                             }
-                            Ok(r) => {
-                                let status = r.status();
-                                let retry_after = r
-                                    .headers()
-                                    .get("retry-after")
-                                    .and_then(|v| v.to_str().ok())
-                                    .unwrap_or("-")
-                                    .to_owned();
-                                let body = r.text().await.unwrap_or_default();
-                                out.failures
-                                    .push(format!("{status} retry-after={retry_after} {body}"));
-                            }
+                            Ok(r) => out.failures.push(failure(r).await),
                             Err(e) => out.failures.push(e.to_string()),
                         }
                         answered.fetch_add(1, Ordering::Relaxed);
@@ -120,6 +109,20 @@ impl Traffic {
         }
         all
     }
+}
+
+/// An answer that was not the one hoped for, as a failure of
+/// [`Outcome::failures`]: "{status} retry-after={header} {body}".
+pub async fn failure(response: reqwest::Response) -> String {
+    let status = response.status();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned();
+    let body = response.text().await.unwrap_or_default();
+    format!("{status} retry-after={retry_after} {body}")
 }
 
 impl Outcome {
