@@ -140,6 +140,7 @@ impl Issuer {
                     project: sequence.project.to_string(),
                     doc_type: sequence.doc_type.to_string(),
                     open,
+                    asked: count as i64,
                     max: MAX_OPEN_RESERVATIONS,
                 });
             }

@@ -70,13 +70,16 @@ pub enum IssueError {
     )]
     PostgresMoved,
     #[error(
-        "gapless sequence {project}/{doc_type} has {open} reservations open (at most {max}); \
-         confirm or void some, or wait for them to expire"
+        "gapless sequence {project}/{doc_type} holds at most {max} reservations open at once; \
+         {open} are open and {asked} more were asked for: ask for at most {room} \
+         (confirm or void open ones, or wait for them to expire, to make room)",
+        room = (max - open).max(0)
     )]
     TooManyReservations {
         project: String,
         doc_type: String,
         open: i64,
+        asked: i64,
         max: i64,
     },
     #[error(transparent)]

@@ -835,6 +835,16 @@ async fn a_first_write_that_fails_leaves_the_period_usable() {
 async fn a_sequence_holds_a_bounded_number_of_open_reservations() {
     let app = TestEnv::new().spawn().await;
     gapless(&app, "GR", "1", json!({})).await;
+    // More than the sequence can ever hold open: refused, and told how
+    // many it may ask for (not advice that cannot work).
+    let too_many = assert_problem(
+        app.post_ids("GR", "1", 1001).await,
+        StatusCode::CONFLICT,
+        "too_many_reservations",
+    )
+    .await;
+    let detail = too_many["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("ask for at most 1000"), "{detail}");
     let (ids, _) = app.issue("GR", "1", 1000).await;
     assert_problem(
         app.post_ids("GR", "1", 1).await,
