@@ -11,6 +11,7 @@ mkdir -p "$out"
 if ! command -v stress-ng >/dev/null; then
   echo "flake-hunt: installing stress-ng (Debian)" >&2
   sudo=; [[ $(id -u) == 0 ]] || sudo=sudo
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq stress-ng >/dev/null
 fi
 # Built before the load starts: the runs measure the tests, not the compiler.
