@@ -515,9 +515,26 @@ async fn patroni_failovers_cost_only_what_the_data_lost() {
     bench
         .run("async failover, lagging standbys", async |c| {
             let leader = c.leader().await;
+            // The primary goes on acknowledging what no standby receives:
+            // 200 documents' worth, counted on the primary itself.
+            let primary = sqlx::PgPool::connect(&c.nodes[leader].url("idpool_ha"))
+                .await
+                .expect("the primary");
+            let documents = async || {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM id_outbox")
+                    .fetch_one(&primary)
+                    .await
+                    .ok()
+            };
+            let before = documents().await.expect("the outbox");
             assert_eq!(c.nodes[leader].stop_wal_senders(), 2, "WAL senders to stop");
-            // The primary goes on acknowledging what no standby receives.
-            tokio::time::sleep(Duration::from_secs(2)).await; // the scenario: two seconds of commits no standby receives
+            eventually(
+                Duration::from_secs(30),
+                "commits no standby receives",
+                async || (documents().await? >= before + 200).then_some(()),
+            )
+            .await;
+            primary.close().await;
             c.nodes[leader].lose();
             c.wait_new_leader(leader).await;
         })

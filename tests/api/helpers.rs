@@ -90,9 +90,11 @@ pub fn expect_redis_trouble() {
 }
 
 /// What an app logs as an error while the test has Postgres stopped,
-/// read-only or moved.
+/// read-only or moved (for longer than a write in doubt waits, too).
 pub fn expect_postgres_trouble() {
     expect_error_lines("dependency unavailable");
+    expect_error_lines("ledger writes in doubt: Postgres did not answer again in time");
+    expect_error_lines("could not record discarded pool numbers");
 }
 
 /// Error lines written so far that no [`expect_error_lines`] covers.
