@@ -567,18 +567,14 @@ async fn a_key_in_use_is_never_read_again_from_postgres() {
         .record_use()
         .await
         .expect("use recorded");
-    let mark: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-        .fetch_one(&app.db)
+    let mark = crate::helpers::postgres_now(&app.db)
         .await
-        .unwrap();
+        .expect("Postgres' clock");
     let mut requests = 0;
     eventually(Duration::from_secs(30), "two seconds of use", async || {
         assert_eq!(issue().await, StatusCode::OK, "the key was read again");
         requests += 1;
-        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+        let now = crate::helpers::postgres_now(&app.db).await?;
         (now - mark > chrono::Duration::seconds(2)).then_some(())
     })
     .await;

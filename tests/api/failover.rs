@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::Value;
 
 use crate::helpers::{
-    ServeProcess, TestApp, TestEnv, client_with_key, create_key, eventually, seqs_of,
+    ServeProcess, TestApp, TestEnv, client_with_key, create_key, eventually, seqs_of, until,
 };
 use crate::redis_server::RedisServer;
 use crate::topology::{
@@ -624,11 +624,6 @@ async fn a_postgres_restart_is_503_while_it_lasts_and_served_after() {
         "postgres restart: lost as {:?}",
         lost_by_reason(&app, "PR").await
     );
-}
-
-/// Polled every 50 ms until `check` holds, for at most `within`.
-async fn until<F: AsyncFnMut() -> bool>(within: Duration, what: &str, mut check: F) {
-    eventually(within, what, async || check().await.then_some(())).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

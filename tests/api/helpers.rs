@@ -140,6 +140,11 @@ pub async fn eventually<T>(
     }
 }
 
+/// [`eventually`] for a condition that only holds or not.
+pub async fn until(limit: Duration, what: &str, mut holds: impl AsyncFnMut() -> bool) {
+    eventually(limit, what, async || holds().await.then_some(())).await
+}
+
 /// What `check` answers first within `limit`, or `None` once it has passed.
 pub async fn within<T>(limit: Duration, check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
     within_every(limit, POLL, check).await
@@ -630,6 +635,16 @@ impl TestApp {
         request.send().await.expect("request")
     }
 
+    /// Accepts a document of `project`/`doc_type` (asserting the 202); its ID.
+    pub async fn accept(&self, project: &str, doc_type: &str) -> String {
+        let body = json!({"project": project, "type": doc_type, "metadata": {}});
+        let response = self.post_document(&body, None).await;
+        let status = response.status();
+        let answer: Value = response.json().await.expect("json");
+        assert_eq!(status, StatusCode::ACCEPTED, "POST /documents: {answer}");
+        answer["id"].as_str().expect("id").to_owned()
+    }
+
     pub async fn post_batch(&self, documents: Vec<Value>) -> reqwest::Response {
         self.client
             .post(self.url("/api/v1/documents/batch"))
@@ -867,25 +882,24 @@ pub async fn ledger_numbers(db: &PgPool, project: &str, doc_type: &str, period: 
 /// Waits until the clock of the Postgres at `db` (which reconciliation and
 /// Postgres' own timeouts read) is `settle` past now.
 pub async fn wait_on_postgres_clock(db: &PgPool, settle: Duration) {
-    let mark: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-        .fetch_one(db)
-        .await
-        .expect("Postgres' clock");
+    let mark = postgres_now(db).await.expect("Postgres' clock");
     let past = mark
         + chrono::Duration::from_std(settle).expect("settle")
         + chrono::Duration::milliseconds(1);
     eventually(
         settle * 2 + Duration::from_secs(5),
         "Postgres' clock moves on",
-        async || {
-            let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-                .fetch_one(db)
-                .await
-                .ok()?;
-            (now > past).then_some(())
-        },
+        async || (postgres_now(db).await? > past).then_some(()),
     )
     .await
+}
+
+/// The time on the clock of the Postgres at `db`.
+pub async fn postgres_now(db: &PgPool) -> Option<chrono::DateTime<chrono::Utc>> {
+    sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(db)
+        .await
+        .ok()
 }
 
 pub fn assert_distinct(seqs: &[i64], what: &str) {

@@ -1001,17 +1001,7 @@ async fn deliver_through(address: &str, door: &str) -> (String, Value) {
     env.outbox_max_retries = 1;
     env.outbox_poll_ms = 50;
     let app = env.spawn().await;
-    let response = app
-        .post_document(
-            &json!({"project": "WH", "type": "1", "metadata": {"n": 1}}),
-            None,
-        )
-        .await;
-    assert_eq!(response.status(), StatusCode::ACCEPTED);
-    let id = response.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = app.accept("WH", "1").await;
     let document = eventually(Duration::from_secs(15), "the delivery ends", async || {
         let document = app.document(&id).await;
         (document["status"] != "pending").then_some(document)

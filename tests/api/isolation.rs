@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
-use crate::helpers::{TestApp, TestEnv, assert_problem, client_with_key, create_key};
+use crate::helpers::{TestApp, TestEnv, assert_problem, client_with_key, create_key, until};
 
 /// Slowest answer a well-behaved request may get while a neighbour does
 /// its worst (they take milliseconds; a starved one takes seconds).
@@ -126,7 +126,7 @@ impl Neighbour {
         // Enough rounds to tell, however quickly the neighbour's worst was
         // over.
         let rounds = self.rounds.clone();
-        eventually(
+        until(
             Duration::from_secs(20),
             "three rounds of the second tenant",
             async || rounds.load(Ordering::Relaxed) >= 3,
@@ -150,11 +150,6 @@ impl Neighbour {
             report.slowest
         );
     }
-}
-
-/// Waits until `done` holds, up to `limit`.
-async fn eventually(limit: Duration, what: &str, mut done: impl AsyncFnMut() -> bool) {
-    crate::helpers::eventually(limit, what, async || done().await.then_some(())).await
 }
 
 fn host_of(app: &TestApp) -> String {
@@ -278,7 +273,7 @@ async fn made_up_and_revoked_keys_never_make_a_valid_key_wait_or_fail() {
     );
 
     // The second tenant is timed through a flood of thousands.
-    eventually(
+    until(
         Duration::from_secs(30),
         "two thousand made-up keys",
         async || refused.load(Ordering::Relaxed) >= 2000,
@@ -472,7 +467,7 @@ async fn whatever_a_target_answers_every_due_document_ends_dead_lettered() {
         for (client, id) in &ids {
             let url = app.url(&format!("/api/v1/documents/{id}"));
             let mut last = Value::Null;
-            eventually(Duration::from_secs(20), "dead-lettered", async || {
+            until(Duration::from_secs(20), "dead-lettered", async || {
                 last = client.get(&url).send().await.unwrap().json().await.unwrap();
                 last["status"] == "dead_letter"
             })
@@ -628,7 +623,7 @@ async fn a_key_sending_slow_batch_bodies_holds_up_only_its_own_batches() {
             }
         }));
     }
-    eventually(Duration::from_secs(10), "every body trickles", async || {
+    until(Duration::from_secs(10), "every body trickles", async || {
         trickled.load(Ordering::Relaxed) >= 8 * 3
     })
     .await;
@@ -751,7 +746,7 @@ async fn a_refused_value_leaves_no_connection_in_a_transaction() {
     // The refused write's transaction is ended by us at once (its rollback
     // may still be on its way when the answer is), not when its connection
     // is next used, nor by Postgres' idle-in-transaction timeout (35 s).
-    eventually(
+    until(
         Duration::from_secs(2),
         "no connection sits in a transaction",
         async || aborted().await == 0,
@@ -812,7 +807,7 @@ async fn anyone_asking_for_readiness_and_metrics_costs_the_tenants_nothing() {
             })
         })
     };
-    eventually(
+    until(
         Duration::from_secs(60),
         "a flood of 2000 requests",
         async || asked.load(Ordering::Relaxed) >= 2000,
@@ -1061,17 +1056,7 @@ async fn a_request_that_finds_the_postgres_pool_taken_is_answered_503_at_once() 
     env.processor = false;
     env.db_acquire_timeout_ms = 300;
     let app = env.spawn().await;
-    let accepted = app
-        .post_document(
-            &json!({"project": "TAKEN", "type": "1", "metadata": {}}),
-            None,
-        )
-        .await;
-    assert_eq!(accepted.status(), StatusCode::ACCEPTED);
-    let id = accepted.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = app.accept("TAKEN", "1").await;
     // Every connection of the request pool taken (as requests stuck on a
     // slow Postgres would hold them): the pool answers no more.
     crate::helpers::expect_error_lines("pool timed out");
@@ -1116,16 +1101,7 @@ async fn every_route_at_once_on_two_database_turns_needs_no_second_connection() 
     let tenant = client_with_key(Some(&key));
     app.issue("ONE", "1", 1).await;
     let (_, first) = app.issue("ONE", "2", 40).await;
-    let accepted = app
-        .post_document(
-            &json!({"project": "ONE", "type": "1", "metadata": {}}),
-            None,
-        )
-        .await;
-    let id = accepted.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = app.accept("ONE", "1").await;
     let requests = (0..80).map(|n| {
         let (app, tenant, id, first) = (&app, &tenant, &id, &first);
         async move {
