@@ -11,13 +11,16 @@ use tokio::sync::oneshot;
 use super::handouts::HandoutFailed;
 use super::pipeline::Demand;
 use super::{IssueError, Issuer};
-use crate::lease::{Holder, Order, Progress};
+use crate::lease::{Holder, OnItsOwn, Order, Progress};
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{LeaseReport, LedgerError, Via};
 use crate::numbers::SeqRange;
 use crate::pool::{DiscardCause, Placement};
 
 type LeaseHolder = Holder<Arc<Placement>>;
+
+/// Held by a request served on its own until its numbers are recorded.
+pub(super) type OnItsOwnTicket = OnItsOwn<Arc<Placement>>;
 
 /// Where a request for numbers stands after its first look at the lease.
 pub(super) enum Begun {
@@ -26,8 +29,16 @@ pub(super) enum Begun {
     /// A lease is on its way; `got` holds what there was.
     Waiting(Arc<LeaseHolder>, Vec<i64>),
     /// No lease is coming (or leases are off): `got` (maybe empty) is all
-    /// the lease gives.
-    Alone(Option<Arc<LeaseHolder>>, Vec<i64>),
+    /// the lease gives; the ticket is kept until the rest is recorded.
+    Alone(Option<Arc<LeaseHolder>>, Vec<i64>, Option<OnItsOwnTicket>),
+}
+
+/// A document's outcome on the lease.
+pub(super) enum OnLease {
+    Written(Result<(OutboxRow, DateTime<Utc>), IssueError>),
+    /// No lease serves the sequence now: the document goes on its own,
+    /// keeping the ticket (if any) until its number is recorded.
+    NotServed(Option<OnItsOwnTicket>),
 }
 
 /// The most numbers one lease of `holder`'s pool may carry.
@@ -51,7 +62,7 @@ impl Issuer {
     /// ordering the next lease if one is due.
     pub(super) fn begin_ids(self: &Arc<Self>, placement: &Arc<Placement>, count: usize) -> Begun {
         if !self.leases.enabled() {
-            return Begun::Alone(None, Vec::new());
+            return Begun::Alone(None, Vec::new(), None);
         }
         let holder = self.holder(placement);
         let mut got = Vec::with_capacity(count);
@@ -64,18 +75,18 @@ impl Issuer {
         match progress {
             Progress::Complete => Begun::Complete(holder, got),
             Progress::Waiting => Begun::Waiting(holder, got),
-            Progress::Alone => Begun::Alone(Some(holder), got),
+            Progress::Alone(on_its_own) => Begun::Alone(Some(holder), got, Some(on_its_own)),
         }
     }
 
     /// Waits for the lease on its way until `got` holds `count` numbers;
-    /// false when none is coming after all.
+    /// an error when none is coming after all (see [`crate::lease::Leases::fill`]).
     pub(super) async fn wait_for_lease(
         self: &Arc<Self>,
         holder: &Arc<LeaseHolder>,
         count: usize,
         got: &mut Vec<i64>,
-    ) -> bool {
+    ) -> Result<(), Option<OnItsOwnTicket>> {
         self.leases
             .fill(holder, count, pool_size(holder), got, |order| {
                 self.order(order)
@@ -88,6 +99,7 @@ impl Issuer {
         let issuer = self.clone();
         self.tasks.spawn(async move {
             let Order { holder, size } = order;
+            issuer.leases.after_those_on_their_own(&holder).await;
             // A lease recorded in part is a smaller lease: the part already
             // committed is the lease's to hand out or give back, never
             // dropped (it would be a lost lease).
@@ -130,23 +142,25 @@ impl Issuer {
 
     /// A document on a number of this instance's lease, its outbox row
     /// written in the shared commit (the lease's ledger record covers the
-    /// number); None when no lease serves the sequence now.
+    /// number).
     pub(super) async fn document_on_lease(
         self: &Arc<Self>,
         placement: &Arc<Placement>,
         attachment: &Arc<Attachment>,
-    ) -> Option<Result<(OutboxRow, DateTime<Utc>), IssueError>> {
+    ) -> OnLease {
         let (holder, mut got) = match self.begin_ids(placement, 1) {
             Begun::Complete(holder, got) => (holder, got),
             Begun::Waiting(holder, mut got) => {
-                if !self.wait_for_lease(&holder, 1, &mut got).await {
-                    return None;
+                if let Err(on_its_own) = self.wait_for_lease(&holder, 1, &mut got).await {
+                    return OnLease::NotServed(on_its_own);
                 }
                 (holder, got)
             }
-            Begun::Alone(..) => return None,
+            Begun::Alone(_, _, on_its_own) => return OnLease::NotServed(on_its_own),
         };
-        let seq = got.pop()?;
+        let Some(seq) = got.pop() else {
+            return OnLease::NotServed(None);
+        };
         self.leases.served(1);
         let demand = Demand::LeasedDocument {
             attachment: attachment.clone(),
@@ -156,7 +170,7 @@ impl Issuer {
             .record(placement.clone(), demand, vec![seq])
             .await
             .and_then(|served| served.document.ok_or(LedgerError::Closed));
-        Some(match written {
+        OnLease::Written(match written {
             Ok(document) => Ok(document),
             Err(e) => {
                 self.not_written(&holder, seq, e.numbers_reusable()).await;

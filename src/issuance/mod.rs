@@ -314,17 +314,20 @@ impl Issuer {
         count: usize,
         begun: leased::Begun,
     ) -> Result<Vec<i64>, IssueError> {
-        let (holder, got) = match begun {
+        let (holder, got, on_its_own) = match begun {
             leased::Begun::Complete(holder, got) => return self.hand_out(&holder, got).await,
             leased::Begun::Waiting(holder, mut got) => {
-                if self.wait_for_lease(&holder, count, &mut got).await {
-                    return self.hand_out(&holder, got).await;
+                match self.wait_for_lease(&holder, count, &mut got).await {
+                    Ok(()) => return self.hand_out(&holder, got).await,
+                    Err(on_its_own) => (Some(holder), got, on_its_own),
                 }
-                (Some(holder), got)
             }
-            leased::Begun::Alone(holder, got) => (holder, got),
+            leased::Begun::Alone(holder, got, on_its_own) => (holder, got, on_its_own),
         };
-        let more = match self.shared(placement, count - got.len(), Via::Ids).await {
+        let more = self.shared(placement, count - got.len(), Via::Ids).await;
+        // Recorded (or failed): a lease ordered meanwhile may be taken now.
+        drop(on_its_own);
+        let more = match more {
             Ok(more) => more,
             Err(e) => {
                 if let Some(holder) = holder {
@@ -350,9 +353,11 @@ impl Issuer {
         placement: &Arc<Placement>,
         attachment: Arc<Attachment>,
     ) -> Result<(OutboxRow, DateTime<Utc>), IssueError> {
-        if let Some(written) = self.document_on_lease(placement, &attachment).await {
-            return written;
-        }
+        // Held until the document's number is recorded (see OnItsOwn).
+        let _on_its_own = match self.document_on_lease(placement, &attachment).await {
+            leased::OnLease::Written(written) => return written,
+            leased::OnLease::NotServed(on_its_own) => on_its_own,
+        };
         let demand = Demand::Document {
             attachment: attachment.clone(),
         };

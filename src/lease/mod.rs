@@ -8,6 +8,9 @@
 //! current one is left, so a request waits only when a lease runs dry
 //! faster than a commit. At low rates a lease would be the request itself,
 //! so the request is served on its own (strict order, one commit each).
+//! A lease ordered while such requests are still getting their numbers is
+//! taken after them ([`OnItsOwn`]): on one instance, a request sent after
+//! another's answer never gets a lower number.
 //!
 //! This module is the store only: which numbers each holder has, when a
 //! new lease is due, and which numbers go back (idle, too old, or at a
@@ -68,6 +71,8 @@ pub struct Holder<P> {
     state: Mutex<State>,
     /// Woken when a lease arrives or fails.
     changed: Notify,
+    /// Woken when the last request served on its own has its numbers.
+    own_done: Notify,
 }
 
 #[derive(Default)]
@@ -88,6 +93,9 @@ struct State {
     rate: Rate,
     /// The instance is stopping: nothing more is leased or handed out.
     closed: bool,
+    /// Requests told to go on their own that have not got their numbers
+    /// yet ([`OnItsOwn`]): the next lease is taken only after them.
+    on_their_own: usize,
 }
 
 impl<P> Holder<P> {
@@ -100,13 +108,33 @@ impl<P> Holder<P> {
 pub type HolderKey = (i64, i32, String);
 
 /// Where a request stands after taking what a lease had.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
+pub enum Progress<P> {
     Complete,
     /// A lease is on its way.
     Waiting,
-    /// No lease is coming: the rest is served for this request alone.
-    Alone,
+    /// No lease is coming: the rest is served for this request alone,
+    /// which holds the ticket until it has its numbers.
+    Alone(OnItsOwn<P>),
+}
+
+/// A request served on its own, from the moment it was told no lease is
+/// coming until it drops this (once its numbers are recorded). A lease
+/// ordered meanwhile is taken only after every such request: taken
+/// before, it could hold lower numbers than one of them, and a request
+/// sent after that one's answer would get a lower number from the lease.
+pub struct OnItsOwn<P> {
+    holder: Arc<Holder<P>>,
+}
+
+impl<P> Drop for OnItsOwn<P> {
+    fn drop(&mut self) {
+        let mut state = self.holder.state();
+        state.on_their_own = state.on_their_own.saturating_sub(1);
+        if state.on_their_own == 0 {
+            drop(state);
+            self.holder.own_done.notify_waiters();
+        }
+    }
 }
 
 /// A lease to take now, of `size` numbers; whoever gets one must answer
@@ -174,6 +202,7 @@ impl<P: Clone> Leases<P> {
                     pool: pool(),
                     state: Mutex::new(State::default()),
                     changed: Notify::new(),
+                    own_done: Notify::new(),
                 })
             })
             .clone()
@@ -190,14 +219,14 @@ impl<P: Clone> Leases<P> {
         pool_size: usize,
         got: &mut Vec<i64>,
         first_visit: bool,
-    ) -> (Progress, Option<Order<P>>) {
+    ) -> (Progress<P>, Option<Order<P>>) {
         let now = self.clock.now();
         let mut state = holder.state();
         if first_visit {
             state.rate.add(count, now);
         }
         if state.closed {
-            return (Progress::Alone, None);
+            return (Self::on_its_own(holder, state), None);
         }
         let take = (count - got.len()).min(state.numbers.len());
         got.extend(state.numbers.drain(..take));
@@ -227,15 +256,38 @@ impl<P: Clone> Leases<P> {
         } else if state.fetching {
             Progress::Waiting
         } else {
-            Progress::Alone
+            return (Self::on_its_own(holder, state), None);
         };
         (progress, None)
     }
 
+    /// Counted under the same lock that decided it, so no lease ordered
+    /// after the decision can miss it.
+    fn on_its_own(holder: &Arc<Holder<P>>, mut state: MutexGuard<'_, State>) -> Progress<P> {
+        state.on_their_own += 1;
+        Progress::Alone(OnItsOwn {
+            holder: holder.clone(),
+        })
+    }
+
+    /// Until no request told to go on its own is still without its
+    /// numbers: a lease is taken only then (see [`OnItsOwn`]).
+    pub async fn after_those_on_their_own(&self, holder: &Holder<P>) {
+        loop {
+            let done = holder.own_done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if holder.state().on_their_own == 0 {
+                return;
+            }
+            done.await;
+        }
+    }
+
     /// Waits for leases until `count` numbers are in `got`, handing every
-    /// lease order met on the way to `order`. False when no lease is
-    /// coming (the rate asks for none, or taking one failed: the caller
-    /// finds out why on its own).
+    /// lease order met on the way to `order`. An error when no lease is
+    /// coming: the rate asks for none (the request's [`OnItsOwn`]), or
+    /// taking one failed (None: the caller finds out why on its own).
     pub async fn fill(
         &self,
         holder: &Arc<Holder<P>>,
@@ -243,7 +295,7 @@ impl<P: Clone> Leases<P> {
         pool_size: usize,
         got: &mut Vec<i64>,
         mut order: impl FnMut(Order<P>),
-    ) -> bool {
+    ) -> Result<(), Option<OnItsOwn<P>>> {
         loop {
             let changed = holder.changed.notified();
             tokio::pin!(changed);
@@ -256,13 +308,13 @@ impl<P: Clone> Leases<P> {
                 order(next);
             }
             match progress {
-                Progress::Complete => return true,
-                Progress::Alone => return false,
+                Progress::Complete => return Ok(()),
+                Progress::Alone(on_its_own) => return Err(Some(on_its_own)),
                 Progress::Waiting => {}
             }
             changed.await;
             if holder.state().failures != failures {
-                return false;
+                return Err(None);
             }
         }
     }
@@ -412,5 +464,48 @@ impl<P: Clone> Leases<P> {
             }
             written.await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn leases(clock: Arc<ManualClock>) -> Leases<()> {
+        Leases::new(clock, LeaseSettings::default(), Arc::new(Stats::default()))
+    }
+
+    /// A request told to go on its own, then a burst that orders a lease:
+    /// the lease waits until that request has its numbers, so it cannot
+    /// hold numbers below the ones the request is answered with.
+    #[tokio::test]
+    async fn a_lease_ordered_while_a_request_is_on_its_own_is_taken_after_it() {
+        let clock = Arc::new(ManualClock::new(Utc::now()));
+        let leases = leases(clock.clone());
+        let holder = leases.holder((1, 1, String::new()), || ());
+        let mut got = Vec::new();
+        let (progress, order) = leases.take(&holder, 1, 1000, &mut got, true);
+        assert!(order.is_none(), "one request orders no lease");
+        let Progress::Alone(on_its_own) = progress else {
+            panic!("a quiet sequence's request goes on its own");
+        };
+        // A burst: 1,000 requests within a millisecond ask for a lease.
+        let mut ordered = None;
+        for _ in 0..1000 {
+            clock.advance(chrono::Duration::microseconds(1));
+            let (_, order) = leases.take(&holder, 1, 1000, &mut Vec::new(), true);
+            ordered = ordered.or(order);
+        }
+        let order = ordered.expect("the burst orders a lease");
+        let waiting = leases.after_those_on_their_own(&order.holder);
+        tokio::pin!(waiting);
+        assert!(
+            futures::poll!(waiting.as_mut()).is_pending(),
+            "the lease was let go before the request on its own had its numbers"
+        );
+        drop(on_its_own);
+        assert!(futures::poll!(waiting.as_mut()).is_ready());
+        leases.arrived(&order.holder, Some((1..=order.size as i64).collect()));
     }
 }
