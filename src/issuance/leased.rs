@@ -19,7 +19,7 @@ use crate::pool::{DiscardCause, Placement};
 
 type LeaseHolder = Holder<Arc<Placement>>;
 
-/// Held by a request served on its own until its numbers are recorded.
+/// Held by a request served on its own until its pop has answered.
 pub(super) type OnItsOwnTicket = OnItsOwn<Arc<Placement>>;
 
 /// Where a request for numbers stands after its first look at the lease.
@@ -29,7 +29,7 @@ pub(super) enum Begun {
     /// A lease is on its way; `got` holds what there was.
     Waiting(Arc<LeaseHolder>, Vec<i64>),
     /// No lease is coming (or leases are off): `got` (maybe empty) is all
-    /// the lease gives; the ticket is kept until the rest is recorded.
+    /// the lease gives; the ticket is kept until the rest is popped.
     Alone(Option<Arc<LeaseHolder>>, Vec<i64>, Option<OnItsOwnTicket>),
 }
 
@@ -37,7 +37,7 @@ pub(super) enum Begun {
 pub(super) enum OnLease {
     Written(Result<(OutboxRow, DateTime<Utc>), IssueError>),
     /// No lease serves the sequence now: the document goes on its own,
-    /// keeping the ticket (if any) until its number is recorded.
+    /// keeping the ticket (if any) until its number is popped.
     NotServed(Option<OnItsOwnTicket>),
 }
 
@@ -103,7 +103,9 @@ impl Issuer {
             // A lease recorded in part is a smaller lease: the part already
             // committed is the lease's to hand out or give back, never
             // dropped (it would be a lost lease).
-            let (leased, failed) = issuer.shared_as_many(&holder.pool, size, Via::Lease).await;
+            let (leased, failed) = issuer
+                .shared_as_many(&holder.pool, size, Via::Lease, ())
+                .await;
             if let Some(e) = &failed {
                 tracing::debug!(error = %e, size, got = leased.len(), "lease not taken whole; requests are served on their own");
             }

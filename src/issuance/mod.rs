@@ -324,10 +324,12 @@ impl Issuer {
             }
             leased::Begun::Alone(holder, got, on_its_own) => (holder, got, on_its_own),
         };
-        let more = self.shared(placement, count - got.len(), Via::Ids).await;
-        // Recorded (or failed): a lease ordered meanwhile may be taken now.
-        drop(on_its_own);
-        let more = match more {
+        // Let go once this request's pop answered: a lease ordered
+        // meanwhile is taken after it, so above its numbers.
+        let more = match self
+            .shared(placement, count - got.len(), Via::Ids, on_its_own)
+            .await
+        {
             Ok(more) => more,
             Err(e) => {
                 if let Some(holder) = holder {
@@ -353,15 +355,18 @@ impl Issuer {
         placement: &Arc<Placement>,
         attachment: Arc<Attachment>,
     ) -> Result<(OutboxRow, DateTime<Utc>), IssueError> {
-        // Held until the document's number is recorded (see OnItsOwn).
-        let _on_its_own = match self.document_on_lease(placement, &attachment).await {
+        let on_its_own = match self.document_on_lease(placement, &attachment).await {
             leased::OnLease::Written(written) => return written,
             leased::OnLease::NotServed(on_its_own) => on_its_own,
         };
         let demand = Demand::Document {
             attachment: attachment.clone(),
         };
-        let served = self.pipeline.submit(placement.clone(), demand).await?;
+        // The ticket is let go once the pop answered (see OnItsOwn).
+        let served = self
+            .pipeline
+            .submit(placement.clone(), demand, on_its_own)
+            .await?;
         if let Some(document) = served.document {
             return Ok(document);
         }
@@ -390,13 +395,14 @@ impl Issuer {
     /// `count` numbers of `placement`'s pool recorded in the shared commit
     /// as received `via`: popped in the shared batch, and what it could not
     /// give after a refill or from the counter. Ascending.
-    async fn shared(
+    async fn shared<Held>(
         &self,
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
+        held: Held,
     ) -> Result<Vec<i64>, IssueError> {
-        match self.shared_as_many(placement, count, via).await {
+        match self.shared_as_many(placement, count, via, held).await {
             (seqs, None) => Ok(seqs),
             // What was recorded stays issued (reconciliation says
             // `issued_unattached`): the caller asked for all or nothing.
@@ -407,18 +413,20 @@ impl Issuer {
     /// As many of `count` numbers as could be recorded (ascending), and
     /// the error that stopped the rest, if any: the first part may commit
     /// before the rest fails (the pool ran short, then Postgres went away).
-    async fn shared_as_many(
+    /// `held` is let go once the shared pop answered.
+    async fn shared_as_many<Held>(
         &self,
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
+        held: Held,
     ) -> (Vec<i64>, Option<IssueError>) {
         if count == 0 {
             return (Vec::new(), None);
         }
         let served = match self
             .pipeline
-            .submit(placement.clone(), demand(via, count))
+            .submit(placement.clone(), demand(via, count), held)
             .await
         {
             Ok(served) => served,

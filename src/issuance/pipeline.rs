@@ -128,16 +128,20 @@ impl Pipeline {
     /// Pops what `demand` needs in the shared pop and records it in the
     /// next shared commit. Nothing is recorded (and nothing issued) when
     /// the pool gave nothing at once: the caller takes the slower path.
-    pub async fn submit(
+    /// `held` is let go once the pop has answered (a request on its own
+    /// lets a lease be taken once its numbers are known).
+    pub async fn submit<Held>(
         &self,
         placement: Arc<Placement>,
         demand: Demand,
+        held: Held,
     ) -> Result<Served, LedgerError> {
         let seqs = self
             .pools
             .pop_once(&placement.pool, demand.numbers())
             .await
             .unwrap_or_default();
+        drop(held);
         self.stats.ids_from_pool.inc_by(seqs.len() as u64);
         if seqs.is_empty() {
             return Ok(Served::default());

@@ -93,8 +93,8 @@ struct State {
     rate: Rate,
     /// The instance is stopping: nothing more is leased or handed out.
     closed: bool,
-    /// Requests told to go on their own that have not got their numbers
-    /// yet ([`OnItsOwn`]): the next lease is taken only after them.
+    /// Requests told to go on their own whose pop has not answered yet
+    /// ([`OnItsOwn`]): the next lease is taken only after them.
     on_their_own: usize,
 }
 
@@ -118,10 +118,12 @@ pub enum Progress<P> {
 }
 
 /// A request served on its own, from the moment it was told no lease is
-/// coming until it drops this (once its numbers are recorded). A lease
-/// ordered meanwhile is taken only after every such request: taken
-/// before, it could hold lower numbers than one of them, and a request
-/// sent after that one's answer would get a lower number from the lease.
+/// coming until it drops this (once its pop has answered: its numbers are
+/// known). A lease ordered meanwhile is taken only after every such pop:
+/// taken before, it could hold lower numbers than one of them, and a
+/// request sent after that one's answer would get a lower number from the
+/// lease. (Not until the request is recorded: a request stuck on a locked
+/// number must not hold up the lease everyone else waits for.)
 pub struct OnItsOwn<P> {
     holder: Arc<Holder<P>>,
 }
@@ -270,8 +272,8 @@ impl<P: Clone> Leases<P> {
         })
     }
 
-    /// Until no request told to go on its own is still without its
-    /// numbers: a lease is taken only then (see [`OnItsOwn`]).
+    /// Until every request told to go on its own has popped its numbers: a
+    /// lease is taken only then (see [`OnItsOwn`]).
     pub async fn after_those_on_their_own(&self, holder: &Holder<P>) {
         loop {
             let done = holder.own_done.notified();
