@@ -199,6 +199,7 @@ fn serve(config: Config) -> ExitCode {
     let _logs = telemetry::init();
     with_runtime(async move {
         config.check_urls()?;
+        config.check_outbox_backoff()?;
         config.check_auth_off_is_local()?;
         if !config.auth.is_on() {
             tracing::warn!(

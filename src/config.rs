@@ -7,6 +7,7 @@ use clap::builder::TypedValueParser;
 use clap::{Args, ValueEnum};
 
 use crate::documents::sink::SinkConfig;
+use crate::redact::url_without_password;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
@@ -209,7 +210,8 @@ pub struct Config {
     )]
     pub outbox_max_retries: i32,
 
-    /// Retry n waits base × 2^n.
+    /// After failure n the next attempt waits base × 2^n (at most
+    /// IDPOOL_OUTBOX_BACKOFF_MAX_MS), plus up to a quarter more at random.
     #[arg(
         long = "idpool-outbox-backoff-base-ms",
         env = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
@@ -218,6 +220,16 @@ pub struct Config {
         value_parser = clap::value_parser!(u64).range(0..=3_600_000),
     )]
     pub outbox_backoff_base_ms: u64,
+
+    /// The longest wait between two delivery attempts, before jitter.
+    #[arg(
+        long = "idpool-outbox-backoff-max-ms",
+        env = "IDPOOL_OUTBOX_BACKOFF_MAX_MS",
+        value_name = "IDPOOL_OUTBOX_BACKOFF_MAX_MS",
+        default_value_t = 3_600_000,
+        value_parser = clap::value_parser!(u64).range(1..=86_400_000),
+    )]
+    pub outbox_backoff_max_ms: u64,
 
     /// Processor loops this instance runs at once; each claims its own rows.
     #[arg(
@@ -467,13 +479,13 @@ pub struct Config {
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
-            .field("database_url", &without_credentials(&self.database_url))
+            .field("database_url", &url_without_password(&self.database_url))
             .field("pg_pooler", &self.pg_pooler)
             .field(
                 "pg_listen_url",
-                &self.pg_listen_url.as_deref().map(without_credentials),
+                &self.pg_listen_url.as_deref().map(url_without_password),
             )
-            .field("redis_url", &without_credentials(&self.redis_url))
+            .field("redis_url", &url_without_password(&self.redis_url))
             .field("listen", &self.listen)
             .field("auth", &self.auth)
             .field(
@@ -481,20 +493,6 @@ impl std::fmt::Debug for Config {
                 &self.webhook_secret.as_ref().map(|_| "<hidden>"),
             )
             .finish_non_exhaustive()
-    }
-}
-
-/// `scheme://user:password@host/...` as `scheme://user:***@host/...`.
-pub fn without_credentials(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    match rest.split_once('@') {
-        Some((userinfo, host)) if userinfo.contains(':') => {
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        _ => url.to_owned(),
     }
 }
 
@@ -517,6 +515,7 @@ impl Config {
             poll: Duration::from_millis(self.outbox_poll_ms),
             max_retries: self.outbox_max_retries,
             backoff_base: Duration::from_millis(self.outbox_backoff_base_ms),
+            backoff_max: Duration::from_millis(self.outbox_backoff_max_ms),
             batch_size: self.outbox_batch,
             ..Default::default()
         }
@@ -564,6 +563,21 @@ impl Config {
                     "IDPOOL_PG_LISTEN_URL must lead straight to Postgres, not to the pooler of DATABASE_URL"
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a redelivery schedule whose base is above its cap. Every
+    /// other combination the ranges allow is storable: at most 1,000 waits
+    /// of at most 1.25 days each.
+    pub fn check_outbox_backoff(&self) -> anyhow::Result<()> {
+        if self.outbox_backoff_base_ms > self.outbox_backoff_max_ms {
+            anyhow::bail!(
+                "IDPOOL_OUTBOX_BACKOFF_BASE_MS ({}) must not exceed IDPOOL_OUTBOX_BACKOFF_MAX_MS ({}): \
+                 the cap is the longest wait between two delivery attempts",
+                self.outbox_backoff_base_ms,
+                self.outbox_backoff_max_ms
+            );
         }
         Ok(())
     }
@@ -620,21 +634,38 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
-    use super::without_credentials;
+    use super::Config;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Command {
+        #[command(flatten)]
+        config: Config,
+    }
+
+    fn parsed(args: &[&str]) -> Config {
+        let args = std::iter::once("idpool").chain(args.iter().copied());
+        Command::try_parse_from(args).expect("parses").config
+    }
 
     #[test]
-    fn urls_lose_their_password_and_keep_the_rest() {
-        assert_eq!(
-            without_credentials("postgres://app:secret@db:5432/app"),
-            "postgres://app:***@db:5432/app"
+    fn a_redelivery_base_above_its_cap_is_refused_and_the_ranges_bound_the_rest() {
+        let refused = parsed(&[
+            "--idpool-outbox-backoff-base-ms=5000",
+            "--idpool-outbox-backoff-max-ms=1000",
+        ])
+        .check_outbox_backoff()
+        .expect_err("base above the cap");
+        let said = refused.to_string();
+        assert!(
+            said.contains("IDPOOL_OUTBOX_BACKOFF_BASE_MS (5000)")
+                && said.contains("IDPOOL_OUTBOX_BACKOFF_MAX_MS (1000)"),
+            "{said}"
         );
-        assert_eq!(
-            without_credentials("redis://:secret@r:6379"),
-            "redis://:***@r:6379"
-        );
-        assert_eq!(
-            without_credentials("postgres://db/app"),
-            "postgres://db/app"
-        );
+        assert!(parsed(&[]).check_outbox_backoff().is_ok(), "the defaults");
+        let over_a_day = ["idpool", "--idpool-outbox-backoff-max-ms=86400001"];
+        assert!(Command::try_parse_from(over_a_day).is_err());
+        let over_1000 = ["idpool", "--idpool-outbox-max-retries=1001"];
+        assert!(Command::try_parse_from(over_1000).is_err());
     }
 }

@@ -25,6 +25,7 @@ pub mod listen;
 pub mod log_limit;
 pub mod numbers;
 pub mod pool;
+pub mod redact;
 pub mod sequence;
 pub mod sequence_store;
 pub mod startup;

@@ -525,13 +525,42 @@ pub async fn mark_delivered(conn: &mut Tx<'_>, row_ids: &[i64]) -> Result<Vec<f6
     .await
 }
 
-/// How failed deliveries are retried.
+/// How failed deliveries are retried: after failure n the next attempt
+/// waits base × 2^n, at most `backoff_max`, plus up to a quarter of that
+/// at random, so deliveries that failed together (a target's outage) do
+/// not all come back in the same instant.
 pub struct Retry {
     /// Failed attempts after which a document is dead-lettered.
     pub max_retries: i32,
-    /// Retry n waits base × 2^n.
     pub backoff_base: std::time::Duration,
+    pub backoff_max: std::time::Duration,
 }
+
+impl Retry {
+    /// The most a document can wait in all between its first attempt and
+    /// its dead letter: every wait at its cap and its full jitter.
+    pub fn longest_total_wait(&self) -> std::time::Duration {
+        let total_secs: f64 = (1..self.max_retries.max(1))
+            .map(|n| self.nominal_wait_secs(n) * (1.0 + JITTER))
+            .sum();
+        std::time::Duration::from_secs_f64(total_secs)
+    }
+
+    /// The wait after failure `n` before jitter, as the UPDATE below
+    /// computes it (the exponent is bounded so the power stays finite).
+    fn nominal_wait_secs(&self, n: i32) -> f64 {
+        let doubled = self.backoff_base.as_secs_f64() * 2f64.powi(n.min(MAX_DOUBLINGS));
+        doubled.min(self.backoff_max.as_secs_f64())
+    }
+}
+
+/// The random part of a wait, as a fraction of it.
+pub const JITTER: f64 = 0.25;
+
+/// Past this many doublings every wait is at its cap anyway (base ≥ 1 ms,
+/// cap ≤ 1 day is at most 27 doublings); bounded so Postgres' power() is
+/// never asked for a number it cannot hold.
+const MAX_DOUBLINGS: i32 = 40;
 
 /// Records failed deliveries `(row id, error)`: due again after the
 /// backoff, or dead-lettered after the last attempt. Returns how many were
@@ -553,7 +582,8 @@ pub async fn mark_failed(
              last_error = f.error, \
              status = CASE WHEN o.retry_count + 1 >= $3 THEN $5 ELSE $6 END, \
              processed_at = CASE WHEN o.retry_count + 1 >= $3 THEN clock_timestamp() END, \
-             next_retry_at = clock_timestamp() + make_interval(secs => $4 * power(2, o.retry_count + 1)) \
+             next_retry_at = clock_timestamp() + make_interval(secs => \
+                 LEAST($4 * power(2, LEAST(o.retry_count + 1, $8)), $7) * (1 + $9 * random())) \
          FROM UNNEST($1::bigint[], $2::text[]) AS f(id, error) \
          WHERE o.id = f.id \
          RETURNING o.status = $5 AS \"dead!\"",
@@ -563,6 +593,9 @@ pub async fn mark_failed(
         retry.backoff_base.as_secs_f64(),
         DocumentStatus::DeadLetter.as_str(),
         DocumentStatus::Pending.as_str(),
+        retry.backoff_max.as_secs_f64(),
+        MAX_DOUBLINGS,
+        JITTER,
     )
     .fetch_all(&mut *conn)
     .await?;

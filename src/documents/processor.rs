@@ -25,8 +25,10 @@ pub struct ProcessorSettings {
     pub poll: Duration,
     /// Failed attempts after which a document is dead-lettered.
     pub max_retries: i32,
-    /// Retry n waits base × 2^n.
+    /// Retry n waits base × 2^n, at most `backoff_max`, plus up to a
+    /// quarter more at random (see [`outbox::Retry`]).
     pub backoff_base: Duration,
+    pub backoff_max: Duration,
     pub batch_size: i64,
     /// How long a stopping processor may finish its batch before it lets
     /// go of it (the rows are then due again).
@@ -39,6 +41,7 @@ impl Default for ProcessorSettings {
             poll: Duration::from_millis(2000),
             max_retries: 5,
             backoff_base: Duration::from_millis(1000),
+            backoff_max: Duration::from_secs(3600),
             batch_size: 500,
             shutdown_grace: Duration::from_secs(5),
         }
@@ -246,6 +249,7 @@ impl Processor {
         let retry = outbox::Retry {
             max_retries: self.settings.max_retries,
             backoff_base: self.settings.backoff_base,
+            backoff_max: self.settings.backoff_max,
         };
         let recorded = outbox::record_outcomes(&mut tx, &delivered, &failed, &retry).await?;
         let next_due = if full {

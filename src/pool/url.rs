@@ -31,7 +31,7 @@ const MANY: [&str; 4] = [
 /// The fred configuration of `url`.
 pub fn parse(url: &str) -> Result<Config, UrlError> {
     let refuse = |why: String| UrlError {
-        url: masked(url),
+        url: crate::redact::url_without_password(url),
         why,
     };
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -94,22 +94,6 @@ fn node_list_as_parameters(scheme: &str, rest: &str) -> Result<String, String> {
         format!("?{}", parameters.join("&"))
     };
     Ok(format!("{scheme}://{userinfo}{first}{path}{query}"))
-}
-
-/// The URL with any password replaced by `***`.
-fn masked(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let (userinfo, hosts, tail) = authority(rest);
-    if userinfo.is_empty() {
-        return url.to_owned();
-    }
-    let user = userinfo
-        .trim_end_matches('@')
-        .split_once(':')
-        .map_or("", |(user, _)| user);
-    format!("{scheme}://{user}:***@{hosts}{tail}")
 }
 
 #[cfg(test)]

@@ -243,6 +243,7 @@ pub struct TestEnv {
     pub outbox_poll_ms: u64,
     pub outbox_max_retries: i32,
     pub outbox_backoff_base_ms: u64,
+    pub outbox_backoff_max_ms: u64,
     pub outbox_batch: i64,
     /// Reconciliation timing; tests run it on demand.
     pub settle: Duration,
@@ -297,6 +298,7 @@ impl TestEnv {
             outbox_poll_ms: 2000,
             outbox_max_retries: 5,
             outbox_backoff_base_ms: 1000,
+            outbox_backoff_max_ms: 3_600_000,
             outbox_batch: 500,
             settle: Duration::from_secs(2),
             header_timeout_s: 10,
@@ -348,6 +350,10 @@ impl TestEnv {
             (
                 "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
                 self.outbox_backoff_base_ms.to_string(),
+            ),
+            (
+                "IDPOOL_OUTBOX_BACKOFF_MAX_MS",
+                self.outbox_backoff_max_ms.to_string(),
             ),
             ("IDPOOL_OUTBOX_BATCH", self.outbox_batch.to_string()),
             ("IDPOOL_DB_POOL_SIZE", self.db_pool_size.to_string()),
@@ -418,6 +424,7 @@ impl TestEnv {
             outbox_poll_ms: self.outbox_poll_ms,
             outbox_max_retries: self.outbox_max_retries,
             outbox_backoff_base_ms: self.outbox_backoff_base_ms,
+            outbox_backoff_max_ms: self.outbox_backoff_max_ms,
             outbox_batch: self.outbox_batch,
             outbox_workers: 2,
             batch_concurrency: 4,

@@ -176,3 +176,98 @@ async fn a_claim_takes_due_pending_documents_with_or_without_payloads() {
         tx.rollback().await.expect("rollback");
     }
 }
+
+/// The most retries the configuration allows at the default base and cap:
+/// every failure is recorded (before the cap, the 44th wait did not fit a
+/// timestamp and the row was delivered again forever), no wait is longer
+/// than the cap and its jitter, waits of one failure differ between rows,
+/// and the last failure dead-letters the document.
+#[tokio::test]
+async fn a_delivery_failing_as_often_as_allowed_ends_dead_lettered_after_capped_waits() {
+    let db = seeded().await;
+    let retry = Retry {
+        max_retries: 1000,
+        backoff_base: std::time::Duration::from_secs(1),
+        backoff_max: std::time::Duration::from_secs(3600),
+    };
+    let rows: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM id_outbox WHERE tenant_code = 'BBB' ORDER BY id")
+            .fetch_all(&db)
+            .await
+            .expect("rows");
+    let cap = retry.backoff_max.as_secs_f64() * (1.0 + JITTER);
+    let mut dead = 0;
+    let mut capped_waits_differ = false;
+    for failure in 1..=retry.max_retries {
+        let mut tx = db.begin().await.expect("begin");
+        let failed: Vec<(i64, String)> = rows.iter().map(|id| (*id, "http_500".into())).collect();
+        dead += mark_failed(&mut tx, &failed, &retry)
+            .await
+            .unwrap_or_else(|e| panic!("failure {failure} not recorded: {e}"));
+        tx.commit().await.expect("commit");
+        let waits: Vec<f64> = sqlx::query_scalar(
+            "SELECT extract(epoch FROM next_retry_at - clock_timestamp())::float8 \
+             FROM id_outbox WHERE tenant_code = 'BBB' ORDER BY id",
+        )
+        .fetch_all(&db)
+        .await
+        .expect("waits");
+        for wait in &waits {
+            assert!(
+                *wait <= cap,
+                "failure {failure}: wait {wait} s above the cap"
+            );
+        }
+        if failure == 100 {
+            // Deep in the capped part: each wait is between the cap and
+            // the cap plus its jitter, and the two rows' differ.
+            assert!(
+                waits
+                    .iter()
+                    .all(|w| *w >= retry.backoff_max.as_secs_f64() - 5.0)
+            );
+            capped_waits_differ = (waits[0] - waits[1]).abs() > 0.001;
+        }
+    }
+    assert!(
+        capped_waits_differ,
+        "deliveries that failed together retry together"
+    );
+    assert_eq!(
+        dead,
+        rows.len(),
+        "each document dead-lettered once, at the last failure"
+    );
+    let statuses: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT status, retry_count FROM id_outbox WHERE tenant_code = 'BBB' ORDER BY id",
+    )
+    .fetch_all(&db)
+    .await
+    .expect("statuses");
+    assert_eq!(
+        statuses,
+        vec![
+            ("dead_letter".to_owned(), 1000),
+            ("dead_letter".to_owned(), 1000)
+        ]
+    );
+}
+
+#[test]
+fn the_longest_total_wait_adds_every_capped_wait_and_its_jitter() {
+    let defaults = Retry {
+        max_retries: 5,
+        backoff_base: std::time::Duration::from_secs(1),
+        backoff_max: std::time::Duration::from_secs(3600),
+    };
+    // Waits after failures 1-4 (the 5th dead-letters): 2 + 4 + 8 + 16 s.
+    assert_eq!(defaults.longest_total_wait().as_secs_f64(), 30.0 * 1.25);
+    let most = Retry {
+        max_retries: 1000,
+        backoff_base: std::time::Duration::from_millis(3_600_000),
+        backoff_max: std::time::Duration::from_millis(86_400_000),
+    };
+    // Past 4 doublings every wait is the 1-day cap: under 3.5 years.
+    let years = most.longest_total_wait().as_secs_f64() / (365.0 * 86_400.0);
+    assert!(years < 3.5, "{years}");
+}
