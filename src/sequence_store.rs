@@ -10,9 +10,9 @@ mod writes;
 use conflicts::{check_against_other_projects, check_against_project, stored_pattern};
 use writes::{insert_definition, replace_definition};
 
-use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::db::{Db, Tx};
 use chrono::{DateTime, Utc};
@@ -27,8 +27,8 @@ use crate::sequence::{
 pub const CHANGED_CHANNEL: &str = "idpool_sequences";
 /// How long a cached definition is trusted without a change notification.
 const CACHE_TTL: Duration = Duration::from_secs(30);
-/// Most definitions one instance keeps; idle ones go first.
-const MAX_CACHED: usize = 10_000;
+/// Most definitions one instance keeps; the least used go first.
+pub const MAX_CACHED: u64 = 10_000;
 /// After a forced reset change, periods beginning this soon still share
 /// printed dates with the old definition (time zones lie up to 26 hours
 /// apart; one more day for the period itself).
@@ -92,14 +92,15 @@ pub struct PutOutcome {
     pub previous: Option<Arc<Sequence>>,
 }
 
-struct Cached {
-    sequence: Arc<Sequence>,
-    loaded: Instant,
-}
-
 pub struct SequenceStore {
     db: Db,
-    cache: RwLock<HashMap<String, Cached>>,
+    /// Definitions by `project/type`: each trusted for [`CACHE_TTL`] from
+    /// its load, at most [`MAX_CACHED`] of them, the least used evicted
+    /// first (and a newcomer used once does not push out one used often);
+    /// concurrent misses of one definition wait for one load.
+    cache: moka::future::Cache<String, Arc<Sequence>>,
+    /// Definitions read from Postgres by name, since start.
+    loads: AtomicU64,
     max_per_project: usize,
 }
 
@@ -192,63 +193,89 @@ struct Printed {
 
 impl SequenceStore {
     pub fn new(db: Db, max_per_project: usize) -> Self {
+        Self::with_cache_bound(db, max_per_project, MAX_CACHED)
+    }
+
+    /// A store keeping at most `cached` definitions (tests use a small
+    /// bound to watch eviction).
+    pub fn with_cache_bound(db: Db, max_per_project: usize, cached: u64) -> Self {
         Self {
             db,
-            cache: RwLock::new(HashMap::new()),
+            cache: moka::future::Cache::builder()
+                .max_capacity(cached)
+                .time_to_live(CACHE_TTL)
+                .build(),
+            loads: AtomicU64::new(0),
             max_per_project: max_per_project.max(1),
         }
     }
 
-    fn cached(&self, key: &str) -> Option<Arc<Sequence>> {
-        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
-        cache
-            .get(key)
-            .filter(|c| c.loaded.elapsed() < CACHE_TTL)
-            .map(|c| c.sequence.clone())
-    }
-
-    fn remember(&self, sequence: Sequence) -> Arc<Sequence> {
+    async fn remember(&self, sequence: Sequence) -> Arc<Sequence> {
         let sequence = Arc::new(sequence);
         let key = cache_key(sequence.project.as_str(), sequence.doc_type.as_str());
-        let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
-        if cache.len() >= MAX_CACHED && !cache.contains_key(&key) {
-            // Entries past their time are reloaded anyway: drop them first.
-            cache.retain(|_, c| c.loaded.elapsed() < CACHE_TTL);
-            if cache.len() >= MAX_CACHED {
-                cache.clear();
-            }
-        }
-        cache.insert(
-            key,
-            Cached {
-                sequence: sequence.clone(),
-                loaded: Instant::now(),
-            },
-        );
+        self.cache.insert(key, sequence.clone()).await;
         sequence
     }
 
-    /// Drops a cached definition (after a change notification).
+    /// Drops a cached definition (after a change notification, which
+    /// arrives outside any task: the drop runs in a task of its own).
     pub fn evict(&self, key: &str) {
-        let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
-        cache.remove(key);
+        let (cache, key) = (self.cache.clone(), key.to_owned());
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move { cache.invalidate(&key).await });
+            }
+            Err(_) => cache.invalidate_all(),
+        }
     }
 
     /// Drops the cached definition of one sequence (it changed meanwhile).
-    pub fn forget(&self, sequence: &Sequence) {
-        self.evict(&cache_key(
-            sequence.project.as_str(),
-            sequence.doc_type.as_str(),
-        ));
+    pub async fn forget(&self, sequence: &Sequence) {
+        let key = cache_key(sequence.project.as_str(), sequence.doc_type.as_str());
+        self.cache.invalidate(&key).await;
     }
 
     pub fn evict_all(&self) {
-        let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
-        cache.clear();
+        self.cache.invalidate_all();
     }
 
-    pub fn cached_len(&self) -> usize {
-        self.cache.read().unwrap_or_else(|e| e.into_inner()).len()
+    /// Definitions read from Postgres by name since start: a cache hit
+    /// reads none.
+    pub fn loads(&self) -> u64 {
+        self.loads.load(Ordering::Relaxed)
+    }
+
+    /// The cached definition of `key`, or the one load of it that
+    /// concurrent callers share; None when it is not defined (or the
+    /// load failed: the error is the caller's whose load it was, and the
+    /// others find out on their own).
+    async fn cached_or_loaded(
+        &self,
+        project: &str,
+        doc_type: &str,
+    ) -> Result<Option<Arc<Sequence>>, StoreError> {
+        let key = cache_key(project, doc_type);
+        if let Some(sequence) = self.cache.get(&key).await {
+            return Ok(Some(sequence));
+        }
+        let mut failed = None;
+        let loaded = self
+            .cache
+            .optionally_get_with(key, async {
+                match self.load(project, doc_type).await {
+                    Ok(found) => found.map(Arc::new),
+                    Err(e) => {
+                        failed = Some(e);
+                        None
+                    }
+                }
+            })
+            .await;
+        match (loaded, failed) {
+            (Some(sequence), _) => Ok(Some(sequence)),
+            (None, Some(e)) => Err(e),
+            (None, None) => Ok(None),
+        }
     }
 
     /// The sequence, created with the default definition on first use.
@@ -257,12 +284,11 @@ impl SequenceStore {
         project: &ProjectCode,
         doc_type: &TypeCode,
     ) -> Result<Arc<Sequence>, StoreError> {
-        let key = cache_key(project.as_str(), doc_type.as_str());
-        if let Some(sequence) = self.cached(&key) {
+        if let Some(sequence) = self
+            .cached_or_loaded(project.as_str(), doc_type.as_str())
+            .await?
+        {
             return Ok(sequence);
-        }
-        if let Some(sequence) = self.load(project.as_str(), doc_type.as_str()).await? {
-            return Ok(self.remember(sequence));
         }
         let definition =
             Definition::defaults(project, doc_type).map_err(|reason| StoreError::NoDefault {
@@ -281,7 +307,7 @@ impl SequenceStore {
             }
         };
         tx.commit().await?;
-        Ok(self.remember(created.into_sequence()?))
+        Ok(self.remember(created.into_sequence()?).await)
     }
 
     /// Creates with the default definition every one of `pairs` not yet
@@ -295,10 +321,8 @@ impl SequenceStore {
     ) -> Result<(), (usize, StoreError)> {
         let mut missing: Vec<usize> = Vec::new();
         for (index, (project, doc_type)) in pairs.iter().enumerate() {
-            if self
-                .cached(&cache_key(project.as_str(), doc_type.as_str()))
-                .is_none()
-            {
+            let key = cache_key(project.as_str(), doc_type.as_str());
+            if !self.cache.contains_key(&key) {
                 missing.push(index);
             }
         }
@@ -346,7 +370,7 @@ impl SequenceStore {
         tx.commit().await.map_err(|e| whole(e.into()))?;
         for row in created {
             if let Ok(sequence) = row.into_sequence() {
-                self.remember(sequence);
+                self.remember(sequence).await;
             }
         }
         Ok(())
@@ -359,10 +383,10 @@ impl SequenceStore {
         project: &str,
         doc_type: &str,
     ) -> Result<Option<Arc<Sequence>>, StoreError> {
-        Ok(self
-            .load(project, doc_type)
-            .await?
-            .map(|s| self.remember(s)))
+        match self.load(project, doc_type).await? {
+            Some(sequence) => Ok(Some(self.remember(sequence).await)),
+            None => Ok(None),
+        }
     }
 
     pub async fn by_id(&self, id: i64) -> Result<Option<Sequence>, StoreError> {
@@ -373,6 +397,7 @@ impl SequenceStore {
     }
 
     async fn load(&self, project: &str, doc_type: &str) -> Result<Option<Sequence>, StoreError> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
         let row = sequence_rows!(
             "SELECT",
             "FROM sequences WHERE project = $1 AND doc_type = $2",
@@ -488,7 +513,7 @@ impl SequenceStore {
                 )
             })?;
         Ok(PutOutcome {
-            sequence: self.remember(sequence),
+            sequence: self.remember(sequence).await,
             created: existing.is_none(),
             replaced_identity,
             previous: existing.map(Arc::new),
@@ -554,3 +579,6 @@ impl crate::listen::Subscriber for SequenceStore {
         self.evict_all();
     }
 }
+
+#[cfg(test)]
+mod tests;

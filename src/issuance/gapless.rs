@@ -43,10 +43,13 @@ impl Issuer {
         self.detached(async move {
             match want {
                 Want::Document { attachment } => {
-                    let served = issuer
+                    let served = match issuer
                         .document_in_shared_commit(&placement, attachment)
                         .await
-                        .map_err(|e| issuer.gapless_error(&placement, 1, e))?;
+                    {
+                        Ok(served) => served,
+                        Err(e) => return Err(issuer.gapless_error(&placement, 1, e).await),
+                    };
                     let (row, created_at) = served.document.ok_or(LedgerError::Closed)?;
                     issuer.stats.ids_direct.inc();
                     Ok(Issued {
@@ -121,10 +124,14 @@ impl Issuer {
         let range = match taken {
             Reserved::Got(range) => range,
             Reserved::Exhausted => {
-                return Err(self.gapless_error(placement, count, LedgerError::Exhausted));
+                return Err(self
+                    .gapless_error(placement, count, LedgerError::Exhausted)
+                    .await);
             }
             Reserved::Stale | Reserved::Unfenced => {
-                return Err(self.gapless_error(placement, count, LedgerError::DefinitionChanged));
+                return Err(self
+                    .gapless_error(placement, count, LedgerError::DefinitionChanged)
+                    .await);
             }
         };
         self.stats.ids_direct.inc_by(count as u64);
@@ -166,12 +173,17 @@ impl Issuer {
     }
 
     /// What a refusal of a gapless counter means to the caller.
-    fn gapless_error(&self, placement: &Placement, count: usize, e: LedgerError) -> IssueError {
+    async fn gapless_error(
+        &self,
+        placement: &Placement,
+        count: usize,
+        e: LedgerError,
+    ) -> IssueError {
         let pool = &placement.pool;
         match e {
             LedgerError::Exhausted => self.exhausted(pool, count),
             LedgerError::DefinitionChanged => {
-                self.sequences.forget(&pool.sequence);
+                self.sequences.forget(&pool.sequence).await;
                 IssueError::DefinitionChanged {
                     project: pool.sequence.project.to_string(),
                     doc_type: pool.sequence.doc_type.to_string(),

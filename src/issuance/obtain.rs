@@ -84,7 +84,7 @@ impl Issuer {
                 }
                 Ok(Reserved::Stale) => {
                     self.give_back(pool, &seqs).await;
-                    self.sequences.forget(&pool.sequence);
+                    self.sequences.forget(&pool.sequence).await;
                     return Err(IssueError::DefinitionChanged {
                         project: pool.sequence.project.to_string(),
                         doc_type: pool.sequence.doc_type.to_string(),

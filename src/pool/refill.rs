@@ -153,7 +153,7 @@ impl PoolService {
             Ok(Reserved::Unfenced) => Err(RefillOutcome::Failed),
             Ok(Reserved::Stale) => {
                 // The definition changed: the next request reads it anew.
-                self.sequences.forget(&pool.sequence);
+                self.sequences.forget(&pool.sequence).await;
                 Err(RefillOutcome::Failed)
             }
             Err(e) => {
