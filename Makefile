@@ -75,6 +75,7 @@ flake-hunt:
 lint: services
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	@bin=$$(scripts/cargo-machete.sh) && PATH="$$bin:$$PATH" cargo machete
 	@bin=$$(scripts/sqlx-cli.sh) && export PATH="$$bin:$$PATH" DATABASE_URL="$${DATABASE_URL%/*}/idpool_sqlx_check" \
 	  && sqlx database reset -y --source migrations >/dev/null \
 	  && cargo sqlx prepare --check --workspace -- --all-targets

@@ -49,13 +49,20 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
 }
 
 /// What a request is, for telling a retry from a different request under
-/// the same key: the route and the body with its keys in canonical order.
+/// the same key: the route and the body in RFC 8785 canonical form (keys
+/// sorted, numbers and strings written one way), so a retry whose keys
+/// come in another order, or whose `1.0` is now `1`, is the same request
+/// whatever the map type of the JSON parser.
 pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
     let mut hasher = Sha256::new();
     hasher.update(route.as_bytes());
     hasher.update([0]);
-    // serde_json's map is ordered by key, so equal objects print alike.
-    hasher.update(body.to_string().as_bytes());
+    match serde_json_canonicalizer::to_vec(body) {
+        Ok(canonical) => hasher.update(&canonical),
+        // Only a number JSON cannot write (not a parsed body's): its
+        // text stands for it.
+        Err(_) => hasher.update(body.to_string().as_bytes()),
+    }
     hasher.finalize().to_vec()
 }
 
@@ -241,6 +248,18 @@ mod tests {
         assert_eq!(fingerprint("document", &a), fingerprint("document", &b));
         assert_ne!(fingerprint("document", &a), fingerprint("document", &c));
         assert_ne!(fingerprint("document", &a), fingerprint("ids", &a));
+        // RFC 8785 writes a number one way: 1.0, 1 and 1e0 are one value.
+        let whole: Value = serde_json::from_str(r#"{"n":1}"#).unwrap();
+        let point: Value = serde_json::from_str(r#"{"n":1.0}"#).unwrap();
+        let exp: Value = serde_json::from_str(r#"{"n":1e0}"#).unwrap();
+        assert_eq!(
+            fingerprint("document", &whole),
+            fingerprint("document", &point)
+        );
+        assert_eq!(
+            fingerprint("document", &whole),
+            fingerprint("document", &exp)
+        );
     }
 
     #[test]

@@ -93,34 +93,32 @@ fn panic_message(panic: &(dyn Any + Send)) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[tokio::test]
     async fn a_task_that_panics_is_run_again_and_shutdown_waits_for_it() {
         let stop = CancellationToken::new();
         let stats = Arc::new(Stats::default());
         let supervisor = Supervisor::new(stop.clone(), stats.clone());
-        let runs = Arc::new(AtomicUsize::new(0));
-        let counted = runs.clone();
+        let (runs, mut started) = tokio::sync::watch::channel(0usize);
+        let runs = Arc::new(runs);
         let token = stop.clone();
         supervisor.spawn("flaky", move || {
-            let runs = counted.clone();
+            let runs = runs.clone();
             let stop = token.clone();
             async move {
-                if runs.fetch_add(1, Ordering::SeqCst) < 2 {
+                let mut this_run = 0;
+                runs.send_modify(|n| {
+                    *n += 1;
+                    this_run = *n;
+                });
+                if this_run <= 2 {
                     panic!("first runs fail");
                 }
                 stop.cancelled().await;
             }
         });
-        let started = tokio::time::Instant::now();
-        while runs.load(Ordering::SeqCst) < 3 {
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "the task was not restarted"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let third_run = tokio::time::timeout(Duration::from_secs(5), started.wait_for(|n| *n >= 3));
+        assert!(third_run.await.is_ok(), "the task was not restarted");
         assert_eq!(stats.task_panics.get(), 2, "each panic is counted");
         stop.cancel();
         supervisor.finish(Duration::from_secs(5)).await;

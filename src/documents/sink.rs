@@ -233,7 +233,7 @@ impl Sink {
                 })?;
                 Sink::Webhook(Box::new(Webhook {
                     url: url.clone(),
-                    shown_url: shown_url(url),
+                    shown_url: crate::redact::url_without_secrets(url),
                     // A redirect would send the document somewhere the
                     // operator did not name: it counts as a failure.
                     client: reqwest::Client::builder()
@@ -341,9 +341,19 @@ pub fn file_name(document_id: &str) -> String {
 /// Writes every file, then syncs the directory once, so the renames of
 /// the whole batch are durable before the batch is recorded as delivered.
 fn write_files(dir: &Path, batch: &[Delivery]) -> Vec<Result<(), DeliveryError>> {
+    write_files_then(dir, batch, |dir| std::fs::File::open(dir)?.sync_all())
+}
+
+/// [`write_files`] with the directory's sync given, so a test can watch
+/// when it happens.
+fn write_files_then(
+    dir: &Path,
+    batch: &[Delivery],
+    sync_dir: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Vec<Result<(), DeliveryError>> {
     let mut outcomes: Vec<_> = batch.iter().map(|d| write_file(dir, d)).collect();
     if outcomes.iter().any(Result::is_ok) {
-        let synced = std::fs::File::open(dir).and_then(|d| d.sync_all());
+        let synced = sync_dir(dir);
         if let Err(e) = synced {
             let error = DeliveryError::SyncDir {
                 dir: dir.to_owned(),
@@ -357,27 +367,28 @@ fn write_files(dir: &Path, batch: &[Delivery]) -> Vec<Result<(), DeliveryError>>
     outcomes
 }
 
+/// The file is written under a hidden temporary name beside its target,
+/// synced, then renamed over it: a reader sees the old file or the whole
+/// new one. The temporary file is removed on every way out short of the
+/// rename, a panic included.
 fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), DeliveryError> {
     use std::io::Write;
     let body = delivery.json()?;
-    let target = dir.join(file_name(&delivery.document_id));
-    let temp = dir.join(format!(
-        ".{}.{}.tmp",
-        file_name(&delivery.document_id),
-        uuid::Uuid::new_v4().simple()
-    ));
+    let name = file_name(&delivery.document_id);
+    let target = dir.join(&name);
     let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&temp)?;
+        let mut file = tempfile::Builder::new()
+            .prefix(&format!(".{name}."))
+            .suffix(".tmp")
+            .tempfile_in(dir)?;
         file.write_all(&body)?;
-        file.sync_all()?;
-        std::fs::rename(&temp, &target)
+        file.as_file().sync_all()?;
+        file.persist(&target).map_err(|e| e.error)?;
+        Ok(())
     };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&temp);
-        DeliveryError::File {
-            path: target,
-            source: Arc::new(e),
-        }
+    write().map_err(|e| DeliveryError::File {
+        path: target,
+        source: Arc::new(e),
     })
 }
 
@@ -388,19 +399,6 @@ struct Target {
     instance_id: String,
     key: Vec<u8>,
     clock: Arc<dyn Clock>,
-}
-
-/// `scheme://host[:port]/path`: no credentials, query or fragment, which
-/// may carry tokens.
-fn shown_url(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(parsed) => {
-            let host = parsed.host_str().unwrap_or("");
-            let port = parsed.port().map(|p| format!(":{p}")).unwrap_or_default();
-            format!("{}://{host}{port}{}", parsed.scheme(), parsed.path())
-        }
-        Err(_) => "(unparsable webhook URL)".to_owned(),
-    }
 }
 
 /// The HMAC key: Standard Webhooks secrets are `whsec_` and base64.
@@ -476,17 +474,15 @@ async fn post(
         })?;
     let status = response.status();
     if status.is_success() {
+        // Read to its end (within the bound) though nobody looks at it:
+        // only a connection whose answer was read goes back to the pool
+        // for the next delivery; an unread one costs a new connection (and
+        // TLS handshake) per delivery. A read that fails after the 2xx
+        // changes nothing: the target took the document.
+        read_answer(&mut response, false).await;
         return Ok(());
     }
-    // Read a bounded part of the answer, whatever the server sends.
-    let mut answer = Vec::new();
-    while answer.len() < MAX_WEBHOOK_ANSWER {
-        match response.chunk().await {
-            Ok(Some(chunk)) => answer.extend_from_slice(&chunk),
-            _ => break,
-        }
-    }
-    answer.truncate(MAX_WEBHOOK_ANSWER);
+    let answer = read_answer(&mut response, true).await;
     // For the operator's log line only, with control characters escaped
     // (a target may answer NUL, binary or gzip).
     let excerpt: String = String::from_utf8_lossy(&answer)
@@ -506,6 +502,26 @@ async fn post(
         status,
         excerpt,
     })
+}
+
+/// Reads up to [`MAX_WEBHOOK_ANSWER`] bytes of an answer, whatever the
+/// server sends; returns them when `keep`.
+async fn read_answer(response: &mut reqwest::Response, keep: bool) -> Vec<u8> {
+    let mut answer = Vec::new();
+    let mut read = 0;
+    while read < MAX_WEBHOOK_ANSWER {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                read += chunk.len();
+                if keep {
+                    answer.extend_from_slice(&chunk);
+                }
+            }
+            _ => break,
+        }
+    }
+    answer.truncate(MAX_WEBHOOK_ANSWER);
+    answer
 }
 
 #[cfg(test)]
@@ -529,14 +545,6 @@ mod tests {
     }
 
     #[test]
-    fn urls_are_shown_without_credentials_or_query() {
-        assert_eq!(
-            shown_url("https://user:pw@hooks.example.test:8443/in/x?token=abc#frag"),
-            "https://hooks.example.test:8443/in/x"
-        );
-    }
-
-    #[test]
     fn signatures_follow_standard_webhooks() {
         // The example of the Standard Webhooks specification.
         let key = signing_key("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
@@ -547,6 +555,68 @@ mod tests {
         );
         assert!(signing_key("short").is_err());
         assert!(signing_key("whsec_!!!").is_err());
+    }
+
+    fn delivery(document_id: &str) -> Delivery {
+        Delivery {
+            row_id: 1,
+            document_id: document_id.to_owned(),
+            project: "PROJ".into(),
+            doc_type: "1".into(),
+            seq: 1,
+            created_at: Utc::now(),
+            payload: Some(r#"{"n": 1}"#.into()),
+        }
+    }
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .expect("read dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The directory is synced once per batch, after every file of it is
+    /// in place under its own name and no temporary file is left; a sync
+    /// that fails fails every delivery it was to make durable.
+    #[test]
+    fn the_dir_sink_syncs_the_directory_after_the_renames() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let batch = [delivery("PROJ-1-1"), delivery("PROJ-1-2")];
+        let mut seen_at_sync = None;
+        let outcomes = write_files_then(dir.path(), &batch, |at| {
+            seen_at_sync = Some(names_in(at));
+            Ok(())
+        });
+        assert!(outcomes.iter().all(Result::is_ok));
+        assert_eq!(
+            seen_at_sync.expect("the directory was synced"),
+            ["PROJ-1-1.json", "PROJ-1-2.json"]
+        );
+
+        let failed = write_files_then(dir.path(), &batch, |_| {
+            Err(std::io::Error::other("no sync"))
+        });
+        assert!(
+            failed
+                .iter()
+                .all(|o| matches!(o, Err(DeliveryError::SyncDir { .. })))
+        );
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_put_in_place_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        // The target name is taken by a directory that is not empty: the
+        // rename fails.
+        let blocking = dir.path().join("PROJ-1-1.json");
+        std::fs::create_dir(&blocking).expect("dir");
+        std::fs::write(blocking.join("inside"), b"x").expect("file");
+        let outcome = write_file(dir.path(), &delivery("PROJ-1-1"));
+        assert!(matches!(outcome, Err(DeliveryError::File { .. })));
+        assert_eq!(names_in(dir.path()), ["PROJ-1-1.json"]);
     }
 
     #[test]

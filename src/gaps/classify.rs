@@ -23,6 +23,8 @@ use crate::numbers::{SeqRange, subtract};
     ToSchema,
     sqlx::Type,
     strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
 )]
 #[serde(rename_all = "snake_case")]
 #[sqlx(type_name = "text", rename_all = "snake_case")]
@@ -50,23 +52,14 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 8] = [
-        Reason::IssuedUnattached,
-        Reason::OutboxDlq,
-        Reason::Abandoned,
-        Reason::PoolDiscarded,
-        Reason::UntrackedLoss,
-        Reason::LeaseLost,
-        Reason::Voided,
-        Reason::ReservationExpired,
-    ];
+    pub const ALL: &[Reason] = <Reason as strum::VariantArray>::VARIANTS;
 
     pub fn as_str(self) -> &'static str {
         self.into()
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        Reason::ALL.into_iter().find(|r| r.as_str() == s)
+        s.parse().ok()
     }
 }
 

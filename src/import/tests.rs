@@ -62,3 +62,28 @@ fn rejects_sit_beside_the_mapping() {
     );
     assert_eq!(rejects_path(None), PathBuf::from("import.rejects.jsonl"));
 }
+
+#[test]
+fn a_retry_waits_at_least_what_the_server_asked_for_within_a_minute() {
+    assert_eq!(retry_after_seconds("3"), Some(Duration::from_secs(3)));
+    assert_eq!(retry_after_seconds(" 1 "), Some(Duration::from_secs(1)));
+    assert_eq!(retry_after_seconds("86400"), Some(MAX_RETRY_AFTER));
+    assert_eq!(retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT"), None);
+    for attempt in 1..4 {
+        // The backoff of these attempts is at most 1.6 s: the server's 3 s
+        // win.
+        assert!(retry_wait(attempt, Some(Duration::from_secs(3))) >= Duration::from_secs(3));
+        assert!(retry_wait(attempt, None) <= Duration::from_millis(1600));
+    }
+    // A backoff longer than what was asked is kept.
+    assert!(retry_wait(6, Some(Duration::from_secs(1))) >= Duration::from_secs(5));
+}
+
+#[test]
+fn source_ids_are_told_apart_by_128_bits() {
+    assert_ne!(fingerprint("a"), fingerprint("b"));
+    assert_eq!(fingerprint("same"), fingerprint("same"));
+    let distinct: std::collections::HashSet<u128> =
+        (0..100_000).map(|n| fingerprint(&n.to_string())).collect();
+    assert_eq!(distinct.len(), 100_000);
+}

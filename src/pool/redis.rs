@@ -95,6 +95,8 @@ pub struct RedisLink {
     pub(super) options: Options,
     pub(super) scripts: Scripts,
     up: AtomicBool,
+    /// Woken when the pools come into use.
+    came_up: Notify,
     /// Bumped by every failure, so a resync that overlapped one does not
     /// declare Redis healthy.
     failures: AtomicU64,
@@ -172,6 +174,7 @@ impl RedisLink {
                 claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
             },
             up: AtomicBool::new(false),
+            came_up: Notify::new(),
             failures: AtomicU64::new(0),
             last_failure: std::sync::Mutex::new(String::new()),
             wake: Notify::new(),
@@ -261,6 +264,7 @@ impl RedisLink {
         }
         if !self.up.swap(true, Ordering::AcqRel) {
             tracing::info!("redis pools in use");
+            self.came_up.notify_waiters();
         }
         true
     }
@@ -329,14 +333,20 @@ impl RedisLink {
 
     /// Waits up to `limit` for the pools to be in use; whether they are.
     pub async fn wait_up(&self, limit: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + limit;
-        while !self.is_up() {
-            if tokio::time::Instant::now() >= deadline {
-                return false;
+        let up = async {
+            loop {
+                // Registered before the flag is read, so coming up in
+                // between still wakes this.
+                let came_up = self.came_up.notified();
+                tokio::pin!(came_up);
+                came_up.as_mut().enable();
+                if self.is_up() {
+                    return;
+                }
+                came_up.await;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        true
+        };
+        tokio::time::timeout(limit, up).await.is_ok()
     }
 
     /// Makes sure the key prefix is ours: the first database to use it owns it.

@@ -5,8 +5,22 @@ use chrono_tz::Tz;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    ToSchema,
+    Default,
+    strum::IntoStaticStr,
+    strum::EnumString,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum Reset {
     #[default]
     Never,
@@ -17,22 +31,11 @@ pub enum Reset {
 
 impl Reset {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Reset::Never => "never",
-            Reset::Daily => "daily",
-            Reset::Monthly => "monthly",
-            Reset::Yearly => "yearly",
-        }
+        self.into()
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "never" => Some(Reset::Never),
-            "daily" => Some(Reset::Daily),
-            "monthly" => Some(Reset::Monthly),
-            "yearly" => Some(Reset::Yearly),
-            _ => None,
-        }
+        s.parse().ok()
     }
 
     /// The period `now` falls in, in time zone `tz`.
@@ -170,6 +173,10 @@ mod tests {
         assert_eq!(month.ends_at(), Some(at("2026-12-31T23:00:00Z")));
         let year = Reset::Yearly.period_at(Tz::UTC, at("2020-03-01T00:00:00Z"));
         assert_eq!(year.ends_at(), Some(at("2021-01-01T00:00:00Z")));
+        // A yearly period begun years ago ends at its own end, to the
+        // second, in its time zone (reconciliation closes it from this).
+        let long_ago = Reset::Yearly.period_named(berlin, "2020").unwrap();
+        assert_eq!(long_ago.ends_at(), Some(at("2020-12-31T23:00:00Z")));
         assert_eq!(
             Reset::Never
                 .period_at(Tz::UTC, at("2026-01-01T00:00:00Z"))

@@ -116,6 +116,44 @@ async fn a_webhook_failing_three_times_is_delivered_after_three_retries_at_the_b
     assert_eq!(delivered.body["id"], id);
 }
 
+/// A target that answers 2xx with a body: its connections are reused
+/// (the answer is read to its end), so 300 deliveries need no more
+/// connections than deliveries in flight at once, not one each. The body
+/// is larger than one read (32 KiB): a small one arrives with the status
+/// line, and its connection is reused even unread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_answering_with_a_body_keeps_its_connections() {
+    let webhook = Webhook::start(Behaviour::Succeed).await;
+    webhook.answer_with_body(32 * 1024);
+    let mut env = TestEnv::new();
+    env.sink = SinkConfig::Webhook(webhook.url.clone());
+    let app = env.spawn().await;
+    let mut ids = Vec::new();
+    for round in 0..3 {
+        let documents = (0..100)
+            .map(|n| doc("KEEP", "1", json!({"round": round, "n": n})))
+            .collect();
+        let response = app.post_batch(documents).await;
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+        let body: Value = response.json().await.unwrap();
+        for item in body["documents"].as_array().unwrap() {
+            ids.push(item["id"].as_str().unwrap().to_owned());
+        }
+        for id in &ids {
+            app.wait_for_status(id, "committed", Duration::from_secs(20))
+                .await;
+        }
+    }
+    assert_eq!(ids.len(), 300);
+    // Two processor loops of the test app, each with up to 16 deliveries
+    // in flight.
+    let connections = webhook.connections();
+    assert!(
+        connections <= 2 * 16,
+        "{connections} connections for 300 deliveries"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_can_be_listed_retried_and_abandoned() {
     let webhook = Webhook::start(Behaviour::AlwaysFail).await;
@@ -299,6 +337,46 @@ async fn ten_concurrent_requests_with_one_key_make_one_document() {
     // Malformed keys are refused.
     let bad = app.post_document(&body, Some(&"k".repeat(256))).await;
     assert_problem(bad, StatusCode::BAD_REQUEST, "invalid_idempotency_key").await;
+}
+
+/// A retry is the same request however its JSON is written: keys in
+/// another order, other whitespace, `2.0` for `2`. A changed value is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_written_another_way_is_replayed_and_a_changed_one_refused() {
+    let app = TestEnv::new().spawn().await;
+    let send = |body: &'static str| {
+        app.client
+            .post(app.url("/documents"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "written-another-way")
+            .body(body)
+            .send()
+    };
+    let first = send(r#"{"project":"JCS","type":"1","metadata":{"b":[1,{"y":2,"x":"é"}],"a":2}}"#)
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    let first: Value = first.json().await.unwrap();
+    for retry in [
+        r#"{"metadata":{"a":2,"b":[1,{"x":"é","y":2}]},"type":"1","project":"JCS"}"#,
+        "{\n  \"type\" : \"1\",\n\t\"project\":\"JCS\", \"metadata\": { \"a\": 2.0, \"b\": [ 1, { \"y\": 2, \"x\": \"\\u00e9\" } ] }\n}",
+    ] {
+        let again = send(retry).await.unwrap();
+        let status = again.status();
+        let body: Value = again.json().await.unwrap();
+        assert!(status.is_success(), "{retry}: {status} {body}");
+        assert_eq!(body["id"], first["id"], "{retry}");
+    }
+    let changed =
+        send(r#"{"project":"JCS","type":"1","metadata":{"b":[1,{"y":2,"x":"é"}],"a":3}}"#)
+            .await
+            .unwrap();
+    assert_eq!(changed.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        app.outbox_count(None).await,
+        1,
+        "one document for the request and its retries"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

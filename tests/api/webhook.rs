@@ -34,6 +34,8 @@ pub struct Received {
 struct Inner {
     behaviour: Option<Behaviour>,
     delay: Duration,
+    /// Bytes of body every answer carries.
+    answer_body: usize,
     received: Vec<Received>,
     attempts: HashMap<String, usize>,
     in_flight: HashMap<String, usize>,
@@ -44,6 +46,8 @@ struct Inner {
 pub struct Webhook {
     inner: Arc<Mutex<Inner>>,
     pub url: String,
+    /// TCP connections the target accepted.
+    connections: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Webhook {
@@ -52,6 +56,10 @@ impl Webhook {
         webhook.inner.lock().unwrap().behaviour = Some(behaviour);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         webhook.url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let connections = webhook.connections.clone();
+        let listener = axum::serve::ListenerExt::tap_io(listener, move |_| {
+            connections.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
         let app = Router::new()
             .route("/hook", post(receive))
             .with_state(webhook.clone());
@@ -70,6 +78,15 @@ impl Webhook {
         self.inner.lock().unwrap().delay = delay;
     }
 
+    /// Every answer carries `bytes` of body from now on.
+    pub fn answer_with_body(&self, bytes: usize) {
+        self.inner.lock().unwrap().answer_body = bytes;
+    }
+
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     pub fn received(&self) -> Vec<Received> {
         self.inner.lock().unwrap().received.clone()
     }
@@ -79,11 +96,15 @@ impl Webhook {
     }
 }
 
-async fn receive(State(webhook): State<Webhook>, headers: HeaderMap, body: Bytes) -> StatusCode {
+async fn receive(
+    State(webhook): State<Webhook>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, String) {
     let arrived = Instant::now();
     let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     let document_id = body["id"].as_str().unwrap_or_default().to_owned();
-    let (delay, answer) = {
+    let (delay, answer, answer_body) = {
         let mut inner = webhook.inner.lock().unwrap();
         let at_once = {
             let n = inner.in_flight.entry(document_id.clone()).or_default();
@@ -106,7 +127,7 @@ async fn receive(State(webhook): State<Webhook>, headers: HeaderMap, body: Bytes
             }
             Behaviour::FailFlagged => StatusCode::OK,
         };
-        (inner.delay, answer)
+        (inner.delay, answer, "x".repeat(inner.answer_body))
     };
     if !delay.is_zero() {
         tokio::time::sleep(delay).await; // the test target is slow on purpose
@@ -128,5 +149,5 @@ async fn receive(State(webhook): State<Webhook>, headers: HeaderMap, body: Bytes
         body,
         at: arrived,
     });
-    answer
+    (answer, answer_body)
 }
