@@ -63,7 +63,40 @@ pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
         // text stands for it.
         Err(_) => hasher.update(body.to_string().as_bytes()),
     }
+    // RFC 8785 writes numbers as doubles, so integers past 2^53 that
+    // differ would print alike: each goes in exactly, in an order that
+    // does not depend on the body's key order.
+    let mut exact = Vec::new();
+    integers_past_doubles(body, &mut exact);
+    for integer in exact {
+        hasher.update([0]);
+        hasher.update(integer.as_bytes());
+    }
     hasher.finalize().to_vec()
+}
+
+/// The integers of `value` a double cannot hold exactly, as text, walking
+/// object keys in sorted order.
+fn integers_past_doubles(value: &Value, into: &mut Vec<String>) {
+    const EXACT: u64 = 1 << 53;
+    match value {
+        Value::Number(n) => {
+            let past = n.as_u64().is_some_and(|u| u > EXACT)
+                || n.as_i64().is_some_and(|i| i.unsigned_abs() > EXACT);
+            if past {
+                into.push(n.to_string());
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| integers_past_doubles(v, into)),
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            for key in keys {
+                integers_past_doubles(&map[key], into);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// A stored answer.
@@ -259,6 +292,29 @@ mod tests {
         assert_eq!(
             fingerprint("document", &whole),
             fingerprint("document", &exp)
+        );
+        // Integers a double cannot hold stay apart (hostile review:
+        // 2^53 + 1 and 2^53 were one request).
+        for (a, b) in [
+            ("9007199254740993", "9007199254740992"),
+            ("18446744073709551615", "18446744073709551614"),
+            ("-9007199254740993", "-9007199254740992"),
+        ] {
+            let a: Value = serde_json::from_str(&format!(r#"{{"b":[{a}],"a":1}}"#)).unwrap();
+            let b: Value = serde_json::from_str(&format!(r#"{{"a":1,"b":[{b}]}}"#)).unwrap();
+            assert_ne!(
+                fingerprint("document", &a),
+                fingerprint("document", &b),
+                "{a} {b}"
+            );
+        }
+        let big: Value =
+            serde_json::from_str(r#"{"b":9007199254740993,"a":9007199254740995}"#).unwrap();
+        let reordered: Value =
+            serde_json::from_str(r#"{"a":9007199254740995,"b":9007199254740993}"#).unwrap();
+        assert_eq!(
+            fingerprint("document", &big),
+            fingerprint("document", &reordered)
         );
     }
 
