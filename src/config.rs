@@ -165,7 +165,8 @@ pub struct Config {
         long = "idpool-sink",
         env = "IDPOOL_SINK",
         value_name = "IDPOOL_SINK",
-        default_value = "postgres"
+        default_value = "postgres",
+        value_parser = SinkParser,
     )]
     pub sink: SinkConfig,
 
@@ -217,7 +218,7 @@ pub struct Config {
         env = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
         value_name = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
         default_value_t = 1000,
-        value_parser = clap::value_parser!(u64).range(0..=3_600_000),
+        value_parser = clap::value_parser!(u64).range(10..=3_600_000),
     )]
     pub outbox_backoff_base_ms: u64,
 
@@ -496,6 +497,34 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// Parses `IDPOOL_SINK` with an error of its own: clap's would repeat the
+/// value, and a webhook URL may hold a password or a token.
+#[derive(Clone)]
+struct SinkParser;
+
+impl TypedValueParser for SinkParser {
+    type Value = SinkConfig;
+
+    fn parse_ref(
+        &self,
+        _: &clap::Command,
+        _: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<SinkConfig, clap::Error> {
+        let refused = |reason: &str| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid IDPOOL_SINK (value not shown): {reason}\n"),
+            )
+        };
+        value
+            .to_str()
+            .ok_or_else(|| refused("it is not UTF-8"))?
+            .parse()
+            .map_err(|reason: String| refused(&reason))
+    }
+}
+
 /// A Postgres URL sqlx can connect with. The error names the variable and
 /// never the value (it may hold a password).
 pub fn check_database_url(url: &str) -> anyhow::Result<()> {
@@ -667,5 +696,32 @@ mod tests {
         assert!(Command::try_parse_from(over_a_day).is_err());
         let over_1000 = ["idpool", "--idpool-outbox-max-retries=1001"];
         assert!(Command::try_parse_from(over_1000).is_err());
+        // A base of 0 would be no backoff at all: a failing target met in
+        // a tight loop.
+        let no_backoff = ["idpool", "--idpool-outbox-backoff-base-ms=0"];
+        assert!(Command::try_parse_from(no_backoff).is_err());
+        assert_eq!(
+            parsed(&["--idpool-outbox-backoff-base-ms=10"]).outbox_backoff_base_ms,
+            10
+        );
+    }
+
+    #[test]
+    fn a_refused_sink_is_not_repeated_in_the_error() {
+        for value in [
+            "webhook:ftp://u:Secret@hooks.example/in?token=Token",
+            "webhook:https://u:12#Secret@hooks.example/in",
+            "webhook:https://u:Secret@hooks.example:999999/in?token=Token",
+            "https://u:Secret@hooks.example/in?token=Token",
+        ] {
+            let Err(refused) = Command::try_parse_from(["idpool", "--idpool-sink", value]) else {
+                panic!("{value} was accepted");
+            };
+            let said = refused.to_string();
+            assert!(said.contains("IDPOOL_SINK"), "{said}");
+            for secret in ["Secret", "Token", "hooks.example"] {
+                assert!(!said.contains(secret), "{value}: {said}");
+            }
+        }
     }
 }

@@ -279,6 +279,10 @@ impl Chunker<'_> {
             Err((source_id, reason)) => return reject(source_id, reason),
             Ok(document) => document,
         };
+        if source_id.contains('\0') {
+            let reason = "source_id contains NUL, which cannot be stored".into();
+            return reject(Some(source_id.replace('\0', "\\u0000")), reason);
+        }
         if !self.seen.insert(fingerprint(&source_id)) {
             let reason = "duplicate source_id: an earlier line has it".into();
             return reject(Some(source_id), reason);
@@ -316,7 +320,9 @@ fn json_document(text: &str) -> Result<(String, String), (Option<String>, String
         .map(|raw| serde_json::from_str::<Value>(raw.get()))
     {
         Some(Ok(Value::String(s))) if !s.is_empty() => s,
-        Some(Ok(Value::Number(n))) => n.to_string(),
+        // As written: parsed, a number past 2^64 would become a float and
+        // two such ids one.
+        Some(Ok(Value::Number(_))) => line.source_id.map_or("", |raw| raw.get().trim()).to_owned(),
         _ => return Err((None, "no source_id (a non-empty string or a number)".into())),
     };
     let metadata = match line.metadata {
@@ -519,7 +525,7 @@ async fn post_batch(
                 .headers()
                 .get(reqwest::header::RETRY_AFTER)
                 .and_then(|v| v.to_str().ok())
-                .and_then(retry_after_seconds);
+                .and_then(|value| retry_after(value, std::time::SystemTime::now()));
             let text = response.text().await.unwrap_or_default();
             (Some(status), text, retry_after)
         }
@@ -552,11 +558,17 @@ fn fingerprint(source_id: &str) -> u128 {
 /// is waited on for a minute, then asked again.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 
-/// `Retry-After` in seconds (idpool sends seconds, never a date), within
-/// [`MAX_RETRY_AFTER`].
-fn retry_after_seconds(value: &str) -> Option<Duration> {
-    let seconds: u64 = value.trim().parse().ok()?;
-    Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
+/// `Retry-After` within [`MAX_RETRY_AFTER`]: seconds (what idpool sends,
+/// however many digits) or an HTTP date (what a proxy in front may send).
+fn retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    let asked = if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        Duration::from_secs(value.parse().unwrap_or(u64::MAX))
+    } else {
+        let at = httpdate::parse_http_date(value).ok()?;
+        at.duration_since(now).unwrap_or(Duration::ZERO)
+    };
+    Some(asked.min(MAX_RETRY_AFTER))
 }
 
 /// How long to wait before sending a batch again: at least what the

@@ -38,15 +38,37 @@ impl FromStr for SinkConfig {
             return Ok(SinkConfig::Dir(PathBuf::from(dir)));
         }
         if let Some(url) = s.strip_prefix("webhook:") {
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err("webhook: needs an http:// or https:// URL".into());
-            }
-            return Ok(SinkConfig::Webhook(url.to_owned()));
+            return usable_webhook_url(url).map(|()| SinkConfig::Webhook(url.to_owned()));
         }
-        Err(format!(
-            "unknown sink {s:?}: use postgres, dir:/path or webhook:https://..."
-        ))
+        // The value may be a URL with credentials written without its
+        // prefix: it is not repeated.
+        Err("unknown sink: use postgres, dir:/path or webhook:https://...".into())
     }
+}
+
+/// Refuses at start a webhook URL no delivery could use, rather than
+/// dead-lettering every document later. Reasons never repeat the URL,
+/// which may hold a password.
+fn usable_webhook_url(url: &str) -> Result<(), String> {
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err("webhook: needs an http:// or https:// URL".into());
+    }
+    let parsed =
+        url::Url::parse(url).map_err(|e| format!("webhook: the URL is not usable: {e}"))?;
+    // `https:///in` parses with the host `in`: not what anyone wrote.
+    let authority = url.split_once("://").map_or("", |(_, rest)| rest);
+    if parsed.host_str().is_none_or(str::is_empty) || authority.starts_with('/') {
+        return Err("webhook: the URL names no host".into());
+    }
+    // A fragment is never sent; one here is most often a `#` in a
+    // password, which makes the rest of the password part of the URL.
+    if parsed.fragment().is_some() {
+        return Err(
+            "webhook: the URL has a fragment (#), which is never sent; write a # in a password as %23"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// A claimed outbox row, ready to deliver.
@@ -137,16 +159,33 @@ impl DeliveryError {
                 }
             }
             DeliveryError::WebhookTimedOut { .. } => "timeout".into(),
-            DeliveryError::WebhookUnreachable { source, .. } if source.is_connect() => {
-                "connection refused".into()
-            }
-            DeliveryError::WebhookUnreachable { .. } => "connection failed".into(),
+            DeliveryError::WebhookUnreachable { source, .. } => unreachable_because(source).into(),
             DeliveryError::WebhookRedirected { status, .. } => {
                 format!("HTTP {} (redirects are not followed)", status.as_u16())
             }
             DeliveryError::WebhookRefused { status, .. } => format!("HTTP {}", status.as_u16()),
         }
     }
+}
+
+/// Why a webhook could not be reached, told apart by the causes under
+/// reqwest's error: an operator fixes a refused port, an unknown host and
+/// a dropped connection in different places.
+fn unreachable_because(error: &reqwest::Error) -> &'static str {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return "connection refused";
+        }
+        // hyper-util's resolver failure has no type of its own to match.
+        if e.to_string().starts_with("dns error") {
+            return "host not found";
+        }
+        cause = e.source();
+    }
+    "connection failed"
 }
 
 /// The JSON a document is delivered as. The same document always gives the
@@ -542,6 +581,42 @@ mod tests {
         assert!("dir:".parse::<SinkConfig>().is_err());
         assert!("webhook:ftp://x".parse::<SinkConfig>().is_err());
         assert!("s3:bucket".parse::<SinkConfig>().is_err());
+    }
+
+    #[test]
+    fn webhook_urls_no_delivery_could_use_are_refused_without_repeating_them() {
+        for unusable in [
+            "webhook:https://hooks.example:999999/in",
+            "webhook:http://",
+            "webhook:https:///in",
+            "webhook:https://u:12#Secret@hooks.example/in",
+            "webhook:ftp://u:Secret@hooks.example/in",
+            "s3://u:Secret@bucket",
+        ] {
+            let reason = unusable.parse::<SinkConfig>().expect_err(unusable);
+            assert!(!reason.contains("Secret"), "{unusable}: {reason}");
+            assert!(!reason.contains("hooks.example"), "{unusable}: {reason}");
+        }
+        assert!(
+            "webhook:https://u:12%23Secret@hooks.example:8443/in?t=1"
+                .parse::<SinkConfig>()
+                .is_ok()
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_webhook_is_told_apart_by_its_cause() {
+        let client = reqwest::Client::new();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        for (url, said) in [
+            (format!("http://127.0.0.1:{port}/"), "connection refused"),
+            ("http://no-such-host.invalid/".into(), "host not found"),
+        ] {
+            let error = client.post(&url).send().await.expect_err(&url);
+            assert_eq!(unreachable_because(&error), said, "{url}: {error:?}");
+        }
     }
 
     #[test]

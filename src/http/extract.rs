@@ -41,10 +41,14 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
         };
         let bytes = read?;
         if let Some(what) = unstorable_escape(&bytes) {
-            return Err(ApiError::bad_request(
+            let refused = ApiError::bad_request(
                 "invalid_character",
                 format!("the body contains {what}, which cannot be stored; remove it"),
-            ));
+            );
+            return Err(match first_batch_item_holding_unstorable(&bytes) {
+                Some(index) => refused.at_index(index),
+                None => refused,
+            });
         }
         match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
             Some(b'{') => {}
@@ -101,6 +105,21 @@ async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, ApiErr
         ));
     }
     Ok(bytes.freeze())
+}
+
+/// In a batch body (`{"documents": [...]}`), the first item holding an
+/// [`unstorable_escape`]: SPEC names a batch's first bad item by index.
+fn first_batch_item_holding_unstorable(body: &[u8]) -> Option<usize> {
+    #[derive(serde::Deserialize)]
+    struct Batch<'a> {
+        #[serde(borrow)]
+        documents: Vec<&'a serde_json::value::RawValue>,
+    }
+    let batch: Batch = serde_json::from_slice(body).ok()?;
+    batch
+        .documents
+        .iter()
+        .position(|item| unstorable_escape(item.get().as_bytes()).is_some())
 }
 
 /// When the body of the request must have arrived (set by the request

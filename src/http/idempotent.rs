@@ -23,9 +23,18 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
-        let Some(value) = parts.headers.get("idempotency-key") else {
+        let mut sent = parts.headers.get_all("idempotency-key").iter();
+        let Some(value) = sent.next() else {
             return Ok(Self(None));
         };
+        // Two keys: which one the client meant is a guess, and a wrong
+        // guess replays another request's answer.
+        if sent.next().is_some() {
+            return Err(ApiError::bad_request(
+                "invalid_idempotency_key",
+                "send one Idempotency-Key header, not several",
+            ));
+        }
         let key = value
             .to_str()
             .map_err(|_| idempotency::KeyError::Malformed)?;

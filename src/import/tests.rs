@@ -65,10 +65,24 @@ fn rejects_sit_beside_the_mapping() {
 
 #[test]
 fn a_retry_waits_at_least_what_the_server_asked_for_within_a_minute() {
-    assert_eq!(retry_after_seconds("3"), Some(Duration::from_secs(3)));
-    assert_eq!(retry_after_seconds(" 1 "), Some(Duration::from_secs(1)));
-    assert_eq!(retry_after_seconds("86400"), Some(MAX_RETRY_AFTER));
-    assert_eq!(retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT"), None);
+    let now = httpdate::parse_http_date("Wed, 21 Oct 2015 07:28:00 GMT").unwrap();
+    let asked = |value| retry_after(value, now);
+    assert_eq!(asked("3"), Some(Duration::from_secs(3)));
+    assert_eq!(asked(" 1 "), Some(Duration::from_secs(1)));
+    assert_eq!(asked("86400"), Some(MAX_RETRY_AFTER));
+    assert_eq!(asked("99999999999999999999999"), Some(MAX_RETRY_AFTER));
+    // An HTTP date (a proxy's): the time until then, within the minute.
+    assert_eq!(
+        asked("Wed, 21 Oct 2015 07:28:20 GMT"),
+        Some(Duration::from_secs(20))
+    );
+    assert_eq!(
+        asked("Wed, 21 Oct 2015 09:00:00 GMT"),
+        Some(MAX_RETRY_AFTER)
+    );
+    assert_eq!(asked("Wed, 21 Oct 2015 07:00:00 GMT"), Some(Duration::ZERO));
+    assert_eq!(asked("soon"), None);
+    assert_eq!(asked("-3"), None);
     for attempt in 1..4 {
         // The backoff of these attempts is at most 1.6 s: the server's 3 s
         // win.

@@ -64,6 +64,17 @@ fn unusable_urls_stop_serve_without_showing_their_password() {
     let message = stderr(&output);
     assert!(message.contains("REDIS_URL"), "{message}");
     assert!(!message.contains("hunter2secret"), "{message}");
+
+    for sink in [
+        "webhook:ftp://u:hunter2secret@hooks.example/in?token=hunter2token",
+        "webhook:https://u:12#hunter2secret@hooks.example/in?token=hunter2token",
+    ] {
+        let output = idpool(&["serve"], &[("IDPOOL_SINK", sink)]);
+        assert!(!output.status.success());
+        let message = stderr(&output);
+        assert!(message.contains("IDPOOL_SINK"), "{message}");
+        assert!(!message.contains("hunter2"), "{message}");
+    }
 }
 
 #[test]

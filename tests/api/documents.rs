@@ -337,6 +337,18 @@ async fn ten_concurrent_requests_with_one_key_make_one_document() {
     // Malformed keys are refused.
     let bad = app.post_document(&body, Some(&"k".repeat(256))).await;
     assert_problem(bad, StatusCode::BAD_REQUEST, "invalid_idempotency_key").await;
+    // So are two keys: either could be the one meant.
+    let two = app
+        .client
+        .post(app.url("/documents"))
+        .header("idempotency-key", "order-7")
+        .header("idempotency-key", "order-8")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_problem(two, StatusCode::BAD_REQUEST, "invalid_idempotency_key").await;
+    assert_eq!(app.outbox_count(None).await, 2);
 }
 
 /// A retry is the same request however its JSON is written: keys in

@@ -347,16 +347,23 @@ async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
             assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
         }
     }
-    let batch = format!(r#"{{"documents":[{}]}}"#, documents[0]);
-    let response = app
-        .client
-        .post(app.url("/api/v1/documents/batch"))
-        .header("content-type", "application/json")
-        .body(batch)
-        .send()
-        .await
-        .unwrap();
-    assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
+    // A batch names its first bad item, as it does for every other fault.
+    let good = r#"{"project":"P","type":"T","metadata":{}}"#;
+    for (bad, index) in [(documents[0], 0), (documents[3], 2), (documents[2], 1)] {
+        let mut items = vec![good; 3];
+        items.insert(index, bad);
+        let batch = format!(r#"{{"documents":[{}]}}"#, items.join(","));
+        let response = app
+            .client
+            .post(app.url("/api/v1/documents/batch"))
+            .header("content-type", "application/json")
+            .body(batch)
+            .send()
+            .await
+            .unwrap();
+        let problem = assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
+        assert_eq!(problem["index"], index, "{problem}");
+    }
     let ids = app
         .client
         .post(app.url("/ids"))

@@ -178,6 +178,10 @@ async fn bad_lines_are_rejected_with_their_reason_and_every_good_line_is_importe
         json!({"source_id": "a-3", "metadata": {"big": huge}}).to_string(),
         r#"{"source_id": "a-4", "metadata": {"nul": "x\u0000"}}"#.to_owned(),
         json!({"source_id": 5, "metadata": {}}).to_string(),
+        r#"{"source_id": "a-\u0000-9", "metadata": {}}"#.to_owned(),
+        // Past 2^64: as floats these two would be one id.
+        r#"{"source_id": 184467440737095516160001, "metadata": {}}"#.to_owned(),
+        r#"{"source_id": 184467440737095516160002, "metadata": {}}"#.to_owned(),
     ];
     std::fs::write(&input, lines.join("\n")).unwrap();
     let out = work.path().join("map.jsonl");
@@ -193,7 +197,16 @@ async fn bad_lines_are_rejected_with_their_reason_and_every_good_line_is_importe
         .iter()
         .map(|l| l["source_id"].as_str().unwrap())
         .collect();
-    assert_eq!(sources, ["a-1", "a-2", "5"]);
+    assert_eq!(
+        sources,
+        [
+            "a-1",
+            "a-2",
+            "5",
+            "184467440737095516160001",
+            "184467440737095516160002"
+        ]
+    );
     let rejects = mapping(&work.path().join("map.rejects.jsonl"));
     let reasons: Vec<(i64, String)> = rejects
         .iter()
@@ -210,6 +223,7 @@ async fn bad_lines_are_rejected_with_their_reason_and_every_good_line_is_importe
         (5, "JSON"),
         (6, "limit"),
         (7, "NUL"),
+        (9, "NUL"),
     ];
     assert_eq!(reasons.len(), expected.len(), "{reasons:?}");
     for ((line, reason), (want_line, mention)) in reasons.iter().zip(expected) {
@@ -222,7 +236,7 @@ async fn bad_lines_are_rejected_with_their_reason_and_every_good_line_is_importe
             "SELECT count(*) FROM id_outbox WHERE tenant_code = 'IMP'"
         )
         .await,
-        3
+        5
     );
 }
 
