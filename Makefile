@@ -12,7 +12,7 @@ help:
 	@echo "make flake-hunt     the whole suite N times (RUNS=5) with one core kept busy; failures per test"
 	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
 	@echo "make bench-quick    the same scenarios at about a tenth of the size"
-	@echo "make lint           rustfmt, clippy (warnings as errors), .sqlx/ current"
+	@echo "make lint           rustfmt, clippy (warnings as errors), unused and denied dependencies, .sqlx/ current"
 	@echo "make sqlx-prepare   rewrite .sqlx/ after changing a query or a migration"
 	@echo "make openapi        regenerate openapi/openapi.json"
 	@echo "make services-down  stop the Postgres/Redis that make started (never others)"
@@ -76,6 +76,7 @@ lint: services
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	@bin=$$(scripts/cargo-machete.sh) && PATH="$$bin:$$PATH" cargo machete
+	@bin=$$(scripts/cargo-deny.sh) && PATH="$$bin:$$PATH" cargo deny --offline check
 	@bin=$$(scripts/sqlx-cli.sh) && export PATH="$$bin:$$PATH" DATABASE_URL="$${DATABASE_URL%/*}/idpool_sqlx_check" \
 	  && sqlx database reset -y --source migrations >/dev/null \
 	  && cargo sqlx prepare --check --workspace -- --all-targets
