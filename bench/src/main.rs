@@ -11,6 +11,7 @@ mod load;
 mod neighbour;
 mod pooler;
 mod services;
+mod webhook;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -48,6 +49,7 @@ const SCENARIOS: &[&str] = &[
     "drain",
     "neighbour",
     "poolers",
+    "webhooks",
 ];
 
 #[derive(Parser)]
@@ -58,7 +60,7 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// gapless, drain, neighbour, poolers.
+    /// gapless, drain, neighbour, poolers, webhooks.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
@@ -106,6 +108,8 @@ struct Sizes {
     scale: f64,
     /// Documents in the hostile neighbour's outbox.
     neighbour_documents: u64,
+    /// Documents per round delivered to each webhook target.
+    webhook_documents: u64,
 }
 
 struct Bench {
@@ -354,6 +358,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             idle_documents: 5,
             scale: 0.1,
             neighbour_documents: 2_000,
+            webhook_documents: 500,
         }
     } else {
         Sizes {
@@ -366,6 +371,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             idle_documents: 20,
             scale: 1.0,
             neighbour_documents: 20_000,
+            webhook_documents: 5_000,
         }
     };
     for name in &args.only {
@@ -472,6 +478,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("poolers") {
         pooler::many_instances(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
+    }
+    if wanted("webhooks") {
+        webhook::answer_bodies(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =
