@@ -6,10 +6,12 @@
 //! insert waits on that row (up to 2 s, the transaction's lock timeout),
 //! then finds the answer committed and replays it, or times out: 409.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::db::{Db, Tx};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
@@ -54,6 +56,25 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
 /// come in another order, or whose `1.0` is now `1`, is the same request
 /// whatever the map type of the JSON parser.
 pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
+    fingerprint_with(route, body, &[])
+}
+
+/// [`fingerprint`] of a body holding JSON kept as sent (a document's
+/// metadata): every number of `raw` goes in exactly as well. Parsed, a
+/// number is a double, so `1e-400` and `0`, or two decimals past a
+/// double's precision, would be one request, and the second one's value
+/// lost though the payload keeps its text.
+pub fn fingerprint_with_numbers_of(
+    route: &str,
+    body: &Value,
+    raw: &str,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let mut numbers = Vec::new();
+    exact_numbers(serde_json::from_str(raw)?, &mut numbers)?;
+    Ok(fingerprint_with(route, body, &numbers))
+}
+
+fn fingerprint_with(route: &str, body: &Value, numbers: &[String]) -> Vec<u8> {
     let mut hasher = Sha256::new();
     hasher.update(route.as_bytes());
     hasher.update([0]);
@@ -72,7 +93,77 @@ pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
         hasher.update([0]);
         hasher.update(integer.as_bytes());
     }
+    // Only when there are some: a body without raw JSON keeps the
+    // fingerprint it had before, and so do records stored then.
+    if !numbers.is_empty() {
+        hasher.update([1]);
+        for number in numbers {
+            hasher.update([0]);
+            hasher.update(number.as_bytes());
+        }
+    }
     hasher.finalize().to_vec()
+}
+
+/// The numbers of `value` as written, each in [`exact_number`]'s form,
+/// walking object keys in sorted order (a duplicate key: the last one, as
+/// the parser keeps). serde_json keeps a number's text only in a
+/// `RawValue`, so each object and array is read as raw members.
+fn exact_numbers(value: &RawValue, into: &mut Vec<String>) -> Result<(), serde_json::Error> {
+    let text = value.get();
+    match text.as_bytes().first() {
+        Some(b'{') => {
+            let members: BTreeMap<String, &RawValue> = serde_json::from_str(text)?;
+            for member in members.values() {
+                exact_numbers(member, into)?;
+            }
+        }
+        Some(b'[') => {
+            let items: Vec<&RawValue> = serde_json::from_str(text)?;
+            for item in items {
+                exact_numbers(item, into)?;
+            }
+        }
+        Some(b'-' | b'0'..=b'9') => into.push(exact_number(text)),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A JSON number literal in one form for one value: `-` if negative,
+/// its significant digits, `e` and the exponent (`1`, `1.0`, `10e-1` and
+/// `0.1e1` are all `1e0`; every zero is `0`).
+fn exact_number(literal: &str) -> String {
+    let (negative, rest) = match literal.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, literal),
+    };
+    let (mantissa, exponent) = rest.split_once(['e', 'E']).unwrap_or((rest, "0"));
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let (exponent_negative, exponent_digits) = match exponent.as_bytes().first() {
+        Some(b'-') => (true, &exponent[1..]),
+        Some(b'+') => (false, &exponent[1..]),
+        _ => (false, exponent),
+    };
+    // Saturating: exponents past 9e18 are not worth telling apart.
+    let magnitude = exponent_digits.bytes().fold(0i64, |n, digit| {
+        n.saturating_mul(10).saturating_add(i64::from(digit - b'0'))
+    });
+    let mut exponent = if exponent_negative {
+        -magnitude
+    } else {
+        magnitude
+    };
+    exponent = exponent.saturating_sub(fraction.len() as i64);
+    let digits = format!("{whole}{fraction}");
+    let digits = digits.trim_start_matches('0');
+    let significant = digits.trim_end_matches('0');
+    if significant.is_empty() {
+        return "0".into();
+    }
+    exponent = exponent.saturating_add((digits.len() - significant.len()) as i64);
+    let sign = if negative { "-" } else { "" };
+    format!("{sign}{significant}e{exponent}")
 }
 
 /// The integers of `value` a double cannot hold exactly, as text, walking
@@ -315,6 +406,58 @@ mod tests {
         assert_eq!(
             fingerprint("document", &big),
             fingerprint("document", &reordered)
+        );
+    }
+
+    #[test]
+    fn numbers_as_written_have_one_form_per_value() {
+        for (literal, form) in [
+            ("0", "0"),
+            ("-0", "0"),
+            ("0.000e5", "0"),
+            ("1", "1e0"),
+            ("1.0", "1e0"),
+            ("1e0", "1e0"),
+            ("10e-1", "1e0"),
+            ("0.1E+1", "1e0"),
+            ("100", "1e2"),
+            ("-2.50", "-25e-1"),
+            ("1e-400", "1e-400"),
+            ("0.30000000000000000001", "30000000000000000001e-20"),
+            ("1e99999999999999999999", "1e9223372036854775807"),
+        ] {
+            assert_eq!(exact_number(literal), form, "{literal}");
+        }
+    }
+
+    #[test]
+    fn a_documents_numbers_count_as_written() {
+        let document = |metadata: &str| {
+            let parsed: Value = serde_json::from_str(metadata).unwrap();
+            let body = serde_json::json!({"project": "P", "metadata": parsed});
+            fingerprint_with_numbers_of("document", &body, metadata).unwrap()
+        };
+        // The same value written another way, keys in another order.
+        assert_eq!(
+            document(r#"{"a": 1, "b": [2.50, {"c": 0}]}"#),
+            document(r#"{"b": [25e-1, {"c": -0.0}], "a": 1.0}"#)
+        );
+        // Values a double cannot tell apart.
+        for (a, b) in [
+            ("1e-400", "0"),
+            ("0.30000000000000000001", "0.3"),
+            ("9007199254740993.5", "9007199254740993.25"),
+        ] {
+            assert_ne!(
+                document(&format!(r#"{{"n": {a}}}"#)),
+                document(&format!(r#"{{"n": {b}}}"#)),
+                "{a} {b}"
+            );
+        }
+        // The same numbers under other keys are another request.
+        assert_ne!(
+            document(r#"{"a": 1, "b": 2}"#),
+            document(r#"{"a": 2, "b": 1}"#)
         );
     }
 

@@ -208,7 +208,8 @@ fn fingerprint(input: &DocumentInput) -> Result<Vec<u8>, ApiError> {
         "metadata": metadata,
         "id": input.id,
     });
-    Ok(idempotency::fingerprint("document", &canonical))
+    idempotency::fingerprint_with_numbers_of("document", &canonical, &input.metadata)
+        .map_err(|e| ApiError::bad_request("invalid_metadata", e.to_string()))
 }
 
 /// Everything but RFC 3986's unreserved characters.
