@@ -6,12 +6,10 @@
 //! insert waits on that row (up to 2 s, the transaction's lock timeout),
 //! then finds the answer committed and replays it, or times out: 409.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::db::{Db, Tx};
 use serde_json::Value;
-use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
@@ -56,25 +54,6 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
 /// come in another order, or whose `1.0` is now `1`, is the same request
 /// whatever the map type of the JSON parser.
 pub fn fingerprint(route: &str, body: &Value) -> Vec<u8> {
-    fingerprint_with(route, body, &[])
-}
-
-/// [`fingerprint`] of a body holding JSON kept as sent (a document's
-/// metadata): every number of `raw` goes in exactly as well. Parsed, a
-/// number is a double, so `1e-400` and `0`, or two decimals past a
-/// double's precision, would be one request, and the second one's value
-/// lost though the payload keeps its text.
-pub fn fingerprint_with_numbers_of(
-    route: &str,
-    body: &Value,
-    raw: &str,
-) -> Result<Vec<u8>, serde_json::Error> {
-    let mut numbers = Vec::new();
-    exact_numbers(serde_json::from_str(raw)?, &mut numbers)?;
-    Ok(fingerprint_with(route, body, &numbers))
-}
-
-fn fingerprint_with(route: &str, body: &Value, numbers: &[String]) -> Vec<u8> {
     let mut hasher = Sha256::new();
     hasher.update(route.as_bytes());
     hasher.update([0]);
@@ -93,41 +72,46 @@ fn fingerprint_with(route: &str, body: &Value, numbers: &[String]) -> Vec<u8> {
         hasher.update([0]);
         hasher.update(integer.as_bytes());
     }
-    // Only when there are some: a body without raw JSON keeps the
-    // fingerprint it had before, and so do records stored then.
-    if !numbers.is_empty() {
-        hasher.update([1]);
-        for number in numbers {
-            hasher.update([0]);
-            hasher.update(number.as_bytes());
-        }
-    }
     hasher.finalize().to_vec()
 }
 
-/// The numbers of `value` as written, each in [`exact_number`]'s form,
-/// walking object keys in sorted order (a duplicate key: the last one, as
-/// the parser keeps). serde_json keeps a number's text only in a
-/// `RawValue`, so each object and array is read as raw members.
-fn exact_numbers(value: &RawValue, into: &mut Vec<String>) -> Result<(), serde_json::Error> {
-    let text = value.get();
-    match text.as_bytes().first() {
-        Some(b'{') => {
-            let members: BTreeMap<String, &RawValue> = serde_json::from_str(text)?;
-            for member in members.values() {
-                exact_numbers(member, into)?;
+/// JSON text kept as sent (a document's metadata), parsed for a
+/// [`fingerprint`] with each number exact: parsed as such, a number is a
+/// double, so `1e-400` and `0`, or two decimals past a double's precision,
+/// would be one request, and the second one's value lost as a replay
+/// though the payload keeps its text. Each number becomes a string no
+/// stored JSON can hold (NUL, refused in every body, then its
+/// [`exact_number`] form); one pass over the text, then one parse.
+pub fn with_exact_numbers(raw: &str) -> Result<Value, serde_json::Error> {
+    let bytes = raw.as_bytes();
+    let mut rewritten = String::with_capacity(raw.len() + raw.len() / 4);
+    let (mut at, mut copied) = (0, 0);
+    while at < bytes.len() {
+        match bytes[at] {
+            b'"' => {
+                // To the closing quote, over escapes.
+                at += 1;
+                while at < bytes.len() && bytes[at] != b'"' {
+                    at += if bytes[at] == b'\\' { 2 } else { 1 };
+                }
+                at += 1;
             }
-        }
-        Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(text)?;
-            for item in items {
-                exact_numbers(item, into)?;
+            b'-' | b'0'..=b'9' => {
+                let end = bytes[at..]
+                    .iter()
+                    .position(|b| !matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
+                    .map_or(bytes.len(), |n| at + n);
+                rewritten.push_str(&raw[copied..at]);
+                rewritten.push_str("\"\\u0000");
+                rewritten.push_str(&exact_number(&raw[at..end]));
+                rewritten.push('"');
+                (at, copied) = (end, end);
             }
+            _ => at += 1,
         }
-        Some(b'-' | b'0'..=b'9') => into.push(exact_number(text)),
-        _ => {}
     }
-    Ok(())
+    rewritten.push_str(&raw[copied.min(raw.len())..]);
+    serde_json::from_str(&rewritten)
 }
 
 /// A JSON number literal in one form for one value: `-` if negative,
@@ -433,14 +417,18 @@ mod tests {
     #[test]
     fn a_documents_numbers_count_as_written() {
         let document = |metadata: &str| {
-            let parsed: Value = serde_json::from_str(metadata).unwrap();
-            let body = serde_json::json!({"project": "P", "metadata": parsed});
-            fingerprint_with_numbers_of("document", &body, metadata).unwrap()
+            let metadata = with_exact_numbers(metadata).unwrap();
+            fingerprint("document", &serde_json::json!({"metadata": metadata}))
         };
-        // The same value written another way, keys in another order.
+        // The same value written another way, keys in another order; a
+        // string holding digits, quotes and escapes is left alone.
         assert_eq!(
-            document(r#"{"a": 1, "b": [2.50, {"c": 0}]}"#),
-            document(r#"{"b": [25e-1, {"c": -0.0}], "a": 1.0}"#)
+            document(r#"{"a": 1, "b": [2.50, {"c": 0, "s": "1.0 \" -2"}]}"#),
+            document(r#"{"b": [25e-1, {"s": "1.0 \" -2", "c": -0.0}], "a": 1.0}"#)
+        );
+        assert_ne!(
+            document(r#"{"s": "1.0 \" -2"}"#),
+            document(r#"{"s": "1 \" -2"}"#)
         );
         // Values a double cannot tell apart.
         for (a, b) in [
@@ -449,12 +437,13 @@ mod tests {
             ("9007199254740993.5", "9007199254740993.25"),
         ] {
             assert_ne!(
-                document(&format!(r#"{{"n": {a}}}"#)),
-                document(&format!(r#"{{"n": {b}}}"#)),
+                document(&format!(r#"{{"n": [{a}]}}"#)),
+                document(&format!(r#"{{"n": [{b}]}}"#)),
                 "{a} {b}"
             );
         }
-        // The same numbers under other keys are another request.
+        // A number is not the string of its form.
+        assert_ne!(document(r#"{"n": 1}"#), document(r#"{"n": "1e0"}"#));
         assert_ne!(
             document(r#"{"a": 1, "b": 2}"#),
             document(r#"{"a": 2, "b": 1}"#)

@@ -200,7 +200,7 @@ fn document_input(
 
 /// The request as fingerprinted for its idempotency key.
 fn fingerprint(input: &DocumentInput) -> Result<Vec<u8>, ApiError> {
-    let metadata: Value = serde_json::from_str(&input.metadata)
+    let metadata = idempotency::with_exact_numbers(&input.metadata)
         .map_err(|e| ApiError::bad_request("invalid_metadata", e.to_string()))?;
     let canonical = serde_json::json!({
         "project": input.project.as_str(),
@@ -208,8 +208,7 @@ fn fingerprint(input: &DocumentInput) -> Result<Vec<u8>, ApiError> {
         "metadata": metadata,
         "id": input.id,
     });
-    idempotency::fingerprint_with_numbers_of("document", &canonical, &input.metadata)
-        .map_err(|e| ApiError::bad_request("invalid_metadata", e.to_string()))
+    Ok(idempotency::fingerprint("document", &canonical))
 }
 
 /// Everything but RFC 3986's unreserved characters.
