@@ -19,6 +19,7 @@ pub mod http;
 pub mod idempotency;
 pub mod import;
 pub mod issuance;
+pub mod json_number;
 pub mod lease;
 pub mod ledger;
 pub mod listen;

@@ -53,6 +53,37 @@ pub fn nesting_depth(raw: &str) -> usize {
     }
     deepest
 }
+/// Why Postgres could not store, or would print far larger, the numbers
+/// of well-formed JSON `raw`: `jsonb` keeps a number as `numeric` and
+/// prints it in full, so `1e131000` (8 bytes sent) is 131,001 characters
+/// in every read of the outbox and every delivery. Checked before any
+/// number is taken for the document.
+pub fn unstorable_numbers(raw: &str) -> Option<NumbersRefused> {
+    use crate::json_number::{Decimal, POSTGRES_SCALE, POSTGRES_WHOLE_DIGITS, literals};
+    let mut printed = raw.len() as u64;
+    for literal in literals(raw) {
+        let number = Decimal::parse(&raw[literal.clone()]);
+        let (whole, scale) = number.printed_digits();
+        if whole > POSTGRES_WHOLE_DIGITS || scale > POSTGRES_SCALE {
+            return Some(NumbersRefused::Unstorable(
+                raw[literal].chars().take(24).collect(),
+            ));
+        }
+        printed = printed
+            .saturating_add(number.printed_len())
+            .saturating_sub(literal.len() as u64);
+    }
+    (printed > MAX_METADATA_BYTES as u64).then_some(NumbersRefused::TooLargePrinted(printed))
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NumbersRefused {
+    /// A number past `numeric`'s digits (its first characters).
+    Unstorable(String),
+    /// The metadata's length with every number printed in full.
+    TooLargePrinted(u64),
+}
+
 /// Most documents in one batch (SPEC).
 pub const MAX_BATCH: usize = 1000;
 

@@ -22,7 +22,8 @@ use super::problem::{ApiError, Problem, db_error};
 use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentView};
 use crate::documents::{
-    Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, nesting_depth,
+    Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, NumbersRefused,
+    nesting_depth, unstorable_numbers,
 };
 use crate::idempotency;
 use crate::ledger::outbox::DocumentStatus;
@@ -180,6 +181,28 @@ fn document_input(
             "invalid_metadata",
             format!("metadata nests arrays and objects deeper than {MAX_METADATA_DEPTH} levels"),
         ));
+    }
+    match unstorable_numbers(raw) {
+        None => {}
+        Some(NumbersRefused::Unstorable(number)) => {
+            return Err(ApiError::bad_request(
+                "unstorable_value",
+                format!(
+                    "metadata holds the number {number}, which has more digits than the database \
+                     stores (131,072 before the point, 16,383 after)"
+                ),
+            ));
+        }
+        Some(NumbersRefused::TooLargePrinted(printed)) => {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "metadata_too_large",
+                format!(
+                    "metadata is {printed} bytes with its numbers written out in full, as it is \
+                     stored and delivered; the limit is {MAX_METADATA_BYTES}"
+                ),
+            ));
+        }
     }
     if let Some(id) = id
         && !(1..=crate::sequence::MAX_ID_LEN).contains(&id.chars().count())

@@ -429,10 +429,83 @@ async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
     nothing_written(&app, 0).await;
 }
 
+/// `jsonb` prints a number in full: `1e131000` is 8 bytes sent and
+/// 131,001 characters in every outbox read and delivery, so a small
+/// document of such numbers stalled every tenant's deliveries (hostile
+/// review). Metadata is bounded as it is printed, and nothing is taken
+/// for a refused one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_printed_past_the_metadata_limit_are_refused_before_a_number_is_taken() {
+    let app = TestEnv::new().spawn().await;
+    let probe = Probe::start(&app);
+    let many: Vec<String> = (0..9000).map(|i| format!(r#""k{i}": 1e131000"#)).collect();
+    let refused = [
+        (
+            format!(r#"{{"{}"}}"#, "x").replace(r#""x""#, &many.join(",")),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "metadata_too_large",
+        ),
+        (
+            r#"{"n": [1e131000, 1e131000, 1e131000]}"#.to_owned(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "metadata_too_large",
+        ),
+        (
+            r#"{"n": 1e200000}"#.to_owned(),
+            StatusCode::BAD_REQUEST,
+            "unstorable_value",
+        ),
+        (
+            r#"{"n": -1e-20000}"#.to_owned(),
+            StatusCode::BAD_REQUEST,
+            "unstorable_value",
+        ),
+    ];
+    for (metadata, status, code) in &refused {
+        let body = format!(r#"{{"project":"BIG","type":"1","metadata":{metadata}}}"#);
+        let single = app
+            .client
+            .post(app.url("/documents"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_problem(single, *status, code).await;
+        let good = r#"{"project":"BIG","type":"1","metadata":{}}"#;
+        let batch = format!(
+            r#"{{"documents":[{good},{good},{{"project":"BIG","type":"1","metadata":{metadata}}}]}}"#
+        );
+        let batch = app
+            .client
+            .post(app.url("/api/v1/documents/batch"))
+            .header("content-type", "application/json")
+            .body(batch)
+            .send()
+            .await
+            .unwrap();
+        let problem = assert_problem(batch, *status, code).await;
+        assert_eq!(problem["index"], 2, "{problem}");
+    }
+    probe.assert_unharmed("numbers printed in full").await;
+    nothing_written(&app, 0).await;
+    // Within the limit as printed, numbers of any size are kept exactly.
+    let kept = app
+        .client
+        .post(app.url("/documents"))
+        .header("content-type", "application/json")
+        .body(r#"{"project":"BIG","type":"1","metadata":{"n":1e100000,"d":0.10000000000000000000001}}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(kept.status(), StatusCode::ACCEPTED);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
     let app = TestEnv::new().spawn().await;
-    // Valid JSON that Postgres' jsonb cannot hold: only the database knows.
+    // Valid JSON that Postgres' jsonb cannot hold: the edge knows it now,
+    // so over HTTP it is refused before any number is taken.
     let poisoned = json!({"project": "PO", "type": "1", "metadata": {}})
         .to_string()
         .replace("{}", r#"{"n": 1e1000000}"#);
@@ -459,11 +532,11 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
         if poisoned {
             let problem =
                 assert_problem(response, StatusCode::BAD_REQUEST, "unstorable_value").await;
-            // Said in our words, not the database's ("value overflows
-            // numeric format").
-            assert_eq!(
-                problem["detail"],
-                "the database cannot store a value of this request: a number out of the range it can hold"
+            assert!(
+                problem["detail"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("1e1000000")),
+                "{problem}"
             );
         } else {
             assert_eq!(response.status(), StatusCode::ACCEPTED);
@@ -472,31 +545,36 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
     }
     assert_eq!(accepted, 155);
     assert_eq!(count(&app, "id_outbox").await, 155);
-    let split = app.metrics().await["idpool_ledger_writes_split_total"];
-    assert!(split >= 1.0, "no poisoned request shared a commit");
+    let seqs: i64 = sqlx::query_scalar("SELECT max(seq_number) FROM id_outbox")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(seqs, 155, "the refused requests took no number");
 
-    // The same through the library, with a NUL that slipped past the edge.
+    // Through the library, past the edge: only the database knows, and a
+    // poisoned document sharing a commit fails alone.
     let issuer = &app.state.documents;
-    let good = (0..40).map(|i| {
-        issuer.accept(Arc::new(idpool::documents::DocumentInput {
+    let documents = (0..160).map(|i| {
+        let metadata = match i % 32 {
+            7 => r#"{"n": 1e1000000}"#.to_owned(),
+            9 => r#"{"a": "\u0000"}"#.to_owned(),
+            _ => format!(r#"{{"lib": {i}}}"#),
+        };
+        let accepted = issuer.accept(Arc::new(idpool::documents::DocumentInput {
             project: idpool::sequence::ProjectCode::parse("PO").unwrap(),
             doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
-            metadata: format!(r#"{{"lib": {i}}}"#).into(),
+            metadata: metadata.into(),
             id: None,
             source_id: None,
-        }))
+        }));
+        async move { (matches!(i % 32, 7 | 9), accepted.await) }
     });
-    let bad = issuer.accept(Arc::new(idpool::documents::DocumentInput {
-        project: idpool::sequence::ProjectCode::parse("PO").unwrap(),
-        doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
-        metadata: r#"{"a": "\u0000"}"#.into(),
-        id: None,
-        source_id: None,
-    }));
-    let (good, bad) = tokio::join!(futures::future::join_all(good), bad);
-    assert!(bad.is_err(), "the NUL document was refused");
-    assert!(good.iter().all(Result::is_ok), "{good:?}");
-    assert_eq!(count(&app, "id_outbox").await, 195);
+    for (poisoned, accepted) in futures::future::join_all(documents).await {
+        assert_eq!(accepted.is_err(), poisoned, "{accepted:?}");
+    }
+    assert_eq!(count(&app, "id_outbox").await, 305);
+    let split = app.metrics().await["idpool_ledger_writes_split_total"];
+    assert!(split >= 1.0, "no poisoned document shared a commit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
