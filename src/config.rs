@@ -92,7 +92,8 @@ pub struct Config {
         long = "idpool-redis-prefix",
         env = "IDPOOL_REDIS_PREFIX",
         value_name = "IDPOOL_REDIS_PREFIX",
-        default_value = "idpool"
+        default_value = "idpool",
+        value_parser = redis_prefix,
     )]
     pub redis_prefix: String,
 
@@ -307,7 +308,8 @@ pub struct Config {
     #[arg(
         long = "idpool-instance-id",
         env = "IDPOOL_INSTANCE_ID",
-        value_name = "IDPOOL_INSTANCE_ID"
+        value_name = "IDPOOL_INSTANCE_ID",
+        value_parser = instance_id,
     )]
     pub instance_id: Option<String>,
 
@@ -494,6 +496,28 @@ impl std::fmt::Debug for Config {
                 &self.webhook_secret.as_ref().map(|_| "<hidden>"),
             )
             .finish_non_exhaustive()
+    }
+}
+
+/// A Redis key prefix: no braces, which would make the prefix every key's
+/// Redis Cluster hash tag and put all pools on one node.
+fn redis_prefix(value: &str) -> Result<String, String> {
+    if value.is_empty() || value.len() > 64 {
+        return Err("1 to 64 characters".into());
+    }
+    if value.contains(['{', '}']) || value.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err("no braces (Redis Cluster hash tags), spaces or control characters".into());
+    }
+    Ok(value.to_owned())
+}
+
+/// An instance id: it is sent in a webhook header and written in block
+/// records, so visible ASCII only.
+fn instance_id(value: &str) -> Result<String, String> {
+    if (1..=128).contains(&value.len()) && value.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(value.to_owned())
+    } else {
+        Err("1 to 128 visible ASCII characters (it is sent in an HTTP header)".into())
     }
 }
 
@@ -704,6 +728,26 @@ mod tests {
             parsed(&["--idpool-outbox-backoff-base-ms=10"]).outbox_backoff_base_ms,
             10
         );
+    }
+
+    #[test]
+    fn prefixes_and_instance_ids_that_would_break_later_are_refused() {
+        for refused in [
+            ["idpool", "--idpool-redis-prefix", "{x}"],
+            ["idpool", "--idpool-redis-prefix", "a b"],
+            ["idpool", "--idpool-redis-prefix", ""],
+            ["idpool", "--idpool-instance-id", "inst\r\nX-Injected: yes"],
+            ["idpool", "--idpool-instance-id", "a b"],
+            ["idpool", "--idpool-instance-id", ""],
+        ] {
+            assert!(Command::try_parse_from(refused).is_err(), "{refused:?}");
+        }
+        let kept = parsed(&[
+            "--idpool-redis-prefix=tenant-a:idpool",
+            "--idpool-instance-id=web-7.eu-1",
+        ]);
+        assert_eq!(kept.redis_prefix, "tenant-a:idpool");
+        assert_eq!(kept.instance_id(), "web-7.eu-1");
     }
 
     #[test]

@@ -97,6 +97,7 @@ pub fn rejects_path(out: Option<&Path>) -> PathBuf {
 }
 
 pub async fn run(settings: Settings) -> anyhow::Result<Report> {
+    refuse_overwriting_the_input(&settings)?;
     let settings = std::sync::Arc::new(settings);
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
@@ -543,6 +544,31 @@ fn rejection_reason(problem: Problem) -> String {
         .filter(|(head, _)| head.starts_with("documents["))
         .map_or(detail.as_str(), |(_, rest)| rest);
     format!("{code}: {detail}")
+}
+
+/// The mapping and the rejects are created empty before the input is
+/// read: naming the input for either would wipe it.
+fn refuse_overwriting_the_input(settings: &Settings) -> anyhow::Result<()> {
+    if settings.file == "-" {
+        return Ok(());
+    }
+    let Ok(input) = std::fs::canonicalize(&settings.file) else {
+        // Not there: reading it says so.
+        return Ok(());
+    };
+    let outputs = [
+        settings.out.clone(),
+        Some(rejects_path(settings.out.as_deref())),
+    ];
+    for output in outputs.into_iter().flatten() {
+        if std::fs::canonicalize(&output).is_ok_and(|output| output == input) {
+            bail!(
+                "{} is the input file; the mapping and the rejects go to other files (--out)",
+                output.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The first 128 bits of `source_id`'s SHA-256.

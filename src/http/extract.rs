@@ -19,7 +19,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
             return Err(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
-                "send the body as JSON with Content-Type: application/json",
+                "send the body as UTF-8 JSON with Content-Type: application/json, not compressed",
             ));
         }
         let _ = state;
@@ -28,6 +28,20 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
             .extensions()
             .get::<BodyLimit>()
             .map_or(super::SMALL_BODY_LIMIT, |l| l.0);
+        // A declared length past what would be drained is answered at
+        // once: waiting for a body that is never sent holds the
+        // connection until the body timeout.
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > (limit + DRAIN_PAST_LIMIT) as u64) {
+            return Err(too_large().with_header(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            ));
+        }
         let read = read_body(req.into_body(), limit);
         let read = match deadline {
             Some(BodyDeadline(at)) => tokio::time::timeout_at(at, read).await.map_err(|_| {
@@ -98,13 +112,17 @@ async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, ApiErr
         }
     }
     if read > limit {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            "the request body is larger than this route accepts",
-        ));
+        return Err(too_large());
     }
     Ok(bytes.freeze())
+}
+
+fn too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        "the request body is larger than this route accepts",
+    )
 }
 
 /// In a batch body (`{"documents": [...]}`), the first item holding an
@@ -182,14 +200,25 @@ fn is_json(headers: &axum::http::HeaderMap) -> bool {
     else {
         return false;
     };
-    let essence = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+    let mut parts = content_type.split(';');
+    let essence = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+    // JSON is UTF-8 (RFC 8259); a body said to be another charset would
+    // be read as something it is not.
+    let other_charset = parts.any(|parameter| {
+        parameter.split_once('=').is_some_and(|(name, value)| {
+            name.trim().eq_ignore_ascii_case("charset")
+                && !value.trim().trim_matches('"').eq_ignore_ascii_case("utf-8")
+        })
+    });
+    // A body is read as sent: one said to be compressed is not JSON.
+    let encoded = headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
+        !v.to_str()
+            .is_ok_and(|v| v.trim().eq_ignore_ascii_case("identity"))
+    });
+    (essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json")))
+        && !other_charset
+        && !encoded
 }
 
 #[derive(FromRequestParts)]

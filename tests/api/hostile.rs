@@ -429,6 +429,25 @@ async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
     nothing_written(&app, 0).await;
 }
 
+/// A body declared far past the route's limit is answered at once, not
+/// waited for until the body timeout (hostile review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_declared_far_too_large_is_refused_at_once() {
+    let app = TestEnv::new().spawn().await;
+    let request = format!(
+        "POST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{{\"project\":",
+        app.admin_key
+    );
+    // Waiting for the body, the server would answer after 30 s (408):
+    // within 5 s, only an answer given at once arrives.
+    let answer = raw_exchange(&app, request.as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 413") && answer.contains("body_too_large"),
+        "{answer}"
+    );
+    nothing_written(&app, 0).await;
+}
+
 /// `jsonb` prints a number in full: `1e131000` is 8 bytes sent and
 /// 131,001 characters in every outbox read and delivery, so a small
 /// document of such numbers stalled every tenant's deliveries (hostile

@@ -238,6 +238,14 @@ async fn bad_lines_are_rejected_with_their_reason_and_every_good_line_is_importe
         .await,
         5
     );
+
+    // Naming the input as the mapping would wipe it: refused, kept.
+    let before = std::fs::read(&input).unwrap();
+    let run = import(&app, &key, &input, &input, &[]).output().unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(said.contains("is the input file"), "{said}");
+    assert_eq!(std::fs::read(&input).unwrap(), before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

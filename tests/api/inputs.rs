@@ -107,6 +107,35 @@ async fn every_bad_ids_request_gets_its_problem_and_changes_nothing() {
             "unsupported_media_type",
         )
         .await;
+        let ids = json!({"project": "PROJ", "type": "9012"}).to_string();
+        let latin1 = post_raw(
+            &app,
+            path,
+            Some("application/json; charset=latin1"),
+            ids.clone(),
+        );
+        assert_problem(
+            latin1.await,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        )
+        .await;
+        let gzip = app
+            .client
+            .post(app.url(path))
+            .header("content-type", "application/json")
+            .header("content-encoding", "gzip")
+            .body(ids)
+            .send()
+            .await
+            .unwrap();
+        assert_problem(
+            gzip,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        )
+        .await;
+
         let huge = format!(
             "{{\"project\": \"PROJ\", \"type\": \"9012\", \"pad\": \"{}\"}}",
             "x".repeat(70_000)
