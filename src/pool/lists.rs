@@ -221,19 +221,31 @@ impl RedisLink {
         }
     }
 
-    /// Puts numbers back at the head of the pool, lowest first.
+    /// Puts numbers back in the pool where they belong: it stays
+    /// ascending, so they are the next ones taken (see
+    /// [`super::scripts::GIVE_BACK`]). Pushed at the head as they came, numbers
+    /// given back after lower ones went back sat above them: handed out
+    /// out of order, and the lower ones judged lost by reconciliation,
+    /// which trusts the head to be the pool's lowest number.
     pub async fn give_back(&self, keys: &PoolKeys, seqs: &[i64]) -> Result<(), RedisFailure> {
         if !self.is_up() {
             return Err(RedisFailure::Open);
         }
-        let mut descending: Vec<String> = seqs.iter().map(i64::to_string).collect();
-        descending.reverse();
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            let _: i64 = client.lpush(keys.pool.as_str(), descending).await?;
-            Ok(())
-        })
-        .await
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        for part in seqs.chunks(PUSH_PART as usize) {
+            let numbers: Vec<String> = part.iter().map(i64::to_string).collect();
+            self.guarded(async {
+                let _: i64 = self
+                    .eval(&self.scripts.give_back, vec![keys.pool.clone()], numbers)
+                    .await?
+                    .convert()?;
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     /// The lowest number waiting in the pool, if any.

@@ -85,6 +85,7 @@ pub(super) struct Scripts {
     pub(super) release: Script,
     pub(super) discard: Script,
     pub(super) trim_above: Script,
+    pub(super) give_back: Script,
     pub(super) drain: Script,
     pub(super) claim_prefix: Script,
 }
@@ -170,6 +171,7 @@ impl RedisLink {
                 release: Script::from_lua(scripts::RELEASE),
                 discard: Script::from_lua(scripts::DISCARD),
                 trim_above: Script::from_lua(scripts::TRIM_ABOVE),
+                give_back: Script::from_lua(scripts::GIVE_BACK),
                 drain: Script::from_lua(scripts::DRAIN),
                 claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
             },

@@ -140,6 +140,50 @@ end
 return owner
 "#;
 
+/// KEYS: pool. ARGV: numbers to give back.
+/// Puts numbers back keeping the pool ascending, so its head stays its
+/// lowest number (what requests take next, and the bound below which
+/// reconciliation judges): the pool's numbers lower than the highest one
+/// given back come off its head and go back merged with them. Those are
+/// only numbers given back earlier (a pool's numbers above a leased one
+/// were all there when it was leased, and refills go to the tail), so few.
+/// Returns the pool's depth.
+pub const GIVE_BACK: &str = r#"
+local back = {}
+for i, v in ipairs(ARGV) do back[i] = tonumber(v) end
+table.sort(back)
+local top = back[#back]
+local lower = {}
+while true do
+  local head = redis.call('LINDEX', KEYS[1], 0)
+  if not head or tonumber(head) > top then break end
+  lower[#lower + 1] = tonumber(redis.call('LPOP', KEYS[1]))
+end
+-- Both ascending: merged, then pushed highest first so the lowest ends
+-- at the head; a number in both (a repeated give-back) goes in once.
+local merged, i, j = {}, 1, 1
+while i <= #back or j <= #lower do
+  local v
+  if j > #lower or (i <= #back and back[i] <= lower[j]) then
+    v = back[i]; i = i + 1
+  else
+    v = lower[j]; j = j + 1
+  end
+  if merged[#merged] ~= v then merged[#merged + 1] = v end
+end
+local chunk, n = {}, 0
+for k = #merged, 1, -1 do
+  n = n + 1
+  chunk[n] = string.format('%d', merged[k])
+  if n == 4000 then
+    redis.call('LPUSH', KEYS[1], unpack(chunk))
+    chunk, n = {}, 0
+  end
+end
+if n > 0 then redis.call('LPUSH', KEYS[1], unpack(chunk)) end
+return redis.call('LLEN', KEYS[1])
+"#;
+
 /// KEYS: pool. ARGV: max, part.
 /// Removes up to `part` numbers above `max` from the tail of the ascending
 /// pool; returns whether more may be left (1) and the numbers removed as

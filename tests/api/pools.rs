@@ -77,6 +77,59 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     assert_eq!(shrunk, grown / 2, "target after an idle spell");
 }
 
+/// Numbers given back keep the pool ascending, whatever order they come
+/// back in: two leases returned lowest first once left the second above
+/// the first, so numbers went out of order and reconciliation, trusting
+/// the head to be the lowest, judged the first ones lost (hostile review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
+    use idpool::numbers::SeqRange;
+    use idpool::pool::{Pushed, RedisLink, RedisSettings};
+
+    let server = crate::redis_server::RedisServer::start();
+    let link = RedisLink::connect(
+        &RedisSettings {
+            url: server.url(),
+            prefix: "idpool-back".into(),
+            clients: 1,
+            command_timeout: Duration::from_secs(5),
+        },
+        Arc::new(idpool::stats::Stats::default()),
+    )
+    .unwrap();
+    crate::helpers::eventually(Duration::from_secs(10), "redis is up", async || {
+        (link.all_connected() && link.mark_up(link.failure_count())).then_some(())
+    })
+    .await;
+    let keys = link.keys("BACK", "1", "");
+    let locked = link
+        .acquire(&keys, "refill", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(locked.is_some());
+    assert!(matches!(
+        link.push(&keys, "refill", SeqRange::new(1, 101), 100, 0)
+            .await,
+        Pushed::All(100)
+    ));
+    // Two leases take 1-10 and 11-20; their unused numbers come back, the
+    // lower lease's first, then once more (a retried give-back).
+    server.cli(&["LPOP", &keys.pool, "20"]);
+    link.give_back(&keys, &[5, 6, 7, 8, 9, 10]).await.unwrap();
+    link.give_back(&keys, &[15, 16, 17, 18, 19, 20])
+        .await
+        .unwrap();
+    link.give_back(&keys, &[20, 5]).await.unwrap();
+    let pool: Vec<i64> = server
+        .cli(&["LRANGE", &keys.pool, "0", "-1"])
+        .lines()
+        .map(|n| n.trim().parse().unwrap())
+        .collect();
+    let expected: Vec<i64> = (5..=10).chain(15..=100).collect();
+    assert_eq!(pool, expected);
+    assert_eq!(link.head(&keys).await.unwrap(), Some(5));
+}
+
 /// Redis runs one script at a time for every tenant: a pool of a million
 /// numbers goes in, is trimmed and is emptied in parts, so no script holds
 /// it long enough to make another pool's pop wait.
