@@ -224,6 +224,12 @@ pub async fn void_id(
             }),
         ),
     });
+    // Before the transaction: reading the definition may need a
+    // connection of its own.
+    let target = state
+        .issuer
+        .void_target(&project, &doc_type, &body.id)
+        .await?;
     // The transaction holds a connection: a database turn first, and
     // detached, so a client hanging up cannot cut it short.
     let db_turn = state.db_turn(&caller).await;
@@ -233,9 +239,7 @@ pub async fn void_id(
         .detached(async move {
             let issuer = state.issuer.clone();
             let answers = idempotent::run(&state, &caller, &[keyed], 200, false, async |tx, _| {
-                let voided = issuer
-                    .void_in(tx, &project, &doc_type, &body.id, &body.reason)
-                    .await?;
+                let voided = issuer.void_in(tx, &target, &body.reason).await?;
                 let body =
                     serde_json::to_value(VoidedId::from(voided)).map_err(ApiError::internal)?;
                 Ok(vec![Answer {

@@ -18,7 +18,7 @@ use crate::ledger::outbox::{Attachment, carries_id};
 use crate::ledger::reservations::{self, NewReservations, ReservationStatus};
 use crate::ledger::{LedgerError, Via};
 use crate::pool::Placement;
-use crate::sequence::{Numbering, ProjectCode, TypeCode};
+use crate::sequence::{Numbering, ProjectCode, Sequence, TypeCode};
 use crate::sequence_store::StoreError;
 
 /// Most reservations a gapless sequence holds open (neither confirmed nor
@@ -194,6 +194,16 @@ impl Issuer {
     }
 }
 
+/// What a void names, resolved before its transaction.
+#[derive(Debug, Clone)]
+pub struct VoidTarget {
+    sequence: Arc<Sequence>,
+    seq: i64,
+    id: String,
+    /// `PROJECT/TYPE`, for the not-found answer.
+    name: String,
+}
+
 /// A reservation voided (now, or earlier: a void answers the same again).
 #[derive(Debug)]
 pub struct Voided {
@@ -218,22 +228,20 @@ pub enum VoidError {
 }
 
 impl Issuer {
-    /// Voids the reservation of `id` on the gapless sequence
-    /// `project`/`doc_type` with the caller's `reason`, in the caller's
-    /// transaction. A reservation past its deadline is voided as
-    /// `reservation_expired`, as the sweep would; one voided before
-    /// answers as it was voided.
-    pub async fn void_in(
+    /// The reservation `id` would be, found before the caller's
+    /// transaction: reading a definition may need a connection of its own,
+    /// and a request holding one while it waits for another can starve
+    /// them all (hostile review: every void of an instance timing out).
+    pub async fn void_target(
         &self,
-        conn: &mut Tx<'_>,
         project: &ProjectCode,
         doc_type: &TypeCode,
         id: &str,
-        reason: &str,
-    ) -> Result<Voided, VoidError> {
+    ) -> Result<VoidTarget, VoidError> {
+        let name = format!("{project}/{doc_type}");
         let not_found = || VoidError::NotFound {
             id: id.to_owned(),
-            sequence: format!("{project}/{doc_type}"),
+            sequence: name.clone(),
         };
         let sequence = self
             .sequences
@@ -242,6 +250,36 @@ impl Issuer {
             .filter(|s| s.definition.numbering == Numbering::Gapless)
             .ok_or_else(not_found)?;
         let seq = sequence.seq_of(id).ok_or_else(not_found)?;
+        Ok(VoidTarget {
+            sequence,
+            seq,
+            id: id.to_owned(),
+            name,
+        })
+    }
+
+    /// Voids the reservation of `id` on the gapless sequence
+    /// `project`/`doc_type` with the caller's `reason`, in the caller's
+    /// transaction. A reservation past its deadline is voided as
+    /// `reservation_expired`, as the sweep would; one voided before
+    /// answers as it was voided.
+    pub async fn void_in(
+        &self,
+        conn: &mut Tx<'_>,
+        target: &VoidTarget,
+        reason: &str,
+    ) -> Result<Voided, VoidError> {
+        let VoidTarget {
+            sequence,
+            seq,
+            id,
+            name,
+        } = target;
+        let (seq, id) = (*seq, id.as_str());
+        let not_found = || VoidError::NotFound {
+            id: id.to_owned(),
+            sequence: name.clone(),
+        };
         let Some(reservation) = reservations::lock(&mut *conn, sequence.id, seq, id).await? else {
             // A document numbered when it was written.
             return Err(if carries_id(&mut *conn, sequence.id, id).await? {

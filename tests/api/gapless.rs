@@ -231,6 +231,41 @@ async fn a_reservation_is_confirmed_by_its_document_or_voided_with_its_reason() 
     );
 }
 
+/// A void reads its sequence's definition before its transaction: read
+/// inside it, with the definition no longer cached, each void held a
+/// connection while the read waited for another, and a few at once took
+/// the whole pool until every void answered 503 (hostile review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn voids_of_a_sequence_no_longer_cached_do_not_starve_the_pool() {
+    let mut env = TestEnv::new();
+    env.db_pool_size = 4;
+    let app = env.spawn().await;
+    gapless(&app, "GV", "1", json!({})).await;
+    let mut keys = Vec::new();
+    for _ in 0..4 {
+        keys.push(create_key(&app.state, &["GV"], false).await);
+    }
+    let reserved: Value = app.post_ids("GV", "1", 40).await.json().await.unwrap();
+    let ids: Vec<String> = reserved["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), 40);
+    for round in ids.chunks(10) {
+        let sequence = app.state.sequences.get("GV", "1").await.unwrap().unwrap();
+        app.state.sequences.forget(&sequence).await;
+        let voids = round.iter().enumerate().map(|(i, id)| {
+            let body = json!({"project": "GV", "type": "1", "id": id, "reason": "cancelled"});
+            void(&app, Some(keys[i % keys.len()].as_str()), body)
+        });
+        for response in futures::future::join_all(voids).await {
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_past_its_deadline_is_voided_once_and_cannot_be_attached() {
     let mut env = TestEnv::new();
