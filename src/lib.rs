@@ -33,3 +33,4 @@ pub mod startup;
 pub mod stats;
 pub mod supervise;
 pub mod telemetry;
+pub mod text;

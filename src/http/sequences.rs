@@ -264,6 +264,22 @@ pub async fn put_sequence(
 ) -> Result<(StatusCode, axum::Json<SequenceView>), ApiError> {
     require_admin(&caller)?;
     let (project, doc_type) = parse_codes(&project, &doc_type)?;
+    // IDs are read by people: a direction override or a zero-width space
+    // would print one ID as another. Refused when a format is written
+    // (formats stored before stay readable by the service).
+    if let Some(c) = input
+        .format
+        .as_deref()
+        .and_then(|format| format.chars().find(|c| crate::text::invisible(*c)))
+    {
+        return Err(ApiError::bad_request(
+            "invalid_definition",
+            format!(
+                "the format may not contain invisible formatting characters (found U+{:04X})",
+                u32::from(c)
+            ),
+        ));
+    }
     let definition = Definition::from_input(&input, &project, &doc_type)
         .map_err(|e| ApiError::bad_request("invalid_definition", e.to_string()))?;
     let _turn = state.db_turn(&caller).await;

@@ -174,6 +174,10 @@ async fn bad_sequence_definitions_and_queries_get_their_problems() {
             json!({"format": format!("{}{{seq}}", "x".repeat(60))}),
             "64",
         ),
+        // IDs that would print as other IDs: a direction override, a
+        // zero-width space.
+        (json!({"format": "S\u{202E}{seq}"}), "U+202E"),
+        (json!({"format": "{project}\u{200B}-{seq}"}), "U+200B"),
     ];
     for (body, mention) in cases {
         let response = app.put_sequence("PROJ", "9012", body.clone()).await;
