@@ -77,6 +77,30 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     assert_eq!(shrunk, grown / 2, "target after an idle spell");
 }
 
+/// A link of our own to `server`'s pools under `prefix`, up.
+async fn link_to(
+    server: &crate::redis_server::RedisServer,
+    prefix: &str,
+) -> Arc<idpool::pool::RedisLink> {
+    let link = idpool::pool::RedisLink::connect(
+        &idpool::pool::RedisSettings {
+            url: server.url(),
+            prefix: prefix.into(),
+            clients: 1,
+            command_timeout: Duration::from_secs(5),
+        },
+        Arc::new(idpool::stats::Stats::default()),
+    )
+    .unwrap();
+    // Nothing to check the pools against here: the circuit closes once the
+    // client is connected and nothing failed since.
+    crate::helpers::eventually(Duration::from_secs(10), "redis is up", async || {
+        (link.all_connected() && link.mark_up(link.failure_count())).then_some(())
+    })
+    .await;
+    link
+}
+
 /// Numbers given back keep the pool ascending, whatever order they come
 /// back in: two leases returned lowest first once left the second above
 /// the first, so numbers went out of order and reconciliation, trusting
@@ -84,23 +108,10 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     use idpool::numbers::SeqRange;
-    use idpool::pool::{Pushed, RedisLink, RedisSettings};
+    use idpool::pool::Pushed;
 
     let server = crate::redis_server::RedisServer::start();
-    let link = RedisLink::connect(
-        &RedisSettings {
-            url: server.url(),
-            prefix: "idpool-back".into(),
-            clients: 1,
-            command_timeout: Duration::from_secs(5),
-        },
-        Arc::new(idpool::stats::Stats::default()),
-    )
-    .unwrap();
-    crate::helpers::eventually(Duration::from_secs(10), "redis is up", async || {
-        (link.all_connected() && link.mark_up(link.failure_count())).then_some(())
-    })
-    .await;
+    let link = link_to(&server, "idpool-back").await;
     let keys = link.keys("BACK", "1", "");
     let locked = link
         .acquire(&keys, "refill", Duration::from_secs(30))
@@ -136,28 +147,13 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
     use idpool::numbers::SeqRange;
-    use idpool::pool::{Pushed, RedisLink, RedisSettings};
+    use idpool::pool::Pushed;
 
     let server = crate::redis_server::RedisServer::start();
     // Anything over 50 ms is logged; a part takes about 2 ms.
     server.cli(&["CONFIG", "SET", "slowlog-log-slower-than", "50000"]);
     server.cli(&["SLOWLOG", "RESET"]);
-    let link = RedisLink::connect(
-        &RedisSettings {
-            url: server.url(),
-            prefix: "idpool-parts".into(),
-            clients: 1,
-            command_timeout: Duration::from_secs(5),
-        },
-        Arc::new(idpool::stats::Stats::default()),
-    )
-    .unwrap();
-    // Nothing to check the pools against here: the circuit closes once the
-    // client is connected and nothing failed since.
-    crate::helpers::eventually(Duration::from_secs(10), "redis is up", async || {
-        (link.all_connected() && link.mark_up(link.failure_count())).then_some(())
-    })
-    .await;
+    let link = link_to(&server, "idpool-parts").await;
     let keys = link.keys("BIG", "1", "");
     let token = "refill-token";
     let locked = link
