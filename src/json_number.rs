@@ -45,6 +45,8 @@ pub struct Decimal {
     negative: bool,
     digits: String,
     exponent: i64,
+    /// The exponent as written (after `e`), saturating.
+    written_exponent: i64,
 }
 
 impl Decimal {
@@ -78,7 +80,20 @@ impl Decimal {
             negative,
             digits,
             exponent: exponent.saturating_sub(fraction.len() as i64),
+            written_exponent: exponent,
         }
+    }
+
+    /// Whether Postgres' `numeric` takes the number: its written exponent
+    /// within ±(2^31 / 2), even for a zero (`0e99999999999999999999` is
+    /// refused), and its digits within [`POSTGRES_WHOLE_DIGITS`] before
+    /// the point and [`POSTGRES_SCALE`] after.
+    pub fn fits_postgres(&self) -> bool {
+        const EXPONENT_LIMIT: i64 = i32::MAX as i64 / 2;
+        let (whole, scale) = self.printed_digits();
+        self.written_exponent.abs() < EXPONENT_LIMIT
+            && whole <= POSTGRES_WHOLE_DIGITS
+            && scale <= POSTGRES_SCALE
     }
 
     /// One form for one value: `-` if negative, the significant digits,
@@ -183,5 +198,22 @@ mod tests {
         }
         assert_eq!(Decimal::parse("1e131000").printed_digits(), (131_001, 0));
         assert_eq!(Decimal::parse("1e-20000").printed_digits(), (1, 20_000));
+    }
+
+    #[test]
+    fn what_postgres_numeric_refuses_is_known_before_it_is_sent() {
+        for fits in ["0", "1e131000", "1e-16383", "0e1000000", "-12.5"] {
+            assert!(Decimal::parse(fits).fits_postgres(), "{fits}");
+        }
+        for refused in [
+            "1e131072",
+            "1e-16384",
+            "0e-20000",
+            "0e99999999999999999999",
+            "0.0e-99999999999999999999",
+            "0e1073741823",
+        ] {
+            assert!(!Decimal::parse(refused).fits_postgres(), "{refused}");
+        }
     }
 }

@@ -59,15 +59,17 @@ pub fn nesting_depth(raw: &str) -> usize {
 /// in every read of the outbox and every delivery. Checked before any
 /// number is taken for the document.
 pub fn unstorable_numbers(raw: &str) -> Option<NumbersRefused> {
-    use crate::json_number::{Decimal, POSTGRES_SCALE, POSTGRES_WHOLE_DIGITS, literals};
+    use crate::json_number::{Decimal, literals};
     let mut printed = raw.len() as u64;
     for literal in literals(raw) {
         let number = Decimal::parse(&raw[literal.clone()]);
-        let (whole, scale) = number.printed_digits();
-        if whole > POSTGRES_WHOLE_DIGITS || scale > POSTGRES_SCALE {
-            return Some(NumbersRefused::Unstorable(
-                raw[literal].chars().take(24).collect(),
-            ));
+        if !number.fits_postgres() {
+            let text = &raw[literal];
+            let shown = match text.char_indices().nth(24) {
+                Some((cut, _)) => format!("{}…", &text[..cut]),
+                None => text.to_owned(),
+            };
+            return Some(NumbersRefused::Unstorable(shown));
         }
         printed = printed
             .saturating_add(number.printed_len())

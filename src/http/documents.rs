@@ -225,12 +225,18 @@ fn document_input(
 fn fingerprint(input: &DocumentInput) -> Result<Vec<u8>, ApiError> {
     let metadata = idempotency::with_exact_numbers(&input.metadata)
         .map_err(|e| ApiError::bad_request("invalid_metadata", e.to_string()))?;
-    let canonical = serde_json::json!({
+    let mut canonical = serde_json::json!({
         "project": input.project.as_str(),
         "type": input.doc_type.as_str(),
         "metadata": metadata,
         "id": input.id,
     });
+    // A batch item's source id is part of what it asks (another one is
+    // another document); only when sent, so other requests keep the
+    // fingerprints stored before.
+    if let Some(source_id) = &input.source_id {
+        canonical["source_id"] = serde_json::Value::from(source_id.as_ref());
+    }
     Ok(idempotency::fingerprint("document", &canonical))
 }
 

@@ -587,6 +587,23 @@ async fn batch_items_with_keys_are_replayed_and_ids_from_post_ids_attach_once() 
     )
     .await;
     assert_eq!(problem["index"], 1);
+
+    // The same key with another source id is another request: replaying
+    // it would tell the caller s3 has a document when it has none.
+    let with_source = |source: &str| json!({"project": "MIG", "type": "1", "metadata": {"a": 4}, "source_id": source, "idempotency_key": "bk2"});
+    let first = app.post_batch(vec![with_source("s2")]).await;
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    let changed = app.post_batch(vec![with_source("s3")]).await;
+    let problem = assert_problem(
+        changed,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+    )
+    .await;
+    assert_eq!(problem["index"], 0);
+    let again = app.post_batch(vec![with_source("s2")]).await;
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["documents"][0]["replayed"], true);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

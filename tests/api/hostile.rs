@@ -479,6 +479,12 @@ async fn numbers_printed_past_the_metadata_limit_are_refused_before_a_number_is_
             StatusCode::BAD_REQUEST,
             "unstorable_value",
         ),
+        // A zero, but an exponent numeric refuses to read.
+        (
+            r#"{"a": 0e99999999999999999999}"#.to_owned(),
+            StatusCode::BAD_REQUEST,
+            "unstorable_value",
+        ),
     ];
     for (metadata, status, code) in &refused {
         let body = format!(r#"{{"project":"BIG","type":"1","metadata":{metadata}}}"#);
