@@ -389,9 +389,15 @@ impl SequenceStore {
         }
     }
 
-    pub async fn by_id(&self, id: i64) -> Result<Option<Sequence>, StoreError> {
+    /// On the caller's connection: a job holding one for its run must not
+    /// wait for a second (reconciliation did, and failed with the pool
+    /// taken).
+    pub async fn by_id(
+        conn: &mut impl crate::db::Link,
+        id: i64,
+    ) -> Result<Option<Sequence>, StoreError> {
         let row = sequence_rows!("SELECT", "FROM sequences WHERE id = $1", id)
-            .fetch_optional(&self.db)
+            .fetch_optional(conn.statements())
             .await?;
         row.map(SequenceRow::into_sequence).transpose()
     }

@@ -269,16 +269,8 @@ impl Parts {
             reservation_ttl: Duration::from_secs(config.reservation_ttl_s),
             tasks: tasks.clone(),
         });
-        let reconciler = Self::reconciler(
-            config,
-            overrides,
-            &db,
-            &pools,
-            &sequences,
-            &stats,
-            &instance_id,
-        )
-        .await?;
+        let reconciler =
+            Self::reconciler(config, overrides, &db, &pools, &stats, &instance_id).await?;
         Ok(Self {
             db,
             stats,
@@ -309,13 +301,13 @@ impl Parts {
     }
 
     /// Reconciliation, on the request pool under its own limits (a run
-    /// holds two connections: its lock's transaction and its work).
+    /// holds two connections: its work, definitions read on it too, and
+    /// its heartbeat's).
     async fn reconciler(
         config: &Config,
         overrides: &Overrides,
         db: &Db,
         pools: &Arc<PoolService>,
-        sequences: &Arc<SequenceStore>,
         stats: &Arc<Stats>,
         instance_id: &str,
     ) -> anyhow::Result<Arc<Reconciler>> {
@@ -323,7 +315,6 @@ impl Parts {
         Ok(Arc::new(Reconciler::new(
             background_db,
             pools.clone(),
-            sequences.clone(),
             overrides.clock.clone(),
             stats.clone(),
             overrides

@@ -28,7 +28,7 @@ impl Reconciler {
     ) -> Result<i64, ReconcileError> {
         let mut violations = 0;
         for period in store::gapless_periods(conn).await? {
-            let Some(sequence) = self.sequence(sequences, period.sequence_id).await? else {
+            let Some(sequence) = self.sequence(conn, sequences, period.sequence_id).await? else {
                 continue;
             };
             let from = match period.checked_below {

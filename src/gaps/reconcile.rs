@@ -92,7 +92,6 @@ fn reason_counts(counts: &BTreeMap<Reason, i64>) -> String {
 pub struct Reconciler {
     db: Db,
     pools: Arc<PoolService>,
-    sequences: Arc<SequenceStore>,
     clock: Arc<dyn Clock>,
     stats: Arc<Stats>,
     settings: ReconcileSettings,
@@ -115,7 +114,6 @@ impl Reconciler {
     pub fn new(
         db: Db,
         pools: Arc<PoolService>,
-        sequences: Arc<SequenceStore>,
         clock: Arc<dyn Clock>,
         stats: Arc<Stats>,
         settings: ReconcileSettings,
@@ -124,7 +122,6 @@ impl Reconciler {
         Self {
             db,
             pools,
-            sequences,
             clock,
             stats,
             settings,
@@ -258,7 +255,10 @@ impl Reconciler {
         // Periods with numbers not judged yet: observe them, then judge
         // what has settled.
         for period in &store::active_periods(conn).await? {
-            let Some(sequence) = self.sequence(&mut sequences, period.sequence_id).await? else {
+            let Some(sequence) = self
+                .sequence(conn, &mut sequences, period.sequence_id)
+                .await?
+            else {
                 continue;
             };
             if summary.redis_available {
@@ -279,7 +279,7 @@ impl Reconciler {
             let since =
                 previous - chrono::Duration::from_std(self.settings.lookback).unwrap_or_default();
             for ((sequence_id, period), seqs) in self.changed_since(conn, since).await? {
-                let Some(sequence) = self.sequence(&mut sequences, sequence_id).await? else {
+                let Some(sequence) = self.sequence(conn, &mut sequences, sequence_id).await? else {
                     continue;
                 };
                 let windows = runs(&seqs);
@@ -328,13 +328,14 @@ impl Reconciler {
 
     pub(super) async fn sequence(
         &self,
+        conn: &mut impl Link,
         cache: &mut HashMap<i64, Arc<Sequence>>,
         id: i64,
     ) -> Result<Option<Arc<Sequence>>, ReconcileError> {
         if let Some(sequence) = cache.get(&id) {
             return Ok(Some(sequence.clone()));
         }
-        let sequence = self.sequences.by_id(id).await?.map(Arc::new);
+        let sequence = SequenceStore::by_id(conn, id).await?.map(Arc::new);
         if let Some(sequence) = &sequence {
             cache.insert(id, sequence.clone());
         }
