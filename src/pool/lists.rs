@@ -15,31 +15,131 @@ impl RedisLink {
             return Err(RedisFailure::Open);
         }
         self.stats.pool_pops.inc();
-        self.guarded(async {
-            let reply = self
+        let token = format!("{:016x}", rand::random::<u64>());
+        let forget = self
+            .pop_book()
+            .to_forget
+            .remove(&keys.inflight)
+            .unwrap_or_default();
+        // Past our command timeout, on the server's clock, the pop takes
+        // nothing: a pop queued in a hung server runs when it wakes.
+        let deadline = self.server_clock_offset().map_or(0, |offset| {
+            now_ms() + offset + self.command_timeout.as_millis() as i64
+        });
+        let mut args = vec![count.to_string(), token.clone(), deadline.to_string()];
+        args.extend(forget.iter().cloned());
+        let reply = self
+            .guarded(self.eval(
+                &self.scripts.pop,
+                vec![keys.pool.clone(), keys.meta.clone(), keys.inflight.clone()],
+                args,
+            ))
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Whether it ran is unknown: settled before pools are used
+                // again (`resolve_pops_in_doubt`).
+                let mut book = self.pop_book();
+                book.to_forget
+                    .entry(keys.inflight.clone())
+                    .or_default()
+                    .extend(forget);
+                book.in_doubt.push((keys.clone(), token));
+                return Err(e);
+            }
+        };
+        let popped = Self::read_pop(reply)?;
+        self.saw_server_clock(popped.1);
+        if !popped.0.seqs.is_empty() {
+            self.pop_book()
+                .to_forget
+                .entry(keys.inflight.clone())
+                .or_default()
+                .push(token);
+        }
+        Ok(popped.0)
+    }
+
+    /// A pop's answer, and the server's time it carries.
+    fn read_pop(reply: Value) -> Result<(Popped, i64), RedisFailure> {
+        let mut parts = array(reply)?.into_iter();
+        let seqs = match parts.next() {
+            Some(Value::Array(values)) => values.into_iter().filter_map(|v| integer(&v)).collect(),
+            Some(Value::Null) | None => Vec::new(),
+            Some(other) => return Err(RedisFailure::Reply(format!("pop list: {other:?}"))),
+        };
+        let depth = parts.next().as_ref().and_then(integer).unwrap_or(0);
+        let target = parts.next().as_ref().and_then(integer).unwrap_or(0);
+        let server_ms = parts.next().as_ref().and_then(integer).unwrap_or(0);
+        let popped = Popped {
+            seqs,
+            depth,
+            target,
+        };
+        Ok((popped, server_ms))
+    }
+
+    pub(super) fn pop_book(&self) -> std::sync::MutexGuard<'_, super::redis::PopBook> {
+        self.pops.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn server_clock_offset(&self) -> Option<i64> {
+        *self
+            .clock_offset_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The server said it is `server_ms`: seen after it said so, our clock
+    /// is late by the answer's trip at most, so the offset errs early.
+    fn saw_server_clock(&self, server_ms: i64) {
+        if server_ms > 0 {
+            *self
+                .clock_offset_ms
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(server_ms - now_ms());
+        }
+    }
+
+    /// Reads the server's clock (before pops are allowed again).
+    pub async fn read_server_clock(&self) -> Result<(), RedisFailure> {
+        let reply = self.eval(&self.scripts.clock, vec![], vec![]).await?;
+        self.saw_server_clock(integer(&reply).unwrap_or(0));
+        Ok(())
+    }
+
+    /// Settles every pop whose caller got no answer: what one took goes
+    /// back to its pool; one that did not run yet is cancelled. Before the
+    /// pools are used again; an error leaves the rest for the next try.
+    pub async fn resolve_pops_in_doubt(&self) -> Result<usize, RedisFailure> {
+        let in_doubt = std::mem::take(&mut self.pop_book().in_doubt);
+        let mut returned = 0;
+        for (n, (keys, token)) in in_doubt.iter().enumerate() {
+            let settled = self
                 .eval(
-                    &self.scripts.pop,
-                    vec![keys.pool.clone(), keys.meta.clone()],
-                    vec![count.to_string()],
+                    &self.scripts.resolve_pop,
+                    vec![keys.pool.clone(), keys.inflight.clone()],
+                    vec![token.clone()],
                 )
-                .await?;
-            let mut parts = array(reply)?.into_iter();
-            let seqs = match parts.next() {
-                Some(Value::Array(values)) => {
-                    values.into_iter().filter_map(|v| integer(&v)).collect()
+                .await;
+            match settled {
+                Ok(back) => returned += integer(&back).unwrap_or(0) as usize,
+                Err(e) => {
+                    self.pop_book()
+                        .in_doubt
+                        .extend(in_doubt[n..].iter().cloned());
+                    return Err(e);
                 }
-                Some(Value::Null) | None => Vec::new(),
-                Some(other) => return Err(RedisFailure::Reply(format!("pop list: {other:?}"))),
-            };
-            let depth = parts.next().as_ref().and_then(integer).unwrap_or(0);
-            let target = parts.next().as_ref().and_then(integer).unwrap_or(0);
-            Ok(Popped {
-                seqs,
-                depth,
-                target,
-            })
-        })
-        .await
+            }
+        }
+        if returned > 0 {
+            tracing::info!(
+                returned,
+                "numbers of pops whose answers were lost given back to their pools"
+            );
+        }
+        Ok(returned)
     }
 
     /// Takes the pool's refill lock; `None` when another holder has it.
@@ -358,4 +458,11 @@ fn integer(value: &Value) -> Option<i64> {
         Value::Double(d) if d.fract() == 0.0 => Some(*d as i64),
         _ => None,
     }
+}
+
+/// Our clock, in ms since the epoch.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }

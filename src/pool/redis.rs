@@ -21,6 +21,9 @@ pub struct PoolKeys {
     pub pool: String,
     pub meta: String,
     pub lock: String,
+    /// What pops took, by token, until their callers have their answers
+    /// (see `scripts::POP`).
+    pub inflight: String,
 }
 
 impl PoolKeys {
@@ -36,6 +39,7 @@ impl PoolKeys {
             pool: format!("{tag}:pool"),
             meta: format!("{tag}:meta"),
             lock: format!("{tag}:lock"),
+            inflight: format!("{tag}:inflight"),
         }
     }
 
@@ -88,6 +92,17 @@ pub(super) struct Scripts {
     pub(super) give_back: Script,
     pub(super) drain: Script,
     pub(super) claim_prefix: Script,
+    pub(super) resolve_pop: Script,
+    pub(super) clock: Script,
+}
+
+/// Pops whose answers arrived (their tokens are forgotten with the next
+/// pop of the same pool), and pops whose callers got no answer (settled
+/// before the pools are used again).
+#[derive(Default)]
+pub(super) struct PopBook {
+    pub(super) to_forget: std::collections::HashMap<String, Vec<String>>,
+    pub(super) in_doubt: Vec<(PoolKeys, String)>,
 }
 
 pub struct RedisLink {
@@ -106,6 +121,11 @@ pub struct RedisLink {
     last_failure: std::sync::Mutex<String>,
     wake: Notify,
     pub(super) stats: Arc<Stats>,
+    pub(super) pops: std::sync::Mutex<PopBook>,
+    /// The server's clock less ours, in ms, as last seen (a pop's deadline
+    /// is set on the server's clock); None until first seen.
+    pub(super) clock_offset_ms: std::sync::Mutex<Option<i64>>,
+    pub(super) command_timeout: Duration,
 }
 
 pub struct RedisSettings {
@@ -174,6 +194,8 @@ impl RedisLink {
                 give_back: Script::from_lua(scripts::GIVE_BACK),
                 drain: Script::from_lua(scripts::DRAIN),
                 claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
+                resolve_pop: Script::from_lua(scripts::RESOLVE_POP),
+                clock: Script::from_lua(scripts::CLOCK),
             },
             up: AtomicBool::new(false),
             came_up: Notify::new(),
@@ -181,6 +203,9 @@ impl RedisLink {
             last_failure: std::sync::Mutex::new(String::new()),
             wake: Notify::new(),
             stats,
+            pops: Default::default(),
+            clock_offset_ms: Default::default(),
+            command_timeout: settings.command_timeout,
         });
         link.watch_connections();
         link.clients.connect_pool();

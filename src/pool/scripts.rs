@@ -2,16 +2,6 @@
 //! Every script touches the keys of one sequence period only; they share a
 //! hash tag and so one Redis Cluster slot.
 
-/// KEYS: pool, meta. ARGV: count.
-/// Pops up to `count` numbers and reports what is left and the pool's target.
-pub const POP: &str = r#"
-local popped = redis.call('LPOP', KEYS[1], ARGV[1])
-if not popped then popped = {} end
-local depth = redis.call('LLEN', KEYS[1])
-local target = tonumber(redis.call('HGET', KEYS[2], 'target') or '0') or 0
-return {popped, depth, target}
-"#;
-
 /// KEYS: lock, pool, meta. ARGV: token, ttl_ms.
 /// Takes the refill lock and, only if it was free, reports depth, target and
 /// the time of the last refill (ms) for the double check.
@@ -96,6 +86,115 @@ end
     };
 }
 
+/// Lua that merges `back` (numbers, any order) into the ascending list
+/// `key` at its head; returns the list's length (see [`GIVE_BACK`]).
+macro_rules! give_back_lua {
+    () => {
+        r#"
+local function give_back(key, back)
+  table.sort(back)
+  local top = back[#back]
+  local lower = {}
+  while true do
+    local head = redis.call('LINDEX', key, 0)
+    if not head or tonumber(head) > top then break end
+    lower[#lower + 1] = tonumber(redis.call('LPOP', key))
+  end
+  -- Both ascending: merged, then pushed highest first so the lowest ends
+  -- at the head; a number in both (a repeated give-back) goes in once.
+  local merged, i, j = {}, 1, 1
+  while i <= #back or j <= #lower do
+    local v
+    if j > #lower or (i <= #back and back[i] <= lower[j]) then
+      v = back[i]; i = i + 1
+    else
+      v = lower[j]; j = j + 1
+    end
+    if merged[#merged] ~= v then merged[#merged + 1] = v end
+  end
+  local chunk, n = {}, 0
+  for k = #merged, 1, -1 do
+    n = n + 1
+    chunk[n] = string.format('%d', merged[k])
+    if n == 4000 then
+      redis.call('LPUSH', key, unpack(chunk))
+      chunk, n = {}, 0
+    end
+  end
+  if n > 0 then redis.call('LPUSH', key, unpack(chunk)) end
+  return redis.call('LLEN', key)
+end
+"#
+    };
+}
+
+/// KEYS: pool, meta, inflight. ARGV: count, token, deadline (ms on the
+/// server's clock, 0 for none), then tokens of earlier pops whose answers
+/// arrived (forgotten here).
+/// Pops up to `count` numbers and reports what is left, the pool's target,
+/// the server's time (ms) and whether the pop came too late (1). A pop
+/// the server runs after its caller gave up takes nothing: past its
+/// deadline, or after its caller cancelled its token (see [`RESOLVE_POP`]).
+/// What a pop takes is kept under its token in `inflight` until its caller
+/// says it got the answer, so a pop whose answer was lost with its
+/// connection is found and given back.
+pub const POP: &str = concat!(
+    runs_lua!(),
+    r#"
+local inflight = KEYS[3]
+for i = 4, #ARGV do redis.call('HDEL', inflight, ARGV[i]) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local target = tonumber(redis.call('HGET', KEYS[2], 'target') or '0') or 0
+local deadline = tonumber(ARGV[3])
+if redis.call('HDEL', inflight, ARGV[2]) == 1 or (deadline > 0 and now > deadline) then
+  return {{}, redis.call('LLEN', KEYS[1]), target, now, 1}
+end
+local popped = redis.call('LPOP', KEYS[1], ARGV[1])
+if not popped then popped = {} end
+if #popped > 0 then
+  redis.call('HSET', inflight, ARGV[2], table.concat(runs(popped, false), ','))
+  redis.call('PEXPIRE', inflight, 3600000)
+end
+return {popped, redis.call('LLEN', KEYS[1]), target, now, 0}
+"#
+);
+
+/// KEYS: pool, inflight. ARGV: token.
+/// Settles a pop whose caller got no answer (a timeout, a lost
+/// connection): if it ran, its numbers (which nobody received) go back to
+/// the head of the pool, merged as by [`GIVE_BACK`]; if not, its token is
+/// cancelled so that, run later, it takes nothing. Returns how many
+/// numbers went back.
+pub const RESOLVE_POP: &str = concat!(
+    give_back_lua!(),
+    r#"
+local entry = redis.call('HGET', KEYS[2], ARGV[1])
+if not entry then
+  redis.call('HSET', KEYS[2], ARGV[1], 'cancelled')
+  redis.call('PEXPIRE', KEYS[2], 3600000)
+  return 0
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+if entry == 'cancelled' then return 0 end
+local bounds = {}
+for v in string.gmatch(entry, '[^,]+') do bounds[#bounds + 1] = tonumber(v) end
+local back = {}
+for i = 1, #bounds - 1, 2 do
+  for n = bounds[i], bounds[i + 1] do back[#back + 1] = n end
+end
+if #back == 0 then return 0 end
+give_back(KEYS[1], back)
+return #back
+"#
+);
+
+/// The server's time in ms.
+pub const CLOCK: &str = r#"
+local t = redis.call('TIME')
+return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"#;
+
 /// KEYS: pool, meta, drain. ARGV: 'foreign' (empty the pool unless this
 /// very server filled it) or 'all'.
 /// Empties the pool in one step by renaming its list to `drain` (which
@@ -148,41 +247,14 @@ return owner
 /// only numbers given back earlier (a pool's numbers above a leased one
 /// were all there when it was leased, and refills go to the tail), so few.
 /// Returns the pool's depth.
-pub const GIVE_BACK: &str = r#"
+pub const GIVE_BACK: &str = concat!(
+    give_back_lua!(),
+    r#"
 local back = {}
 for i, v in ipairs(ARGV) do back[i] = tonumber(v) end
-table.sort(back)
-local top = back[#back]
-local lower = {}
-while true do
-  local head = redis.call('LINDEX', KEYS[1], 0)
-  if not head or tonumber(head) > top then break end
-  lower[#lower + 1] = tonumber(redis.call('LPOP', KEYS[1]))
-end
--- Both ascending: merged, then pushed highest first so the lowest ends
--- at the head; a number in both (a repeated give-back) goes in once.
-local merged, i, j = {}, 1, 1
-while i <= #back or j <= #lower do
-  local v
-  if j > #lower or (i <= #back and back[i] <= lower[j]) then
-    v = back[i]; i = i + 1
-  else
-    v = lower[j]; j = j + 1
-  end
-  if merged[#merged] ~= v then merged[#merged + 1] = v end
-end
-local chunk, n = {}, 0
-for k = #merged, 1, -1 do
-  n = n + 1
-  chunk[n] = string.format('%d', merged[k])
-  if n == 4000 then
-    redis.call('LPUSH', KEYS[1], unpack(chunk))
-    chunk, n = {}, 0
-  end
-end
-if n > 0 then redis.call('LPUSH', KEYS[1], unpack(chunk)) end
-return redis.call('LLEN', KEYS[1])
-"#;
+return give_back(KEYS[1], back)
+"#
+);
 
 /// KEYS: pool. ARGV: max, part.
 /// Removes up to `part` numbers above `max` from the tail of the ascending

@@ -18,6 +18,10 @@ impl PoolService {
     pub async fn resync(&self) -> Result<Resynced, ResyncError> {
         self.stats.redis_resyncs.inc();
         self.redis.claim_prefix(&self.settings.installation).await?;
+        self.redis.read_server_clock().await?;
+        // Numbers of pops whose answers were lost go back before any pool
+        // is judged or used.
+        self.redis.resolve_pops_in_doubt().await?;
         let mut resynced = Resynced::default();
         for key in self.redis.pool_keys(None).await? {
             let Some((project, doc_type, period)) =
