@@ -128,15 +128,15 @@ pub struct Config {
     )]
     pub redis_start_wait_ms: u64,
 
-    /// Postgres connections of this instance, all told (requests and
-    /// writers, refills, the notification listener, reconciliation); at
-    /// least 4.
+    /// Postgres connections of this instance, all told, shared out as
+    /// `startup::ConnectionBudget` says (requests, the shared writers,
+    /// background work, refills, the notification listener); at least 8.
     #[arg(
         long = "idpool-db-pool-size",
         env = "IDPOOL_DB_POOL_SIZE",
         value_name = "IDPOOL_DB_POOL_SIZE",
-        default_value_t = 8,
-        value_parser = clap::value_parser!(u32).range(4..=10_000),
+        default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(8..=10_000),
     )]
     pub db_pool_size: u32,
 

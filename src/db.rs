@@ -406,6 +406,125 @@ where
     }
 }
 
+/// Longest a request waits for the answer to a `COMMIT` it sent before it
+/// takes the connection for broken and asks a fresh one what became of the
+/// commit (a network that stalls without closing never answers).
+pub const COMMIT_ANSWER_WAIT: Duration = Duration::from_secs(10);
+
+/// A transaction to be looked up should its commit's answer be lost: its
+/// id and the session that runs it.
+#[derive(Debug, Clone, Copy)]
+struct TransactionId {
+    xid: i64,
+    session: Option<Session>,
+}
+
+impl TransactionId {
+    /// Of the transaction `tx` runs (one round trip; assigns it an id).
+    async fn of(tx: &mut Tx<'_>) -> Result<Self, sqlx::Error> {
+        let row = sqlx::query!(
+            r#"SELECT txid_current() AS "xid!", pg_backend_pid() AS "pid!",
+                      (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"#
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        let session = match (tx.is_ours(), row.started) {
+            (true, Some(started)) => Some(Session {
+                pid: row.pid,
+                started,
+            }),
+            _ => None,
+        };
+        Ok(Self {
+            xid: row.xid,
+            session,
+        })
+    }
+
+    /// Whether it committed, asked on a fresh connection once the server
+    /// answers (after its session ended); None when that took longer than
+    /// `IN_DOUBT_PATIENCE`.
+    async fn committed(self, db: &Db) -> Option<bool> {
+        once_answering(db, IN_DOUBT_PATIENCE, self.session, |mut conn| async move {
+            let status = sqlx::query_scalar!(r#"SELECT txid_status($1) AS status"#, self.xid)
+                .fetch_one(&mut conn)
+                .await?;
+            match status.as_deref() {
+                Some("committed") => Ok(true),
+                Some("aborted") => Ok(false),
+                // Still running (behind a pooler, where its session is not
+                // ours to end) or forgotten: asked again.
+                _ => Err(sqlx::Error::Protocol(format!(
+                    "transaction {} still {status:?}",
+                    self.xid
+                ))),
+            }
+        })
+        .await
+    }
+}
+
+/// Runs `work` in a transaction whose commit answers a request, so that an
+/// error means nothing was written: the request's commitment
+/// (`crate::commitment`) is asked before the `COMMIT` is sent (a request
+/// withdrawn at its deadline rolls back), and a `COMMIT` whose answer was
+/// lost (the connection broke, or gave no answer within
+/// `COMMIT_ANSWER_WAIT`) is looked up by its transaction id on a fresh
+/// connection: committed, the request gets its answer; not, its error.
+/// Only when Postgres does not say within `IN_DOUBT_PATIENCE` is the
+/// outcome unknown (`NotAnswered::Unknown`).
+pub async fn answer_in_transaction<T, E>(
+    db: &Db,
+    work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<sqlx::Error> + From<crate::commitment::NotAnswered>,
+{
+    use crate::commitment::{Commitment, NotAnswered};
+    let mut conn = db.acquire().await?;
+    let mut tx = conn.begin().await?;
+    let id = TransactionId::of(&mut tx).await?;
+    let done = match work(&mut tx).await {
+        Ok(done) => done,
+        Err(e) => {
+            tx.rollback().await?;
+            return Err(e);
+        }
+    };
+    let commitment = Commitment::current();
+    if commitment.as_ref().is_some_and(|c| !c.begin_send()) {
+        tx.rollback().await?;
+        return Err(NotAnswered::Withdrawn.into());
+    }
+    let not_written = || {
+        if let Some(commitment) = &commitment {
+            commitment.not_written();
+        }
+    };
+    let error = match tokio::time::timeout(COMMIT_ANSWER_WAIT, tx.commit()).await {
+        Ok(Ok(())) => return Ok(done),
+        Ok(Err(e)) if !may_have_committed(&e) => {
+            not_written();
+            return Err(e.into());
+        }
+        Ok(Err(e)) => e,
+        Err(_) => sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "no answer to COMMIT",
+        )),
+    };
+    // The connection may be mid-answer: closed, never reused.
+    conn.discard();
+    match id.committed(db).await {
+        Some(true) => Ok(done),
+        Some(false) => {
+            not_written();
+            Err(error.into())
+        }
+        None => Err(NotAnswered::Unknown(error.to_string()).into()),
+    }
+}
+
 /// Applies the migrations not applied yet, in sqlx's bookkeeping table
 /// (`_sqlx_migrations`), all in one transaction that holds a
 /// transaction-scoped advisory lock: instances started together apply them
@@ -553,4 +672,37 @@ pub(crate) async fn scratch() -> Db {
         .expect("a scratch database on the server of DATABASE_URL");
     migrate(&pool).await.expect("migrations");
     pool
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The writers' pool is a sibling of the requests' with a shorter lock
+    /// wait, given as a startup parameter: it must win over the one the
+    /// requests' options already carry.
+    #[tokio::test]
+    async fn a_sibling_pool_connects_with_its_own_limits() {
+        let db = scratch().await;
+        let writers = db
+            .sibling(
+                1,
+                Limits {
+                    lock: Duration::from_millis(200),
+                    ..Limits::default()
+                },
+            )
+            .await
+            .expect("the writers' pool");
+        let lock: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(&writers)
+            .await
+            .expect("SHOW");
+        assert_eq!(lock, "200ms");
+        let requests: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(&db)
+            .await
+            .expect("SHOW");
+        assert_eq!(requests, "2s");
+    }
 }

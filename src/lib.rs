@@ -9,6 +9,7 @@ pub mod batch;
 pub mod cli;
 pub mod clock;
 pub mod coalesce;
+pub mod commitment;
 pub mod config;
 pub mod counter;
 pub mod db;

@@ -69,9 +69,10 @@ impl Application {
     }
 
     pub async fn build_with(config: &Config, overrides: Overrides) -> anyhow::Result<Self> {
+        let budget = ConnectionBudget::of(config);
         let db = db::connect(
             &config.database_url,
-            ConnectionBudget::of(config).requests,
+            budget.requests + budget.listener,
             config.db_limits(),
             config.pg_pooler,
         )
@@ -217,7 +218,10 @@ async fn migrate_when_writable(
 
 /// Everything the routes and the background tasks share, built once.
 struct Parts {
+    /// Requests' connections (and the notification listener's).
     db: Db,
+    /// Background work's own: it never takes the requests'.
+    background_db: Db,
     stats: Arc<Stats>,
     keys: Arc<KeyStore>,
     auth: Arc<Authenticator>,
@@ -235,7 +239,26 @@ impl Parts {
         db: Db,
         stats: Arc<Stats>,
     ) -> anyhow::Result<Self> {
-        let keys = Arc::new(KeyStore::new(db.clone()));
+        let budget = ConnectionBudget::of(config);
+        let background_db = db
+            .sibling(budget.background, config.db_limits().for_background())
+            .await?;
+        // The shared writers keep a connection each, with their own limit on
+        // lock waits as a startup parameter (no transaction wrapped around
+        // each write for a SET LOCAL): a wait means another transaction
+        // holds a number it should not, and everyone queued behind the write
+        // waits with it, so it gives up soon and the request at fault is found.
+        let writer_db = db
+            .sibling(
+                budget.writers,
+                crate::db::Limits {
+                    lock: Duration::from_millis(200),
+                    ..config.db_limits()
+                },
+            )
+            .await?;
+        // Key reloads and the shared look for unknown keys: background work.
+        let keys = Arc::new(KeyStore::new(background_db.clone()));
         keys.load_all().await?;
         let auth = Self::auth(config, &keys);
         let sequences = Arc::new(SequenceStore::new(
@@ -262,6 +285,8 @@ impl Parts {
             clock: overrides.clock.clone(),
             stats: stats.clone(),
             db: db.clone(),
+            writer_db,
+            background_db: background_db.clone(),
             leases: LeaseSettings {
                 enabled: config.leases.is_on(),
                 ..overrides.leases.clone().unwrap_or_default()
@@ -269,10 +294,18 @@ impl Parts {
             reservation_ttl: Duration::from_secs(config.reservation_ttl_s),
             tasks: tasks.clone(),
         });
-        let reconciler =
-            Self::reconciler(config, overrides, &db, &pools, &stats, &instance_id).await?;
+        let reconciler = Self::reconciler(
+            config,
+            overrides,
+            &background_db,
+            &pools,
+            &stats,
+            &instance_id,
+        )
+        .await?;
         Ok(Self {
             db,
+            background_db,
             stats,
             keys,
             auth,
@@ -300,9 +333,9 @@ impl Parts {
         })
     }
 
-    /// Reconciliation, on the request pool under its own limits (a run
-    /// holds two connections: its work, definitions read on it too, and
-    /// its heartbeat's).
+    /// Reconciliation, on the background pool (a run holds two
+    /// connections: its work, definitions read on it too, and its
+    /// heartbeat's).
     async fn reconciler(
         config: &Config,
         overrides: &Overrides,
@@ -311,9 +344,8 @@ impl Parts {
         stats: &Arc<Stats>,
         instance_id: &str,
     ) -> anyhow::Result<Arc<Reconciler>> {
-        let background_db = db.under(&config.db_limits().for_background());
         Ok(Arc::new(Reconciler::new(
-            background_db,
+            db.clone(),
             pools.clone(),
             overrides.clock.clone(),
             stats.clone(),
@@ -407,7 +439,7 @@ impl Parts {
         supervisor.spawn("reservation expiry", move || {
             issuer.clone().expire_reservations(expiry_stop.clone())
         });
-        let (prune_db, prune_stop) = (db.clone(), stop.clone());
+        let (prune_db, prune_stop) = (self.background_db.clone(), stop.clone());
         supervisor.spawn("idempotency pruning", move || {
             idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
         });
@@ -448,7 +480,7 @@ impl Parts {
             },
         )?;
         let processor = Arc::new(Processor::with_tenants(
-            self.db.clone(),
+            self.background_db.clone(),
             sink,
             config.processor_settings(),
             wake,
@@ -497,7 +529,7 @@ impl Parts {
             probes: Default::default(),
             in_flight: FairSlots::new(usize::MAX / 2, config.max_in_flight_per_key as usize),
             db_turns: FairSlots::new(
-                request_db_turns(ConnectionBudget::of(config).requests),
+                ConnectionBudget::of(config).requests as usize,
                 usize::MAX / 2,
             ),
         }))
@@ -512,39 +544,44 @@ impl Parts {
 pub const BATCH_BODIES_PER_KEY: usize = 4;
 
 /// How the instance's Postgres connections (`IDPOOL_DB_POOL_SIZE`, all
-/// told) are shared. Refills have a pool of their own, so a busy request
-/// path makes them slower, never leaves the pools empty; the listener
-/// takes one when it listens on the pool.
+/// told) are shared. Each share is a pool of its own, so no kind of work
+/// waits on a connection another kind holds: requests (handed out fairly
+/// per key as database turns), the shared writers that answer requests,
+/// background work (outbox loops, handout records, lease returns, sweeps,
+/// key reloads, reconciliation), refills (a busy request path makes them
+/// slower, never leaves the pools empty), and the listener when it listens
+/// on the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionBudget {
-    /// Requests, the writers, the outbox loops and reconciliation.
+    /// Requests that hold a connection of their own (lists, reads, keyed
+    /// and batched writes, PUT) and the counter when the pool is short.
     pub requests: u32,
+    /// The shared ledger writer and the gapless write stage, one each.
+    pub writers: u32,
+    pub background: u32,
     pub refills: u32,
     pub listener: u32,
 }
 
 impl ConnectionBudget {
     pub fn of(config: &Config) -> Self {
-        let total = config.db_pool_size.max(4);
+        let total = config.db_pool_size.max(8);
         let listener =
             match listen::Source::new_kind(config.pg_pooler, config.pg_listen_url.is_some()) {
                 listen::Kind::Pool => 1,
                 _ => 0,
             };
-        let refills = (config.refill_concurrency as u32).clamp(1, if total >= 8 { 2 } else { 1 });
+        let refills = (config.refill_concurrency as u32).clamp(1, if total >= 12 { 2 } else { 1 });
+        let writers = 2;
+        let background = (total / 4).max(2);
         Self {
-            requests: total - refills - listener,
+            requests: total - refills - listener - writers - background,
+            writers,
+            background,
             refills,
             listener,
         }
     }
-}
-
-/// Request-path turns on the Postgres pool: its connections less those the
-/// instance's own work keeps (the shared ledger writer, the handout writer,
-/// two outbox loops), at least two.
-pub fn request_db_turns(pool_size: u32) -> usize {
-    (pool_size as usize).saturating_sub(4).max(2)
 }
 
 /// Cancels `stop` on SIGTERM or SIGINT.

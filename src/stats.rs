@@ -89,6 +89,9 @@ pub struct Stats {
     /// Numbers surely not issued that Redis could not take back, held until
     /// the pools are in use again.
     pub numbers_unreturned: Gauge,
+    /// Numbers handed out of leases whose handout record is not written
+    /// yet (written every few milliseconds, off the answers' path).
+    pub handouts_unreported: Gauge,
     pub lease_numbers: Counter,
     /// Numbers handed to callers from a lease (no Redis call, no commit).
     pub lease_numbers_served: Counter,
@@ -226,6 +229,10 @@ const METRICS: &[(&str, &str)] = &[
         "Numbers surely not issued that Redis could not take back, held until the pools are in use again",
     ),
     (
+        "handouts_unreported",
+        "Numbers handed out of leases whose handout record is not written yet (written every few milliseconds, off the answers' path)",
+    ),
+    (
         "lease_numbers",
         "Numbers in the leases this instance recorded",
     ),
@@ -327,6 +334,7 @@ impl Default for Stats {
             leases_taken: registered(r, "leases", Counter::default()),
             lease_returns_retrying: registered(r, "lease_returns_retrying", Gauge::default()),
             numbers_unreturned: registered(r, "numbers_unreturned", Gauge::default()),
+            handouts_unreported: registered(r, "handouts_unreported", Gauge::default()),
             lease_numbers: registered(r, "lease_numbers", Counter::default()),
             lease_numbers_served: registered(r, "lease_numbers_served", Counter::default()),
             lease_numbers_returned: registered(r, "lease_numbers_returned", Counter::default()),

@@ -79,17 +79,9 @@ impl Shape {
         }
     }
 
-    /// The `BEGIN` with, if asked, a shorter lock wait for this one
-    /// transaction (always `SET LOCAL`: nothing outlives the transaction).
-    fn begin(&self, lock_wait: Option<std::time::Duration>) -> String {
-        match lock_wait {
-            None => self.begin.clone(),
-            Some(wait) => format!(
-                "{}; SET LOCAL lock_timeout = '{}ms'",
-                self.begin,
-                wait.as_millis().max(1)
-            ),
-        }
+    /// The `BEGIN` of a transaction.
+    fn begin(&self) -> String {
+        self.begin.clone()
     }
 }
 
@@ -151,12 +143,11 @@ impl Db {
         Ok(Conn {
             conn: self.pool.acquire().await?,
             shape: self.shape.clone(),
-            lock_wait: None,
         })
     }
 
     pub async fn begin(&self) -> Result<Tx<'static>, sqlx::Error> {
-        let begin = self.shape.begin(None);
+        let begin = self.shape.begin();
         Ok(Tx {
             inner: self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?,
             shape: self.shape.clone(),
@@ -168,7 +159,6 @@ impl Db {
 pub struct Conn {
     conn: PoolConnection<Postgres>,
     shape: Arc<Shape>,
-    lock_wait: Option<std::time::Duration>,
 }
 
 impl fmt::Debug for Conn {
@@ -180,14 +170,8 @@ impl fmt::Debug for Conn {
 }
 
 impl Conn {
-    /// Every statement on this connection waits at most `wait` for a
-    /// lock (each in a transaction that sets it, when not in one).
-    pub fn wait_for_locks_at_most(&mut self, wait: std::time::Duration) {
-        self.lock_wait = Some(wait);
-    }
-
     pub async fn begin(&mut self) -> Result<Tx<'_>, sqlx::Error> {
-        let begin = self.shape.begin(self.lock_wait);
+        let begin = self.shape.begin();
         Ok(Tx {
             inner: Connection::begin_with(&mut *self.conn, sqlx::AssertSqlSafe(begin)).await?,
             shape: self.shape.clone(),
@@ -233,6 +217,12 @@ impl Tx<'_> {
 
     pub async fn rollback(self) -> Result<(), sqlx::Error> {
         self.inner.rollback().await
+    }
+
+    /// Whether the server session behind this transaction stays ours
+    /// after it ends (no pooler hands it to another client).
+    pub fn is_ours(&self) -> bool {
+        self.shape.pooler == Pooler::None
     }
 
     /// The server session behind this transaction, when it stays ours
@@ -301,7 +291,6 @@ impl Link for Conn {
         Statements {
             conn: &mut self.conn,
             shape: &self.shape,
-            lock_wait: self.lock_wait,
             in_transaction: false,
         }
     }
@@ -321,7 +310,6 @@ impl Link for Tx<'_> {
         Statements {
             conn: &mut self.inner,
             shape: &self.shape,
-            lock_wait: None,
             in_transaction: true,
         }
     }
@@ -331,7 +319,6 @@ impl Link for Tx<'_> {
 pub struct Statements<'a> {
     conn: &'a mut sqlx::PgConnection,
     shape: &'a Shape,
-    lock_wait: Option<std::time::Duration>,
     in_transaction: bool,
 }
 
@@ -346,11 +333,9 @@ impl fmt::Debug for Statements<'_> {
 
 impl Statements<'_> {
     /// Whether a statement must run in a transaction of its own: where
-    /// limits are set per transaction, or this connection waits less for
-    /// locks than its pool (set only with `SET LOCAL`, never for a
-    /// session).
+    /// limits are set per transaction.
     fn alone(&self) -> bool {
-        !self.in_transaction && (self.shape.per_transaction || self.lock_wait.is_some())
+        !self.in_transaction && self.shape.per_transaction
     }
 }
 
@@ -359,10 +344,9 @@ impl Statements<'_> {
 async fn alone<'q, E: 'q + Execute<'q, Postgres>>(
     conn: &mut sqlx::PgConnection,
     shape: &Shape,
-    lock_wait: Option<std::time::Duration>,
     statement: E,
 ) -> Result<Vec<Step>, sqlx::Error> {
-    let begin = sqlx::AssertSqlSafe(shape.begin(lock_wait));
+    let begin = sqlx::AssertSqlSafe(shape.begin());
     let mut tx = Connection::begin_with(conn, begin).await?;
     let steps = (&mut *tx)
         .fetch_many(Shaped {
@@ -414,7 +398,7 @@ impl<'c> Executor<'c> for &'c Db {
         }
         replay(async move {
             let mut conn = self.pool.acquire().await?;
-            alone(&mut conn, &self.shape, None, query).await
+            alone(&mut conn, &self.shape, query).await
         })
     }
 
@@ -431,7 +415,7 @@ impl<'c> Executor<'c> for &'c Db {
         }
         Box::pin(async move {
             let mut conn = self.pool.acquire().await?;
-            Ok(first_row(alone(&mut conn, &self.shape, None, query).await?))
+            Ok(first_row(alone(&mut conn, &self.shape, query).await?))
         })
     }
 
@@ -466,7 +450,7 @@ impl<'c> Executor<'c> for Statements<'c> {
         E: 'q + Execute<'q, Postgres>,
     {
         if self.alone() {
-            return replay(alone(self.conn, self.shape, self.lock_wait, query));
+            return replay(alone(self.conn, self.shape, query));
         }
         self.conn.fetch_many(Shaped {
             statement: query,
@@ -484,7 +468,7 @@ impl<'c> Executor<'c> for Statements<'c> {
     {
         if self.alone() {
             return Box::pin(async move {
-                let steps = alone(self.conn, self.shape, self.lock_wait, query).await?;
+                let steps = alone(self.conn, self.shape, query).await?;
                 Ok(first_row(steps))
             });
         }

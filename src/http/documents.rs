@@ -365,6 +365,10 @@ async fn accept_keyed(
         ApiError::from(e)
     })?;
     let documents = &state.documents;
+    documents
+        .wait_for_handouts(&inputs, &placements)
+        .await
+        .map_err(ApiError::from)?;
     idempotent::run(state, caller, &keys, 202, itemized, async |tx, fresh| {
         let fresh_inputs: Vec<DocumentInput> = fresh.iter().map(|i| inputs[*i].clone()).collect();
         let accepted = documents

@@ -100,16 +100,38 @@ where
     W: AsyncFnOnce(&mut Tx<'_>, &[usize]) -> Result<Vec<Answer>, ApiError>,
 {
     let at = |e: ApiError, index: usize| if itemized { e.at_index(index) } else { e };
-    let (mut fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
-    let mut tx = state.db.begin().await.map_err(db_error)?;
+    let (fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
+    // An error answer means nothing was written: see `answer_in_transaction`.
+    let (answers, fates) = crate::db::answer_in_transaction(&state.db, async |tx| {
+        claim_and_work(tx, caller, keys, status, fates, &to_claim, at, work).await
+    })
+    .await?;
+    complete(answers, fates)
+}
+
+/// The body of [`run`]'s transaction: claims, the work, the stored answers.
+#[allow(clippy::too_many_arguments)]
+async fn claim_and_work<W>(
+    tx: &mut Tx<'_>,
+    caller: &Caller,
+    keys: &[Option<Keyed>],
+    status: u16,
+    mut fates: Vec<Fate>,
+    to_claim: &[usize],
+    at: impl Fn(ApiError, usize) -> ApiError,
+    work: W,
+) -> Result<(Vec<Option<Answer>>, Vec<Fate>), ApiError>
+where
+    W: AsyncFnOnce(&mut Tx<'_>, &[usize]) -> Result<Vec<Answer>, ApiError>,
+{
     if !to_claim.is_empty() {
         let claims: Vec<(String, Vec<u8>)> = to_claim
             .iter()
             .filter_map(|i| keys[*i].as_ref())
             .map(|k| (k.key.clone(), k.fingerprint.clone()))
             .collect();
-        let claimed = claim(&mut tx, caller, &claims).await?;
-        for (claimed, index) in claimed.into_iter().zip(&to_claim) {
+        let claimed = claim(tx, caller, &claims).await?;
+        for (claimed, index) in claimed.into_iter().zip(to_claim) {
             match claimed {
                 Claimed::New => {}
                 Claimed::Replay(stored) => fates[*index] = Fate::Replay(stored.response),
@@ -123,7 +145,7 @@ where
     let done = if fresh.is_empty() {
         Vec::new()
     } else {
-        work(&mut tx, &fresh).await?
+        work(tx, &fresh).await?
     };
     let mut answers: Vec<Option<Answer>> = (0..keys.len()).map(|_| None).collect();
     for (index, answer) in fresh.iter().zip(done) {
@@ -139,11 +161,10 @@ where
             ))
         })
         .collect();
-    idempotency::store(&mut tx, caller, &stored)
+    idempotency::store(tx, caller, &stored)
         .await
         .map_err(db_error)?;
-    tx.commit().await.map_err(db_error)?;
-    complete(answers, fates)
+    Ok((answers, fates))
 }
 
 /// Claims the keys in the caller's transaction, after twins of this

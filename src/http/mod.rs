@@ -39,6 +39,7 @@ use utoipa_swagger_ui::SwaggerUi;
 
 use crate::auth::Authenticator;
 use crate::clock::Clock;
+use crate::commitment::Commitment;
 use crate::documents::Documents;
 use crate::fair::FairSlots;
 use crate::gaps::reconcile::Reconciler;
@@ -362,7 +363,9 @@ impl MakeRequestId for RequestIds {
 /// What every request meets first: a URL Postgres could not store is
 /// refused, and the request gets `limit` to finish (its body must have
 /// arrived by then: the body extractor answers 408, a moment before this
-/// answers 503).
+/// answers 503). At the deadline the request is withdrawn (503, nothing
+/// written) unless a write of it was sent: then it waits for that write's
+/// true outcome (`crate::commitment`, `db::answer_in_transaction`).
 async fn guard(limit: Duration, mut req: Request, next: Next) -> Response {
     let uri = req.uri();
     if has_nul_escape(uri.path()) || uri.query().is_some_and(has_nul_escape) {
@@ -376,20 +379,14 @@ async fn guard(limit: Duration, mut req: Request, next: Next) -> Response {
     req.extensions_mut()
         .insert(extract::BodyDeadline(started + limit));
     let grace = Duration::from_millis(200);
-    match tokio::time::timeout_at(started + limit + grace, next.run(req)).await {
+    let commitment = Commitment::new();
+    let serving = Commitment::scope(commitment.clone(), next.run(req));
+    tokio::pin!(serving);
+    match tokio::time::timeout_at(started + limit + grace, serving.as_mut()).await {
         Ok(response) => response,
-        Err(_) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "timeout",
-            format!("the request took longer than {} s", limit.as_secs()),
-        )
-        // Slow because a store is (a failover, an overload): worth a
-        // retry soon, like every other 503.
-        .with_header(
-            axum::http::header::RETRY_AFTER,
-            axum::http::HeaderValue::from_static("1"),
-        )
-        .into_response(),
+        Err(_) if commitment.withdraw() => problem::timed_out().into_response(),
+        // A write was sent: its outcome is the answer.
+        Err(_) => serving.await,
     }
 }
 

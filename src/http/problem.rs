@@ -227,6 +227,7 @@ impl From<IssueError> for ApiError {
             }
             IssueError::Store(e) => e.into(),
             IssueError::Ledger(e) => e.into(),
+            IssueError::NotAnswered(e) => e.into(),
             IssueError::Counter(e) => db_error(e),
             IssueError::Interrupted(e) if e.is_cancelled() => Self::unavailable(e),
             IssueError::Interrupted(e) => Self::internal(e),
@@ -256,6 +257,7 @@ impl From<LedgerError> for ApiError {
                 e.to_string(),
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            LedgerError::Withdrawn => timed_out(),
             LedgerError::Db(_)
             | LedgerError::ReadOnly(_)
             | LedgerError::NotCommitted(_)
@@ -264,6 +266,51 @@ impl From<LedgerError> for ApiError {
             | LedgerError::Closed => Self::unavailable(e),
         }
     }
+}
+
+impl From<crate::commitment::NotAnswered> for ApiError {
+    fn from(e: crate::commitment::NotAnswered) -> Self {
+        match e {
+            crate::commitment::NotAnswered::Withdrawn => timed_out(),
+            // No Retry-After: a retry without an Idempotency-Key could
+            // write twice. Logged like an outage (it is one).
+            crate::commitment::NotAnswered::Unknown(cause) => {
+                static UNKNOWN: Repeated = Repeated::new("write outcome unknown");
+                match UNKNOWN.occurred() {
+                    Say::Started => tracing::error!(error = %cause, "write outcome unknown"),
+                    Say::Again(times) => {
+                        tracing::error!(error = %cause, times, "write outcome unknown")
+                    }
+                    Say::Quiet => {}
+                }
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "outcome_unknown",
+                    "the write was sent, and the database did not say whether it landed in all \
+                     the time it was waited for; look the result up (GET /api/v1/documents/{id}) \
+                     or retry with the same Idempotency-Key",
+                )
+            }
+        }
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        db_error(e)
+    }
+}
+
+/// The request's deadline passed before anything of it was written.
+pub fn timed_out() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "timeout",
+        "the request took longer than its timeout; nothing of it was written",
+    )
+    // Slow because a store is (a failover, an overload): worth a retry
+    // soon, like every other 503.
+    .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
 }
 
 /// Connection trouble, timeouts and lock waits are a 503 the client may

@@ -60,8 +60,7 @@ impl Issuer {
                     })
                 }
                 Want::Ids { count } => {
-                    let mut conn = issuer.db.acquire().await?;
-                    crate::db::in_transaction(&mut conn, async |tx| {
+                    crate::db::answer_in_transaction(&issuer.db, async |tx| {
                         issuer.gapless_in(tx, &placement, count, Via::Ids).await
                     })
                     .await
@@ -332,7 +331,8 @@ impl Issuer {
         );
         let failures = crate::log_limit::Repeated::new("expired reservations could not be voided");
         loop {
-            match reservations::expire_due(&self.db, self.clock.now(), SWEEP_BATCH).await {
+            match reservations::expire_due(&self.background_db, self.clock.now(), SWEEP_BATCH).await
+            {
                 Ok(n) => {
                     self.stats.reservations_expired.inc_by(n);
                     if n as i64 == SWEEP_BATCH {

@@ -1,165 +1,166 @@
-//! The handout writer: which leased numbers went to which callers, recorded
-//! for every request waiting at once in one statement (its own commit)
-//! before their answers leave, so an ID answered is attachable at once
-//! through any instance, and still after this one was killed.
+//! The handout reporter: which leased numbers went to callers, written in
+//! the background, every few milliseconds, for everything handed out
+//! meanwhile in one statement. No answer waits for it: the lease's ledger
+//! row already covers the numbers (committed before any of them went out),
+//! and an attach of an ID whose handout is not written yet waits for it, or
+//! for the lease's expiry (`ledger::LEASE_TTL`) if this instance died first.
 
-use crate::db::{Conn, Db};
-use tokio::sync::{mpsc, oneshot};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{Notify, mpsc};
 use tokio_util::task::TaskTracker;
 
-use crate::db::Session;
-use crate::ledger::{self, LeaseReport, LedgerError};
+use crate::backoff::Backoff;
+use crate::db::{Conn, Db};
+use crate::ledger::{self, LeaseReport};
+use crate::log_limit::Repeated;
+use crate::stats::Stats;
 
-/// Writers of handouts working at once. One: everything that arrives while
-/// it commits goes into its next commit. (Measured with the bench's ratio
-/// and latency scenarios, alternating: one writer 0.43 / 0.42 of GET
-/// /healthz and a p99 1.10 / 1.14 times pgbench's; two 0.38 / 0.39 and
-/// 1.40 / 1.52; four 0.33 / 0.33 and 1.59 / 1.60. More commits cost more
-/// than the wait they save.)
-const HANDOUT_WRITERS: usize = 1;
+/// Shortest time between two writes: everything handed out meanwhile goes
+/// into the next one. An attach through another instance waits about this
+/// long for an ID just answered; Postgres sees at most 200 handout commits a
+/// second per instance however busy it is.
+const REPORT_EVERY: Duration = Duration::from_millis(5);
 
-/// Most handouts one statement records.
+/// Most handouts one statement records (more wait for the next write).
 const HANDOUTS_PER_WRITE: usize = 4096;
 
-/// Why numbers handed to a request could not be recorded as handed out.
-#[derive(Debug, Clone)]
-pub(super) enum HandoutFailed {
-    /// Nothing was written: the numbers may be handed out again.
-    NotWritten(LedgerError),
-    /// Whether the write committed is unknown: the numbers are never handed
-    /// out again (reconciliation tells what became of them).
-    Unknown(LedgerError),
-}
-
-impl HandoutFailed {
-    pub(super) fn error(self) -> LedgerError {
-        match self {
-            HandoutFailed::NotWritten(e) | HandoutFailed::Unknown(e) => e,
-        }
-    }
-}
-
-type Written = oneshot::Sender<Result<(), HandoutFailed>>;
-
-struct Handout {
-    report: LeaseReport,
-    written: Written,
-}
-
-/// The queue to the writer; it holds at most the requests in flight.
+/// The queue to the reporter. It holds what requests were handed since the
+/// last write that landed: at most the numbers leases held.
 pub(super) struct Handouts {
-    queue: mpsc::UnboundedSender<Handout>,
+    queue: mpsc::UnboundedSender<LeaseReport>,
+    /// Handouts queued and handouts known written, counted in reports: a
+    /// stop waits until the second has caught up with the first.
+    queued: Arc<AtomicU64>,
+    written: Arc<AtomicU64>,
+    caught_up: Arc<Notify>,
 }
 
 impl Handouts {
-    /// Starts the writers; they stop once the queue's sender is dropped
-    /// and the queue is drained.
-    pub(super) fn spawn(db: Db, tasks: &TaskTracker) -> Self {
+    /// Starts the reporter; it stops once the queue's sender is dropped and
+    /// what was queued is written (or Postgres stays away).
+    pub(super) fn spawn(db: Db, stats: Arc<Stats>, tasks: &TaskTracker) -> Self {
         let (queue, receiver) = mpsc::unbounded_channel();
-        let receiver = std::sync::Arc::new(tokio::sync::Mutex::new(receiver));
-        for _ in 0..HANDOUT_WRITERS {
-            let (db, receiver) = (db.clone(), receiver.clone());
-            tasks.spawn(async move {
-                let mut conn: Option<(Conn, Option<Session>)> = None;
-                let mut batch = Vec::with_capacity(64);
-                loop {
-                    let taken = receiver
-                        .lock()
-                        .await
-                        .recv_many(&mut batch, HANDOUTS_PER_WRITE)
-                        .await;
-                    if taken == 0 {
-                        return;
-                    }
-                    write(&db, &mut conn, std::mem::take(&mut batch)).await;
-                }
-            });
-        }
-        Self { queue }
+        let handouts = Self {
+            queue,
+            queued: Arc::new(AtomicU64::new(0)),
+            written: Arc::new(AtomicU64::new(0)),
+            caught_up: Arc::new(Notify::new()),
+        };
+        let reporter = Reporter {
+            db,
+            stats,
+            receiver,
+            written: handouts.written.clone(),
+            caught_up: handouts.caught_up.clone(),
+            conn: None,
+        };
+        tasks.spawn(reporter.run());
+        handouts
     }
 
-    /// Queues `report` (no await: its numbers are the writer's once this
-    /// returns); the receiver says how it went.
-    pub(super) fn send(&self, report: LeaseReport) -> oneshot::Receiver<Result<(), HandoutFailed>> {
-        let (written, answer) = oneshot::channel();
-        if let Err(closed) = self.queue.send(Handout { report, written }) {
-            let _ = closed
-                .0
-                .written
-                .send(Err(HandoutFailed::NotWritten(LedgerError::Closed)));
+    /// Queues `report`; no await, and nothing for the caller to wait for.
+    pub(super) fn send(&self, report: LeaseReport) {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.queue.send(report).is_err() {
+            // The reporter has stopped (the issuer is going away): the
+            // lease rows stay, and reconciliation calls the numbers
+            // lease_lost unless attached.
+            self.written.fetch_add(1, Ordering::AcqRel);
         }
-        answer
+    }
+
+    /// Until every handout queued so far is written, or `limit` passed.
+    pub(super) async fn written(&self, limit: Duration) -> bool {
+        let target = self.queued.load(Ordering::Acquire);
+        let caught_up = async {
+            loop {
+                let notified = self.caught_up.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if self.written.load(Ordering::Acquire) >= target {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(limit, caught_up).await.is_ok()
     }
 }
 
-/// Records the handouts of every request waiting in one statement (its
-/// own commit) on the writer's connection, then answers each.
-async fn write(db: &Db, conn: &mut Option<(Conn, Option<Session>)>, batch: Vec<Handout>) {
-    let reports: Vec<LeaseReport> = batch.iter().map(|h| h.report.clone()).collect();
-    let outcome = match writer_connection(db, conn).await {
-        // No connection: nothing was written.
-        Err(e) => Err(HandoutFailed::NotWritten(LedgerError::from(e))),
-        Ok((held, session)) => match ledger::record_handouts(held, &reports).await {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                let e = LedgerError::from(e);
-                if !e.numbers_reusable() {
-                    // The connection may be broken: the next write takes
-                    // a new one.
-                    *conn = None;
-                }
-                if e.numbers_reusable() {
-                    Err(HandoutFailed::NotWritten(e))
-                } else {
-                    settle_in_doubt(db, reports, e, session).await
+struct Reporter {
+    db: Db,
+    stats: Arc<Stats>,
+    receiver: mpsc::UnboundedReceiver<LeaseReport>,
+    written: Arc<AtomicU64>,
+    caught_up: Arc<Notify>,
+    /// Kept between writes: a write costs no pool checkout.
+    conn: Option<Conn>,
+}
+
+impl Reporter {
+    async fn run(mut self) {
+        let mut pending: Vec<LeaseReport> = Vec::new();
+        let mut backoff = Backoff::between(Duration::from_millis(50), Duration::from_secs(2));
+        loop {
+            if pending.is_empty() {
+                // Nothing to write: wait for the next handout.
+                if self
+                    .receiver
+                    .recv_many(&mut pending, HANDOUTS_PER_WRITE)
+                    .await
+                    == 0
+                {
+                    return;
                 }
             }
-        },
-    };
-    for handout in batch {
-        let _ = handout.written.send(outcome.clone());
-    }
-}
-
-/// Handouts whose commit is in doubt (the connection broke before its
-/// answer), looked up once the server answers again: recorded, the callers
-/// get their numbers; not, the numbers go back to their lease. Handouts
-/// queued behind wait meanwhile; nothing could be written anyway.
-async fn settle_in_doubt(
-    db: &Db,
-    reports: Vec<LeaseReport>,
-    e: LedgerError,
-    session: Option<Session>,
-) -> Result<(), HandoutFailed> {
-    let reports = std::sync::Arc::new(reports);
-    let landed =
-        crate::db::once_answering(db, crate::db::IN_DOUBT_PATIENCE, session, |mut conn| {
-            let reports = reports.clone();
-            async move { ledger::handouts_landed(&mut conn, &reports).await }
-        })
-        .await;
-    match (landed.flatten(), e) {
-        (Some(true), _) => Ok(()),
-        (Some(false), LedgerError::Db(e)) => {
-            Err(HandoutFailed::NotWritten(LedgerError::NotCommitted(e)))
+            let next_write = tokio::time::Instant::now() + REPORT_EVERY;
+            while pending.len() < HANDOUTS_PER_WRITE
+                && let Ok(report) = self.receiver.try_recv()
+            {
+                pending.push(report);
+            }
+            let numbers: usize = pending.iter().map(|r| r.seqs.len()).sum();
+            self.stats.handouts_unreported.set(numbers as i64);
+            match self.write(&pending).await {
+                Ok(()) => {
+                    FAILING.ended();
+                    backoff.reset();
+                    self.written
+                        .fetch_add(pending.len() as u64, Ordering::AcqRel);
+                    pending.clear();
+                    self.stats.handouts_unreported.set(0);
+                    self.caught_up.notify_waiters();
+                    tokio::time::sleep_until(next_write).await;
+                }
+                Err(e) => {
+                    // Kept and written again: a handout recorded twice
+                    // says the same thing twice (a commit in doubt may
+                    // have landed). Until then an attach of these numbers
+                    // waits for the lease's expiry.
+                    FAILING.warn(&e);
+                    if let Some(conn) = self.conn.take() {
+                        conn.discard();
+                    }
+                    tokio::time::sleep(backoff.next_pause()).await;
+                }
+            }
         }
-        (_, e) => Err(HandoutFailed::Unknown(e)),
+    }
+
+    async fn write(&mut self, reports: &[LeaseReport]) -> Result<(), sqlx::Error> {
+        if self.conn.is_none() {
+            self.conn = Some(self.db.acquire().await?);
+        }
+        match self.conn.as_mut() {
+            Some(conn) => ledger::record_handouts(conn, reports).await,
+            None => Err(sqlx::Error::PoolClosed),
+        }
     }
 }
 
-/// The writer's connection, taken from the pool when it has none, and
-/// the server session it talks to.
-async fn writer_connection<'c>(
-    db: &Db,
-    conn: &'c mut Option<(Conn, Option<Session>)>,
-) -> Result<(&'c mut Conn, Option<Session>), sqlx::Error> {
-    if conn.is_none() {
-        let mut taken = db.acquire().await?;
-        let session = taken.session().await;
-        *conn = Some((taken, session));
-    }
-    match conn.as_mut() {
-        Some((held, session)) => Ok((held, *session)),
-        None => Err(sqlx::Error::PoolClosed),
-    }
-}
+/// Handouts Postgres did not take: said once, then with a count.
+static FAILING: Repeated =
+    Repeated::new("lease handouts not recorded yet; attaching their IDs waits; trying again");

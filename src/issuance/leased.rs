@@ -5,15 +5,15 @@
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
-use tokio::sync::oneshot;
+use std::time::{Duration, Instant};
 
-use super::handouts::HandoutFailed;
+use chrono::{DateTime, Utc};
+
 use super::pipeline::Demand;
 use super::{IssueError, Issuer};
 use crate::lease::{Holder, OnItsOwn, Order, Progress};
 use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{LeaseReport, LedgerError, Via};
+use crate::ledger::{LEASE_TTL, LeaseReport, LedgerError, Via};
 use crate::numbers::SeqRange;
 use crate::pool::{DiscardCause, Placement};
 
@@ -40,6 +40,12 @@ pub(super) enum OnLease {
     /// keeping the ticket (if any) until its number is popped.
     NotServed(Option<OnItsOwnTicket>),
 }
+
+/// How much sooner than the lease's expiry in the ledger its holder stops
+/// handing out its numbers: room for its clock running a little fast
+/// against Postgres' (the deadline is counted from before the lease was
+/// even sent, so the statement's time is later still).
+const DEADLINE_MARGIN: Duration = Duration::from_millis(500);
 
 /// The most numbers one lease of `holder`'s pool may carry.
 fn pool_size(holder: &LeaseHolder) -> usize {
@@ -100,6 +106,8 @@ impl Issuer {
         self.tasks.spawn(async move {
             let Order { holder, size } = order;
             issuer.leases.after_those_on_their_own(&holder).await;
+            // Before the lease is sent: its expiry in the ledger is later.
+            let until = Instant::now() + LEASE_TTL - DEADLINE_MARGIN;
             // A lease recorded in part is a smaller lease: the part already
             // committed is the lease's to hand out or give back, never
             // dropped (it would be a lost lease).
@@ -111,35 +119,33 @@ impl Issuer {
             }
             issuer
                 .leases
-                .arrived(&holder, (!leased.is_empty()).then_some(leased));
+                .arrived(&holder, (!leased.is_empty()).then_some(leased), until);
         });
     }
 
-    /// Records `seqs` as handed out; they are the caller's once that
-    /// committed. Numbers whose handout surely was not written go back to
-    /// the lease, also when the caller went away meanwhile (a handout in
-    /// doubt waits for Postgres to answer again; the request may time out).
-    pub(super) async fn hand_out(
-        self: &Arc<Self>,
-        holder: &Arc<LeaseHolder>,
+    /// Hands `seqs` to the caller: the lease's ledger row covers them, so
+    /// the answer goes out at once; which numbers went out is written in
+    /// the background (`handouts.rs`). A request withdrawn at its deadline
+    /// (it was answered 503 already) gets none: they go back.
+    pub(super) fn hand_out(
+        &self,
+        holder: &LeaseHolder,
         seqs: Vec<i64>,
     ) -> Result<Vec<i64>, IssueError> {
         if seqs.is_empty() {
             return Ok(seqs);
         }
+        if !crate::commitment::Commitment::begin_send_current() {
+            self.leases.put_back(holder, seqs);
+            return Err(LedgerError::Withdrawn.into());
+        }
         self.leases.served(seqs.len());
-        let written = self.handouts.send(LeaseReport {
+        self.handouts.send(LeaseReport {
             sequence_id: holder.pool.sequence.id,
             period: holder.pool.period.key().to_owned(),
             seqs: seqs.clone(),
         });
-        let mut pending = PendingHandout {
-            issuer: self.clone(),
-            holder: holder.clone(),
-            seqs: Some(seqs),
-            written: Some(written),
-        };
-        pending.outcome().await
+        Ok(seqs)
     }
 
     /// A document on a number of this instance's lease, its outbox row
@@ -183,7 +189,7 @@ impl Issuer {
 
     /// A leased number whose document was not written. When the database
     /// surely rolled the write back and the number itself is not at fault,
-    /// it goes back to the lease; otherwise (the outcome is unknown, or the
+    /// it goes back to its pool; otherwise (the outcome is unknown, or the
     /// ID it prints is taken) it is recorded as discarded, never handed out
     /// again.
     async fn not_written(&self, holder: &LeaseHolder, seq: i64, reusable: bool) {
@@ -200,50 +206,5 @@ impl Issuer {
                 DiscardCause::DocumentNotWritten,
             )
             .await;
-    }
-}
-
-/// A handout on its way to the ledger. Dropped before its outcome arrived
-/// (the caller went away), it leaves a task to put the numbers back if the
-/// handout turns out not written.
-struct PendingHandout {
-    issuer: Arc<Issuer>,
-    holder: Arc<LeaseHolder>,
-    seqs: Option<Vec<i64>>,
-    written: Option<oneshot::Receiver<Result<(), HandoutFailed>>>,
-}
-
-impl PendingHandout {
-    async fn outcome(&mut self) -> Result<Vec<i64>, IssueError> {
-        let outcome = match self.written.as_mut() {
-            Some(written) => written
-                .await
-                .unwrap_or(Err(HandoutFailed::Unknown(LedgerError::Closed))),
-            None => Err(HandoutFailed::Unknown(LedgerError::Closed)),
-        };
-        self.written = None;
-        let seqs = self.seqs.take().unwrap_or_default();
-        match outcome {
-            Ok(()) => Ok(seqs),
-            Err(failed @ HandoutFailed::NotWritten(_)) => {
-                self.issuer.leases.put_back(&self.holder, seqs);
-                Err(IssueError::Ledger(failed.error()))
-            }
-            Err(failed) => Err(IssueError::Ledger(failed.error())),
-        }
-    }
-}
-
-impl Drop for PendingHandout {
-    fn drop(&mut self) {
-        let (Some(written), Some(seqs)) = (self.written.take(), self.seqs.take()) else {
-            return;
-        };
-        let (issuer, holder) = (self.issuer.clone(), self.holder.clone());
-        self.issuer.tasks.spawn(async move {
-            if let Ok(Err(HandoutFailed::NotWritten(_))) = written.await {
-                issuer.leases.put_back(&holder, seqs);
-            }
-        });
     }
 }

@@ -86,6 +86,8 @@ pub enum IssueError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    NotAnswered(#[from] crate::commitment::NotAnswered),
     #[error("counter: {0}")]
     Counter(#[from] sqlx::Error),
     /// The task that finished the request in the background panicked or
@@ -144,7 +146,12 @@ pub struct IssuerParts {
     pub pools: Arc<PoolService>,
     pub clock: Arc<dyn Clock>,
     pub stats: Arc<Stats>,
+    /// The requests' pool.
     pub db: Db,
+    /// The shared writers' connections (their own limits).
+    pub writer_db: Db,
+    /// Background work's: handout records, lease returns, the expiry sweep.
+    pub background_db: Db,
     pub leases: LeaseSettings,
     /// How long a gapless reservation waits for its document.
     pub reservation_ttl: std::time::Duration,
@@ -162,6 +169,7 @@ pub struct Issuer {
     clock: Arc<dyn Clock>,
     stats: Arc<Stats>,
     db: Db,
+    background_db: Db,
     reservation_ttl: std::time::Duration,
     tasks: TaskTracker,
 }
@@ -176,13 +184,15 @@ impl Issuer {
             clock,
             stats,
             db,
+            writer_db,
+            background_db,
             leases,
             reservation_ttl,
             tasks,
         } = parts;
         Arc::new(Self {
-            pipeline: Pipeline::spawn(db.clone(), pools.clone(), stats.clone(), &tasks),
-            handouts: handouts::Handouts::spawn(db.clone(), &tasks),
+            pipeline: Pipeline::spawn(writer_db, pools.clone(), stats.clone(), &tasks),
+            handouts: handouts::Handouts::spawn(background_db.clone(), stats.clone(), &tasks),
             leases: Leases::new(clock.clone(), leases, stats.clone()),
             counter: pools.counter().clone(),
             sequences,
@@ -190,6 +200,7 @@ impl Issuer {
             clock,
             stats,
             db,
+            background_db,
             reservation_ttl,
             tasks,
         })
@@ -197,6 +208,11 @@ impl Issuer {
 
     pub fn sequences(&self) -> &Arc<SequenceStore> {
         &self.sequences
+    }
+
+    /// The request pool, for what callers read before their transaction.
+    pub fn db(&self) -> &Db {
+        &self.db
     }
 
     /// The sequence (created with defaults on first use), its current
@@ -249,7 +265,7 @@ impl Issuer {
             Want::Ids { count } => {
                 let begun = self.begin_ids(&placement, count);
                 if let leased::Begun::Complete(holder, got) = begun {
-                    let seqs = self.hand_out(&holder, got).await?;
+                    let seqs = self.hand_out(&holder, got)?;
                     return Ok(Issued::numbers_of(placement, seqs));
                 }
                 let issuer = self.clone();
@@ -298,12 +314,16 @@ impl Issuer {
     }
 
     /// Runs `work` to its end whether or not its caller still waits: the
-    /// one place where the issuing path leaves the client's task.
+    /// one place where the issuing path leaves the client's task. It keeps
+    /// the request's commitment: a write it has not sent by the request's
+    /// deadline is withdrawn (`crate::commitment`).
     pub async fn detached<T: Send + 'static>(
         &self,
         work: impl Future<Output = T> + Send + 'static,
     ) -> Result<T, tokio::task::JoinError> {
-        self.tasks.spawn(work).await
+        self.tasks
+            .spawn(crate::commitment::scope_detached(work))
+            .await
     }
 
     /// `count` numbers: what the lease gave or is bringing first (`begun`),
@@ -315,10 +335,10 @@ impl Issuer {
         begun: leased::Begun,
     ) -> Result<Vec<i64>, IssueError> {
         let (holder, got, on_its_own) = match begun {
-            leased::Begun::Complete(holder, got) => return self.hand_out(&holder, got).await,
+            leased::Begun::Complete(holder, got) => return self.hand_out(&holder, got),
             leased::Begun::Waiting(holder, mut got) => {
                 match self.wait_for_lease(&holder, count, &mut got).await {
-                    Ok(()) => return self.hand_out(&holder, got).await,
+                    Ok(()) => return self.hand_out(&holder, got),
                     Err(on_its_own) => (Some(holder), got, on_its_own),
                 }
             }
@@ -339,7 +359,7 @@ impl Issuer {
             }
         };
         let mut seqs = match holder {
-            Some(holder) => self.hand_out(&holder, got).await?,
+            Some(holder) => self.hand_out(&holder, got)?,
             None => got,
         };
         seqs.extend(more);

@@ -15,13 +15,13 @@
 //! is left to the caller's slower path (`issuance::obtain`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 use crate::batch::Batcher;
+use crate::commitment::Commitment;
 use crate::counter::{Counter, Reserved};
 use crate::db::{Conn, Db, Link, Session};
 use crate::ledger::outbox::{Attachment, OutboxRow};
@@ -80,6 +80,8 @@ struct Job {
     placement: Arc<Placement>,
     demand: Demand,
     reply: Reply,
+    /// The request's, when one waits: asked before the job's write is sent.
+    commitment: Option<Arc<Commitment>>,
 }
 
 /// A job whose numbers were popped, on its way to the write stage.
@@ -167,6 +169,7 @@ impl Pipeline {
             placement,
             demand,
             reply,
+            commitment: Commitment::current(),
         };
         stage
             .submit(vec![Popped { job, seqs }])
@@ -192,7 +195,25 @@ impl Writer {
     /// Everything popped since the last write, recorded in one statement
     /// and commit, then answered.
     async fn write(self: Arc<Self>, batches: Vec<Vec<Popped>>) {
-        let popped: Vec<Popped> = batches.into_iter().flatten().collect();
+        // A request withdrawn at its deadline sends nothing: its numbers
+        // go back, and it was answered already.
+        let (popped, withdrawn): (Vec<Popped>, Vec<Popped>) = batches
+            .into_iter()
+            .flatten()
+            .partition(|p| p.job.commitment.as_ref().is_none_or(|c| c.begin_send()));
+        if !withdrawn.is_empty() {
+            let outcomes: Vec<_> = withdrawn
+                .iter()
+                .map(|_| Err(LedgerError::Withdrawn))
+                .collect();
+            self.give_back_unwritten(&withdrawn, &outcomes).await;
+            for popped in withdrawn {
+                let _ = popped.job.reply.send(Err(LedgerError::Withdrawn));
+            }
+        }
+        if popped.is_empty() {
+            return;
+        }
         self.stats.pipeline_write_batch.observe(popped.len() as f64);
         let writes: Vec<LedgerWrite> = popped
             .iter()
@@ -235,6 +256,13 @@ impl Writer {
             self.settle_in_doubt(&writes, &mut outcomes, session).await;
         }
         self.give_back_unwritten(&popped, &outcomes).await;
+        for (popped, outcome) in popped.iter().zip(&outcomes) {
+            if let (Some(commitment), Err(e)) = (&popped.job.commitment, outcome)
+                && (e.numbers_reusable() || matches!(e, LedgerError::CounterHeld))
+            {
+                commitment.not_written();
+            }
+        }
         answer(popped, writes, outcomes);
     }
 
@@ -260,7 +288,20 @@ impl Writer {
             counter: &self.counter,
             popped,
         };
-        let outcomes = ledger::write_shared_numbering(conn, &self.stats, writes, &gapless).await;
+        // A connection that stalls without closing never answers: past the
+        // wait it is taken for broken and the writes are looked up.
+        let outcomes = tokio::time::timeout(
+            crate::db::COMMIT_ANSWER_WAIT,
+            ledger::write_shared_numbering(conn, &self.stats, writes, &gapless),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            let stalled = sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no answer from Postgres",
+            ));
+            ledger::failed_all(writes, &LedgerError::Db(Arc::new(stalled)))
+        });
         if outcomes
             .iter()
             .any(|o| matches!(o, Err(LedgerError::Db(_) | LedgerError::ReadOnly(_))))
@@ -368,14 +409,14 @@ impl GaplessCounter for GaplessOf<'_> {
     }
 }
 
-/// A connection for the write stage, which waits at most 200 ms for a
-/// lock. Requests never contend for the numbers they record, so a wait
-/// means another transaction holds a number it should not; everyone queued
-/// behind the write waits with it, so it gives up soon and the request at
-/// fault is found (see `ledger::write_shared`).
+/// A connection for the write stage, from the writers' pool, whose
+/// connections wait at most 200 ms for a lock (see `startup`). Requests
+/// never contend for the numbers they record, so a wait means another
+/// transaction holds a number it should not; everyone queued behind the
+/// write waits with it, so it gives up soon and the request at fault is
+/// found (see `ledger::write_shared`).
 async fn writer_connection(db: &Db) -> Result<(Conn, Option<Session>), sqlx::Error> {
     let mut conn = db.acquire().await?;
-    conn.wait_for_locks_at_most(Duration::from_millis(200));
     // Without it a commit in doubt is looked up without waiting for its
     // session to end (right after a crash or failover, where it is gone).
     let session = conn.session().await;

@@ -18,6 +18,9 @@ use crate::pool::{DiscardCause, Placement};
 /// Longest a clean stop waits for leases being taken to arrive.
 const FETCHES_AT_STOP: Duration = Duration::from_secs(2);
 
+/// Longest a clean stop waits for the handouts to be written.
+const HANDOUTS_AT_STOP: Duration = Duration::from_secs(5);
+
 /// Longest [`Issuer::lease_returns_written`] waits.
 const RETURNS_WAIT: Duration = Duration::from_secs(5);
 
@@ -77,6 +80,13 @@ impl Issuer {
             }
             self.leases.returns_written(written);
             if stopping {
+                // What requests were handed is on record before the
+                // process goes (else it would be judged lease_lost).
+                if !self.handouts.written(HANDOUTS_AT_STOP).await {
+                    tracing::warn!(
+                        "lease handouts not all recorded at the stop; reconciliation calls them lease_lost unless attached"
+                    );
+                }
                 tracing::info!("leases given back");
                 return;
             }
@@ -90,7 +100,8 @@ impl Issuer {
     }
 
     /// Numbers a lease did not hand out go back to the head of their pool
-    /// (off the ledger first). When Postgres or Redis cannot take them
+    /// (off the ledger first; those of a lease an attach ended stay its).
+    /// When Postgres or Redis cannot take them
     /// (a failover) they are handed back to be tried again, unless this is
     /// the `last` try (a stop); where it cannot be done they are recorded as
     /// discarded.
@@ -100,19 +111,19 @@ impl Issuer {
         unused: &LeaseReport,
         last: bool,
     ) -> Result<(), String> {
-        let released = match self.db.acquire().await {
+        let released = match self.background_db.acquire().await {
             Ok(mut conn) => ledger::release_lease(&mut conn, unused).await,
             Err(e) => Err(e),
         };
-        let cause = match released {
+        let (cause, numbers) = match released {
             // Taking them off the ledger again finds nothing to take: the
             // next try only pushes them.
-            Ok(()) => match self.pools.give_back(&placement.pool, &unused.seqs).await {
+            Ok(free) => match self.pools.give_back(&placement.pool, &free).await {
                 Ok(()) => return Ok(()),
                 Err(e) if !last => return Err(format!("pushing them back to the pool: {e}")),
                 Err(e) => {
                     tracing::warn!(error = %e, "unused lease numbers not pushed back to the pool");
-                    DiscardCause::GiveBackFailed
+                    (DiscardCause::GiveBackFailed, free)
                 }
             },
             Err(e) if !last => {
@@ -121,16 +132,11 @@ impl Issuer {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "unused lease numbers stay recorded as leased");
-                DiscardCause::LeaseReturned
+                (DiscardCause::LeaseReturned, unused.seqs.clone())
             }
         };
         self.pools
-            .record_discard(
-                &placement.sequence,
-                &unused.period,
-                &runs(&unused.seqs),
-                cause,
-            )
+            .record_discard(&placement.sequence, &unused.period, &runs(&numbers), cause)
             .await;
         Ok(())
     }

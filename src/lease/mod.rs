@@ -4,7 +4,10 @@
 //! An instance takes numbers from a pool in runs sized to about 50 ms of
 //! the sequence's traffic on it ([`rate`]), recorded in the issuance ledger
 //! as leased to it before any of them is handed out. Requests then take
-//! numbers from memory. The next lease is asked for while a quarter of the
+//! numbers from memory, each lease only until its deadline (the caller's,
+//! a little before the lease's expiry in the ledger): a number past it is
+//! never handed out, and a sweep gives back what nears it. The next lease
+//! is asked for while a quarter of the
 //! current one is left, so a request waits only when a lease runs dry
 //! faster than a commit. At low rates a lease would be the request itself,
 //! so the request is served on its own (strict order, one commit each).
@@ -23,7 +26,7 @@ pub mod rate;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, mpsc};
@@ -75,10 +78,23 @@ pub struct Holder<P> {
     own_done: Notify,
 }
 
+/// A leased number and the instant after which it may not be handed out.
+#[derive(Clone, Copy)]
+struct Leased {
+    seq: i64,
+    until: Instant,
+}
+
+/// Numbers within this much of their deadline are given back by the sweep
+/// rather than handed out: their lease nears its expiry in the ledger.
+const GIVE_BACK_BEFORE_DEADLINE: Duration = Duration::from_secs(2);
+
 #[derive(Default)]
 struct State {
     /// Leased, not handed out yet; ascending.
-    numbers: VecDeque<i64>,
+    numbers: VecDeque<Leased>,
+    /// The earliest deadline among `numbers`, if any.
+    earliest: Option<Instant>,
     fetching: bool,
     /// Failed lease attempts so far: a waiter that sees this grow stops
     /// waiting and is served on its own.
@@ -101,6 +117,30 @@ struct State {
 impl<P> Holder<P> {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl State {
+    /// Takes out every number whose deadline is at or before `by`.
+    fn take_expiring(&mut self, by: Instant) -> Vec<i64> {
+        if self.earliest.is_none_or(|earliest| earliest > by) {
+            return Vec::new();
+        }
+        let mut expiring = Vec::new();
+        self.numbers.retain(|leased| {
+            let keep = leased.until > by;
+            if !keep {
+                expiring.push(leased.seq);
+            }
+            keep
+        });
+        self.earliest = self.numbers.iter().map(|l| l.until).min();
+        expiring
+    }
+
+    fn drain_all(&mut self) -> Vec<i64> {
+        self.earliest = None;
+        self.numbers.drain(..).map(|l| l.seq).collect()
     }
 }
 
@@ -230,8 +270,14 @@ impl<P: Clone> Leases<P> {
         if state.closed {
             return (Self::on_its_own(holder, state), None);
         }
+        // Nothing past its deadline goes out: the sweep normally gave it
+        // back long before (a stalled sweep, a slow machine).
+        let expired = state.take_expiring(Instant::now());
+        if !expired.is_empty() {
+            self.give_back(holder, expired);
+        }
         let take = (count - got.len()).min(state.numbers.len());
-        got.extend(state.numbers.drain(..take));
+        got.extend(state.numbers.drain(..take).map(|l| l.seq));
         let missing = count - got.len();
         let low = state.numbers.len() * 4 <= state.last_size;
         if !state.fetching && (missing > 0 || low) {
@@ -322,8 +368,9 @@ impl<P: Clone> Leases<P> {
     }
 
     /// The answer to an [`Order`]: the numbers leased (recorded in the
-    /// ledger as this instance's), or None when none were.
-    pub fn arrived(&self, holder: &Holder<P>, leased: Option<Vec<i64>>) {
+    /// ledger as this instance's), or None when none were, and the instant
+    /// after which none of them may be handed out.
+    pub fn arrived(&self, holder: &Holder<P>, leased: Option<Vec<i64>>, until: Instant) {
         let mut state = holder.state();
         state.fetching = false;
         match leased {
@@ -334,8 +381,14 @@ impl<P: Clone> Leases<P> {
                     drop(state);
                     self.give_back(holder, seqs);
                 } else {
-                    state.numbers.extend(seqs);
-                    state.numbers.make_contiguous().sort_unstable();
+                    state
+                        .numbers
+                        .extend(seqs.into_iter().map(|seq| Leased { seq, until }));
+                    state
+                        .numbers
+                        .make_contiguous()
+                        .sort_unstable_by_key(|l| l.seq);
+                    state.earliest = Some(state.earliest.map_or(until, |e| e.min(until)));
                     state.leased_at = Some(self.clock.now());
                     drop(state);
                 }
@@ -355,20 +408,11 @@ impl<P: Clone> Leases<P> {
         self.stats.lease_numbers_served.inc_by(how_many as u64);
     }
 
-    /// Numbers taken from a lease but not handed out after all go back
-    /// into it (or to their pool if the instance is stopping).
+    /// Numbers taken from a lease but not handed out after all (a
+    /// document not written) go back to their pool: their deadline is no
+    /// longer known here, so they never go back into the lease.
     pub fn put_back(&self, holder: &Holder<P>, seqs: Vec<i64>) {
-        if seqs.is_empty() {
-            return;
-        }
-        let mut state = holder.state();
-        if state.closed {
-            drop(state);
-            self.give_back(holder, seqs);
-            return;
-        }
-        state.numbers.extend(seqs);
-        state.numbers.make_contiguous().sort_unstable();
+        self.give_back(holder, seqs);
     }
 
     fn give_back(&self, holder: &Holder<P>, seqs: Vec<i64>) {
@@ -393,10 +437,15 @@ impl<P: Clone> Leases<P> {
             |at: Option<DateTime<Utc>>| at.map(|at| (now - at).to_std().unwrap_or_default());
         let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
         let mut unused = Vec::new();
+        let near_deadline = Instant::now() + GIVE_BACK_BEFORE_DEADLINE;
         for (key, holder) in holders.iter() {
             let mut state = holder.state();
             if everything {
                 state.closed = true;
+            }
+            let expiring = state.take_expiring(near_deadline);
+            if !expiring.is_empty() {
+                self.give_back(holder, expiring);
             }
             let left = state.numbers.len();
             if left < state.left_at_sweep {
@@ -407,7 +456,7 @@ impl<P: Clone> Leases<P> {
                 .is_none_or(|idle| idle >= self.settings.max_idle);
             let old = since(state.leased_at).is_none_or(|age| age >= self.settings.max_age);
             if (everything || ((idle || old) && !state.fetching)) && !state.numbers.is_empty() {
-                let seqs: Vec<i64> = state.numbers.drain(..).collect();
+                let seqs: Vec<i64> = state.drain_all();
                 state.left_at_sweep = 0;
                 drop(state);
                 self.give_back(holder, seqs);
@@ -508,6 +557,11 @@ mod tests {
         );
         drop(on_its_own);
         assert!(futures::poll!(waiting.as_mut()).is_ready());
-        leases.arrived(&order.holder, Some((1..=order.size as i64).collect()));
+        let until = Instant::now() + Duration::from_secs(5);
+        leases.arrived(
+            &order.holder,
+            Some((1..=order.size as i64).collect()),
+            until,
+        );
     }
 }

@@ -13,19 +13,28 @@ pub struct LeaseReport {
 
 /// Takes numbers a lease did not hand out off the ledger, so they can go
 /// back to their pool: each lease row holding some is replaced by what is
-/// left of it, in one transaction. Before they are pushed back, so no pool
-/// ever offers a number the ledger calls issued.
+/// left of it (its expiry kept), in one transaction. Before they are pushed
+/// back, so no pool ever offers a number the ledger calls issued. Returns
+/// the numbers that may go back: all of `unused` but those of a lease an
+/// attach ended (past its expiry, one of its numbers may have gone to a
+/// document: they stay the lease's, never issued again). A number found in
+/// no lease row was taken off by an earlier try whose commit was in doubt:
+/// it goes back too.
 #[tracing::instrument(skip_all, level = "debug")]
-pub async fn release_lease(conn: &mut impl Link, unused: &LeaseReport) -> Result<(), sqlx::Error> {
+pub async fn release_lease(
+    conn: &mut impl Link,
+    unused: &LeaseReport,
+) -> Result<Vec<i64>, sqlx::Error> {
     let released = runs(&unused.seqs);
     let (Some(first), Some(last)) = (released.first(), released.last()) else {
-        return Ok(());
+        return Ok(Vec::new());
     };
     let mut tx = conn.begin().await?;
     let rows = sqlx::query!(
         "DELETE FROM issuance_ledger \
          WHERE sequence_id = $1 AND period = $2 AND via = $3 AND seqs && int8range($4, $5) \
-         RETURNING lower(seqs) AS \"start!\", upper(seqs) AS \"end!\"",
+           AND lease_ended_at IS NULL \
+         RETURNING lower(seqs) AS \"start!\", upper(seqs) AS \"end!\", lease_expires_at",
         unused.sequence_id,
         &unused.period,
         Via::Lease.as_str(),
@@ -34,26 +43,121 @@ pub async fn release_lease(conn: &mut impl Link, unused: &LeaseReport) -> Result
     )
     .fetch_all(tx.statements())
     .await?;
-    let (mut starts, mut ends) = (Vec::new(), Vec::new());
+    let (mut starts, mut ends, mut expiries) = (Vec::new(), Vec::new(), Vec::new());
     for row in rows {
-        let (start, end) = (row.start, row.end);
-        for kept in subtract(SeqRange::new(start, end), &released) {
+        for kept in subtract(SeqRange::new(row.start, row.end), &released) {
             starts.push(kept.start);
             ends.push(kept.end);
+            expiries.push(row.lease_expires_at);
         }
     }
     sqlx::query!(
-        "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
-         SELECT $1, $2, int8range(a, b), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(a, b)",
+        "INSERT INTO issuance_ledger (sequence_id, period, seqs, via, lease_expires_at) \
+         SELECT $1, $2, int8range(a, b), $3, e \
+         FROM UNNEST($4::bigint[], $5::bigint[], $6::timestamptz[]) AS t(a, b, e)",
         unused.sequence_id,
         &unused.period,
         Via::Lease.as_str(),
         &starts,
         &ends,
+        &expiries as &[Option<DateTime<Utc>>],
     )
     .execute(tx.statements())
     .await?;
-    tx.commit().await
+    // Rows an attach ended keep their numbers (read after the DELETE,
+    // which waited for any ending under way and left those rows alone).
+    let ended: Vec<SeqRange> = sqlx::query!(
+        "SELECT lower(seqs) AS \"start!\", upper(seqs) AS \"end!\" FROM issuance_ledger \
+         WHERE sequence_id = $1 AND period = $2 AND via = $3 AND seqs && int8range($4, $5) \
+           AND lease_ended_at IS NOT NULL",
+        unused.sequence_id,
+        &unused.period,
+        Via::Lease.as_str(),
+        first.start,
+        last.end,
+    )
+    .fetch_all(tx.statements())
+    .await?
+    .into_iter()
+    .map(|r| SeqRange::new(r.start, r.end))
+    .collect();
+    tx.commit().await?;
+    Ok(unused
+        .seqs
+        .iter()
+        .copied()
+        .filter(|seq| !ended.iter().any(|r| r.contains(*seq)))
+        .collect())
+}
+
+/// What the ledger says of a number an attach names, while its handout
+/// record may still be on its way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseWait {
+    /// Recorded as issued to `POST /ids` (per request or handed out of a
+    /// lease), or in a lease that was ended: the attach goes on.
+    Settled,
+    /// In a lease whose holder may still hand it out or report it: the
+    /// attach waits (at most until the lease's expiry).
+    Pending,
+    /// In a lease past its expiry that nobody ended yet: the attach ends it.
+    Expired,
+}
+
+/// The state of each of `seqs` (numbers of sequence `sequence_id`) for an
+/// attach; numbers that are in no lease at all are `Settled` (the attach's
+/// own check refuses them if nothing issued them).
+pub async fn lease_waits(
+    conn: &mut impl Link,
+    sequence_id: i64,
+    seqs: &[i64],
+) -> Result<Vec<LeaseWait>, sqlx::Error> {
+    let rows = sqlx::query!(
+        "SELECT w.seq AS \"seq!\", \
+                bool_or(l.lease_expires_at < clock_timestamp()) AS \"expired!\" \
+           FROM UNNEST($2::bigint[]) AS w(seq) \
+           JOIN issuance_ledger l ON l.sequence_id = $1 AND l.seqs @> w.seq AND l.via = $3 \
+          WHERE l.lease_ended_at IS NULL AND l.lease_expires_at IS NOT NULL \
+            AND NOT EXISTS (SELECT 1 FROM lease_handouts h \
+                            WHERE h.sequence_id = $1 AND h.period = l.period AND h.seqs @> w.seq) \
+          GROUP BY w.seq",
+        sequence_id,
+        seqs,
+        Via::Lease.as_str(),
+    )
+    .fetch_all(conn.statements())
+    .await?;
+    let waiting: HashMap<i64, bool> = rows.into_iter().map(|r| (r.seq, r.expired)).collect();
+    Ok(seqs
+        .iter()
+        .map(|seq| match waiting.get(seq) {
+            None => LeaseWait::Settled,
+            Some(false) => LeaseWait::Pending,
+            Some(true) => LeaseWait::Expired,
+        })
+        .collect())
+}
+
+/// Ends the leases past their expiry holding any of `seqs` (their holder
+/// hands out nothing more of them and gives none of their numbers back),
+/// so the numbers can be attached.
+pub async fn end_expired_leases(
+    conn: &mut impl Link,
+    sequence_id: i64,
+    seqs: &[i64],
+) -> Result<u64, sqlx::Error> {
+    let ended = sqlx::query!(
+        "UPDATE issuance_ledger l SET lease_ended_at = clock_timestamp() \
+          WHERE l.sequence_id = $1 AND l.via = $3 AND l.lease_ended_at IS NULL \
+            AND l.lease_expires_at < clock_timestamp() \
+            AND EXISTS (SELECT 1 FROM UNNEST($2::bigint[]) AS w(seq) WHERE l.seqs @> w.seq)",
+        sequence_id,
+        seqs,
+        Via::Lease.as_str(),
+    )
+    .execute(conn.statements())
+    .await?;
+    Ok(ended.rows_affected())
 }
 
 /// Records the handouts in one statement (one row per run of consecutive
@@ -99,37 +203,4 @@ pub async fn record_handouts(
     .execute(conn.statements())
     .await?;
     Ok(())
-}
-
-/// Of handouts whose commit was in doubt, whether they landed: true when
-/// every number is recorded as handed out, false when none is, None when
-/// only some are (not one statement's work: still unknown).
-pub async fn handouts_landed(
-    conn: &mut impl Link,
-    handouts: &[LeaseReport],
-) -> Result<Option<bool>, sqlx::Error> {
-    let (mut sequence_ids, mut periods, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
-    for report in handouts {
-        for seq in &report.seqs {
-            sequence_ids.push(report.sequence_id);
-            periods.push(report.period.as_str());
-            seqs.push(*seq);
-        }
-    }
-    let found = sqlx::query_scalar!(
-        "SELECT count(*) AS \"found!\" \
-         FROM UNNEST($1::bigint[], $2::text[], $3::bigint[]) AS w(s, p, seq) \
-         WHERE EXISTS (SELECT 1 FROM lease_handouts h \
-                       WHERE h.sequence_id = w.s AND h.period = w.p AND h.seqs @> w.seq)",
-        &sequence_ids,
-        &periods as &[&str],
-        &seqs,
-    )
-    .fetch_one(conn.statements())
-    .await? as usize;
-    Ok(match found {
-        0 => Some(false),
-        n if n == seqs.len() => Some(true),
-        _ => None,
-    })
 }

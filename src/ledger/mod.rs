@@ -27,9 +27,21 @@ use crate::stats::Stats;
 use outbox::OutboxRow;
 
 use grouped::Grouped;
-pub use leases::{LeaseReport, handouts_landed, record_handouts, release_lease};
+pub use leases::{
+    LeaseReport, LeaseWait, end_expired_leases, lease_waits, record_handouts, release_lease,
+};
 use numbering::number;
 pub use numbering::{GaplessCounter, NoGapless, Unnumbered};
+
+/// How long after it is recorded a lease may hand out its numbers, on
+/// Postgres' clock (`lease_expires_at`). Its holder stops earlier by its
+/// own clock; past it, an attach of one of its numbers that no handout
+/// record names may end the lease and attach the number (so an attach of
+/// an ID answered by an instance killed before reporting it waits at most
+/// this long). Well above the age at which a lease is given back
+/// (`LeaseSettings::max_age`, 1 s), so a live instance's leases never get
+/// there but across an outage.
+pub const LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Who received numbers: `POST /ids`, `POST /documents`, or this
 /// instance's lease (handed out from memory, reported later).
@@ -79,6 +91,10 @@ pub enum LedgerError {
     NotCommitted(#[source] Arc<sqlx::Error>),
     #[error("the ledger writer has stopped")]
     Closed,
+    /// The request was withdrawn at its deadline before this write was
+    /// sent: nothing was written.
+    #[error("the request timed out before its write was sent; nothing was written")]
+    Withdrawn,
     /// Another document has the ID this one was printed. (No detail: the
     /// other document may be another tenant's.)
     #[error("the ID printed for this document is another document's already")]
@@ -166,6 +182,7 @@ impl LedgerError {
                 | LedgerError::Unstorable(_)
                 | LedgerError::ReadOnly(_)
                 | LedgerError::NotCommitted(_)
+                | LedgerError::Withdrawn
         )
     }
 
@@ -181,7 +198,7 @@ impl LedgerError {
         // Read-only refuses every request alike: splitting finds no culprit.
         !matches!(
             self,
-            LedgerError::ReadOnly(_) | LedgerError::NotCommitted(_)
+            LedgerError::ReadOnly(_) | LedgerError::NotCommitted(_) | LedgerError::Withdrawn
         ) && self.numbers_reusable()
             || matches!(
                 self,
@@ -510,8 +527,9 @@ async fn insert_rows(
     let ends: Vec<i64> = rows.iter().map(|r| r.range.end).collect();
     let vias: Vec<&str> = rows.iter().map(|r| groups[r.group].via.as_str()).collect();
     let inserted: Vec<(i64, String, i64, String)> = sqlx::query!(
-        "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
-         SELECT s, p, int8range(a, b), v \
+        "INSERT INTO issuance_ledger (sequence_id, period, seqs, via, lease_expires_at) \
+         SELECT s, p, int8range(a, b), v, \
+                CASE WHEN v = 'lease' THEN clock_timestamp() + $6::bigint * interval '1 millisecond' END \
          FROM UNNEST($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::text[]) AS t(s, p, a, b, v) \
          ON CONFLICT DO NOTHING \
          RETURNING sequence_id, period, lower(seqs) AS \"start!\", via",
@@ -520,6 +538,7 @@ async fn insert_rows(
         &starts,
         &ends,
         &vias as &[&str],
+        LEASE_TTL.as_millis() as i64,
     )
     .fetch_all(conn.statements())
     .await?
@@ -674,7 +693,8 @@ async fn issued_within(
 
 /// The periods in which number `seq` of the sequence was issued to
 /// `POST /ids`, with when (an attached ID is checked against each): per
-/// request, or from a lease whose instance reported handing it out.
+/// request, from a lease whose instance reported handing it out, or from
+/// a lease an attach ended (its holder may have answered it unreported).
 pub async fn issued_via_ids(
     conn: &mut impl Link,
     sequence_id: i64,
@@ -682,13 +702,15 @@ pub async fn issued_via_ids(
 ) -> Result<Vec<(String, DateTime<Utc>)>, sqlx::Error> {
     let rows = sqlx::query!(
         "SELECT period AS \"period!\", issued_at AS \"issued_at!\" FROM issuance_ledger \
-         WHERE sequence_id = $1 AND seqs @> $2::bigint AND via = $3 \
+         WHERE sequence_id = $1 AND seqs @> $2::bigint \
+           AND (via = $3 OR via = $4 AND lease_ended_at IS NOT NULL) \
          UNION ALL \
          SELECT period, reported_at FROM lease_handouts \
          WHERE sequence_id = $1 AND seqs @> $2::bigint",
         sequence_id,
         seq,
         Via::Ids.as_str(),
+        Via::Lease.as_str(),
     )
     .fetch_all(conn.statements())
     .await?;

@@ -741,3 +741,137 @@ async fn an_id_answered_is_attachable_at_once_through_any_instance_and_after_its
         );
     }
 }
+
+/// An instance answers IDs from its lease while its network to Postgres
+/// hangs (so not one handout of them is written), and is killed. Every ID
+/// it answered is attachable through another instance: an attach waits
+/// for the handout, or for the lease's expiry, never fails for it; and
+/// reconciliation lists none of them as a gap once attached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
+    let env = TestEnv::new();
+    let attaching = env.spawn().await;
+    let proxy = crate::stall::StallingProxy::start("127.0.0.1:5432").await;
+    let mut through_proxy = env.clone();
+    through_proxy.database_url = proxy.url_for(&env.database_url);
+    let mut answering = ServeProcess::start(&through_proxy).await;
+    let base = format!("http://127.0.0.1:{}", answering.port);
+
+    let (sent, mut answered) = tokio::sync::mpsc::unbounded_channel::<(Instant, String)>();
+    let running = Arc::new(AtomicBool::new(true));
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let (client, url, sent, running) = (
+                attaching.client.clone(),
+                format!("{base}/ids"),
+                sent.clone(),
+                running.clone(),
+            );
+            tokio::spawn(async move {
+                while running.load(Ordering::Relaxed) {
+                    let Ok(response) = client
+                        .post(&url)
+                        .json(&json!({"project": "ATK", "type": "1", "count": 1}))
+                        .send()
+                        .await
+                    else {
+                        return;
+                    };
+                    let Ok(body) = response.json::<Value>().await else {
+                        return;
+                    };
+                    if let Some(id) = body["ids"][0].as_str() {
+                        let _ = sent.send((Instant::now(), id.to_owned()));
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(sent);
+    let mut ids: Vec<(Instant, String)> = Vec::new();
+    // Busy long enough to hold a lease.
+    while ids.len() < 2000 || held(&attaching.client, &base).await < 1.0 {
+        ids.push(answered.recv().await.expect("answers"));
+    }
+    proxy.stall();
+    let stalled_at = Instant::now();
+    // The lease keeps answering without Postgres until it runs dry.
+    while let Ok(Some(one)) =
+        tokio::time::timeout(Duration::from_millis(300), answered.recv()).await
+    {
+        ids.push(one);
+    }
+    answering.kill();
+    running.store(false, Ordering::Relaxed);
+    for client in clients {
+        let _ = client.await;
+    }
+    while let Ok(one) = answered.try_recv() {
+        ids.push(one);
+    }
+    proxy.resume();
+    let after_stall: Vec<&String> = ids
+        .iter()
+        .filter(|(at, _)| *at > stalled_at + Duration::from_millis(20))
+        .map(|(_, id)| id)
+        .collect();
+    assert!(
+        !after_stall.is_empty(),
+        "the lease answered nothing while Postgres was out of reach"
+    );
+
+    // Every ID answered, attached through the other instance: those
+    // answered after the stall first, while their lease has not expired.
+    let mut slowest = Duration::ZERO;
+    let before_stall = ids
+        .iter()
+        .map(|(_, id)| id)
+        .filter(|id| !after_stall.contains(id));
+    for id in after_stall.iter().copied().chain(before_stall) {
+        let started = Instant::now();
+        let response = attaching
+            .post_document(
+                &json!({"project": "ATK", "type": "1", "id": id, "metadata": {}}),
+                None,
+            )
+            .await;
+        let status = response.status();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, reqwest::StatusCode::ACCEPTED, "{id}: {body}");
+        slowest = slowest.max(started.elapsed());
+    }
+    // An attach waits at most for a lease's expiry, and a little more.
+    assert!(
+        slowest <= idpool::ledger::LEASE_TTL + Duration::from_secs(2),
+        "an attach waited {slowest:?}"
+    );
+    let numbers: Vec<i64> = after_stall
+        .iter()
+        .map(|id| {
+            id.rsplit('-')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .expect("a number")
+        })
+        .collect();
+    let reported = handed_out(&attaching.db, "ATK").await;
+    let unreported = numbers.iter().filter(|n| !reported.contains(n)).count();
+    assert!(
+        unreported > 0,
+        "every handout was written before the kill: the test did not test"
+    );
+    println!(
+        "{} IDs answered, {} after the stall ({unreported} never reported); slowest attach {slowest:?}",
+        ids.len(),
+        after_stall.len()
+    );
+    attaching.settle_and_reconcile().await;
+    let gaps = reasons(&attaching, "ATK").await;
+    for n in &numbers {
+        assert!(
+            !gaps.contains_key(n),
+            "{n} was attached, yet a gap: {:?}",
+            gaps[n]
+        );
+    }
+}

@@ -1,5 +1,6 @@
 //! End-to-end tests against real Postgres and Redis.
 
+mod answers;
 mod auth;
 mod clients;
 mod config;
@@ -22,6 +23,7 @@ mod pools;
 mod redis_server;
 mod resilience;
 mod sequences;
+mod stall;
 mod topology;
 mod traffic;
 mod webhook;

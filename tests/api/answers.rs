@@ -1,0 +1,238 @@
+//! The answer and its record (SPEC promise 11): an error answer means
+//! nothing was written, whatever the network or Redis does meanwhile.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::{TestEnv, expect_postgres_trouble, until};
+use crate::stall::StallingProxy;
+
+/// What one request was and what it was answered.
+#[derive(Debug, Clone)]
+struct Sent {
+    kind: &'static str,
+    /// The document tags it carried (one per document), or the key of a
+    /// keyed `POST /ids`.
+    marks: Vec<String>,
+    status: StatusCode,
+    code: Option<String>,
+    retry_after: bool,
+    took: Duration,
+}
+
+/// Sends requests of `kind` one after another until `running` ends.
+async fn send_until_stopped(
+    client: reqwest::Client,
+    base: String,
+    kind: &'static str,
+    running: Arc<AtomicBool>,
+) -> Vec<Sent> {
+    let mut sent = Vec::new();
+    while running.load(Ordering::Relaxed) {
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        let document =
+            |project: &str| json!({"project": project, "type": "1", "metadata": {"tag": tag}});
+        let (request, marks) = match kind {
+            "document" => (
+                client
+                    .post(format!("{base}/documents"))
+                    .json(&document("STALL")),
+                vec![tag.clone()],
+            ),
+            "keyed document" => (
+                client
+                    .post(format!("{base}/documents"))
+                    .header("idempotency-key", &tag)
+                    .json(&document("STALL")),
+                vec![tag.clone()],
+            ),
+            "gapless document" => (
+                client
+                    .post(format!("{base}/documents"))
+                    .json(&document("STALLG")),
+                vec![tag.clone()],
+            ),
+            "batch" => {
+                let tags: Vec<String> = (0..10).map(|i| format!("{tag}-{i}")).collect();
+                let items: Vec<Value> = tags
+                    .iter()
+                    .map(|t| json!({"project": "STALL", "type": "1", "metadata": {"tag": t}}))
+                    .collect();
+                (
+                    client
+                        .post(format!("{base}/api/v1/documents/batch"))
+                        .json(&json!({"documents": items})),
+                    tags,
+                )
+            }
+            _ => (
+                client
+                    .post(format!("{base}/ids"))
+                    .header("idempotency-key", &tag)
+                    .json(&json!({"project": "STALL", "type": "2", "count": 3})),
+                vec![tag.clone()],
+            ),
+        };
+        let started = Instant::now();
+        let response = request.send().await.expect("the instance answers");
+        let status = response.status();
+        let retry_after = response.headers().contains_key("retry-after");
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        sent.push(Sent {
+            kind,
+            marks,
+            status,
+            code: body["code"].as_str().map(str::to_owned),
+            retry_after,
+            took: started.elapsed(),
+        });
+    }
+    sent
+}
+
+/// One instance reaches Postgres through a network that stalls for 6 s
+/// (its request timeout is 2 s) while clients send documents (plain,
+/// keyed, gapless, in batches) and keyed `POST /ids`, each marked. Once
+/// the network is back: every accepted document exists once, no document
+/// or stored answer of an error answer exists, and every error is a 503
+/// with Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
+    let mut env = TestEnv::new();
+    env.request_timeout_s = 2;
+    let proxy = StallingProxy::start("127.0.0.1:5432").await;
+    let direct = env.database_url.clone();
+    env.database_url = proxy.url_for(&direct);
+    env.direct_database_url = Some(direct);
+    let app = env.spawn().await;
+    app.define("STALLG", "1", json!({"numbering": "gapless"}))
+        .await;
+    // Every kind's sequence exists before the stall (a first use reads
+    // and writes definitions).
+    for (project, doc_type) in [("STALL", "1"), ("STALL", "2")] {
+        app.issue(project, doc_type, 1).await;
+    }
+
+    let running = Arc::new(AtomicBool::new(true));
+    let kinds = [
+        "document",
+        "document",
+        "keyed document",
+        "keyed document",
+        "gapless document",
+        "batch",
+        "keyed ids",
+        "keyed ids",
+    ];
+    let senders: Vec<_> = kinds
+        .into_iter()
+        .map(|kind| {
+            tokio::spawn(send_until_stopped(
+                app.client.clone(),
+                app.address.clone(),
+                kind,
+                running.clone(),
+            ))
+        })
+        .collect();
+    // Some answers before the stall, then 6 s of a hung network.
+    let before = Instant::now();
+    until(
+        Duration::from_secs(20),
+        "documents accepted before the stall",
+        async || {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM id_outbox")
+                .fetch_one(&app.db)
+                .await
+                .is_ok_and(|n| n >= 200)
+        },
+    )
+    .await;
+    expect_postgres_trouble();
+    proxy.stall();
+    let stalled_at = before.elapsed();
+    let stall = Duration::from_secs(6);
+    tokio::time::sleep(stall).await;
+    proxy.resume();
+    // Requests after the network came back are answered again.
+    let resumed = Instant::now();
+    until(
+        Duration::from_secs(30),
+        "answers after the stall",
+        async || {
+            let (status, _) = app.get_json("/readyz").await;
+            status == StatusCode::OK && resumed.elapsed() > Duration::from_secs(1)
+        },
+    )
+    .await;
+    running.store(false, Ordering::Relaxed);
+    let mut sent = Vec::new();
+    for sender in senders {
+        sent.extend(sender.await.expect("sender"));
+    }
+
+    let documents: HashMap<String, i64> = sqlx::query_as(
+        "SELECT payload->>'tag', count(*) FROM id_outbox WHERE payload ? 'tag' GROUP BY 1",
+    )
+    .fetch_all(&app.db)
+    .await
+    .expect("documents")
+    .into_iter()
+    .collect();
+    let stored: std::collections::HashSet<String> =
+        sqlx::query_scalar("SELECT key FROM idempotency_keys")
+            .fetch_all(&app.db)
+            .await
+            .expect("stored answers")
+            .into_iter()
+            .collect();
+    let written = |sent: &Sent, mark: &str| match sent.kind {
+        "keyed ids" => i64::from(stored.contains(mark)),
+        _ => documents.get(mark).copied().unwrap_or(0),
+    };
+    let mut errors = 0;
+    let mut waited_through = 0;
+    for one in &sent {
+        if one.status.is_success() {
+            if one.took > Duration::from_secs(2) {
+                waited_through += 1;
+            }
+            for mark in &one.marks {
+                assert_eq!(
+                    written(one, mark),
+                    1,
+                    "{} answered {}: {one:?}",
+                    mark,
+                    one.status
+                );
+            }
+            continue;
+        }
+        errors += 1;
+        assert_eq!(one.status, StatusCode::SERVICE_UNAVAILABLE, "{one:?}");
+        assert!(one.retry_after, "a 503 without Retry-After: {one:?}");
+        assert!(
+            matches!(one.code.as_deref(), Some("timeout" | "unavailable")),
+            "{one:?}"
+        );
+        for mark in &one.marks {
+            assert_eq!(
+                written(one, mark),
+                0,
+                "an error answer's write landed after all: {one:?}"
+            );
+        }
+    }
+    let answered_ok = sent.len() - errors;
+    eprintln!(
+        "stall at {stalled_at:?}: {} requests, {answered_ok} succeeded ({waited_through} of them \
+         after waiting out the stall), {errors} answered 503",
+        sent.len()
+    );
+    assert!(errors > 0, "the stall cost no request: it did not stall");
+}

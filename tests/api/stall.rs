@@ -1,0 +1,104 @@
+//! A TCP proxy that can stall: while stalled it forwards nothing in either
+//! direction and closes nothing (a network that hangs, not one that fails),
+//! then resumes where it stopped. Put between an instance and Postgres.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+pub struct StallingProxy {
+    pub port: u16,
+    stalled: watch::Sender<bool>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl StallingProxy {
+    /// A proxy on a free port of 127.0.0.1 to `target` (host:port).
+    pub async fn start(target: &str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("proxy port");
+        let port = listener.local_addr().expect("proxy address").port();
+        let (stalled, watching) = watch::channel(false);
+        let target: Arc<str> = target.into();
+        let accepting = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let (target, watching) = (target.clone(), watching.clone());
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(&*target).await else {
+                        return;
+                    };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    let (client_read, client_write) = client.into_split();
+                    let (server_read, server_write) = server.into_split();
+                    tokio::join!(
+                        forward(client_read, server_write, watching.clone()),
+                        forward(server_read, client_write, watching),
+                    );
+                });
+            }
+        });
+        Self {
+            port,
+            stalled,
+            accepting,
+        }
+    }
+
+    /// `url` (a postgres:// URL) with its host and port replaced by the
+    /// proxy's.
+    pub fn url_for(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").expect("a URL");
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let user = authority
+            .rsplit_once('@')
+            .map(|(user, _)| format!("{user}@"))
+            .unwrap_or_default();
+        format!("{scheme}://{user}127.0.0.1:{}/{path}", self.port)
+    }
+
+    /// Stops forwarding; nothing is closed.
+    pub fn stall(&self) {
+        self.stalled.send_replace(true);
+    }
+
+    pub fn resume(&self) {
+        self.stalled.send_replace(false);
+    }
+}
+
+impl Drop for StallingProxy {
+    fn drop(&mut self) {
+        self.accepting.abort();
+        self.resume();
+    }
+}
+
+/// Copies `from` to `to`, holding every chunk while the proxy is stalled.
+async fn forward(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut stalled: watch::Receiver<bool>,
+) {
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        if stalled.wait_for(|s| !*s).await.is_err() {
+            return;
+        }
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => {
+                let _ = to.shutdown().await;
+                return;
+            }
+            Ok(n) => n,
+        };
+        // Read while running, held if a stall began meanwhile.
+        if stalled.wait_for(|s| !*s).await.is_err() {
+            return;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+    }
+}
