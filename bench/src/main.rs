@@ -269,6 +269,15 @@ fn ids_call(sequence: &'static str, count: u64) -> impl Fn(u64) -> Call + Send +
     }
 }
 
+/// Every request of `outcome` was answered 400 (a controlled variant).
+fn all_refused(what: &str, outcome: &Outcome) -> anyhow::Result<()> {
+    let refused = outcome.statuses.get(&400).copied().unwrap_or(0);
+    if refused != outcome.requests {
+        bail!("{what}: expected 400 only, got {:?}", outcome.statuses);
+    }
+    Ok(())
+}
+
 fn healthz_call(_: u64) -> Call {
     Call {
         method: Method::GET,
@@ -328,6 +337,16 @@ impl Rounds {
             "ratio",
             &format!(">= {goal}"),
             Some(value >= goal),
+        );
+    }
+
+    /// The median of the per-round ratios, for context (no goal).
+    fn context(mut self, bench: &mut Bench, ratio: &str) {
+        let n = self.ratios.len();
+        bench.context(
+            &format!("{ratio} (median of {n} rounds)"),
+            median(&mut self.ratios),
+            "ratio",
         );
     }
 }
@@ -445,7 +464,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         idle_delivery(&mut bench, &sizes).await?;
     }
     if wanted("ratio") {
-        ratio_to_healthz(&mut bench, &idpool, &sizes).await?;
+        ratio_to_healthz(&mut bench, &idpool, &postgres, &sizes).await?;
     }
     if wanted("latency") {
         light_load_latency(&mut bench, &idpool, &postgres, &sizes).await?;
@@ -579,7 +598,12 @@ async fn idle_delivery(bench: &mut Bench, sizes: &Sizes) -> anyhow::Result<()> {
 
 /// `POST /ids` count 1 against `GET /healthz`, 64 connections, in
 /// alternating rounds.
-async fn ratio_to_healthz(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> anyhow::Result<()> {
+async fn ratio_to_healthz(
+    bench: &mut Bench,
+    idpool: &Idpool,
+    postgres: &Postgres,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
     idpool.reset_peak_rss();
     let addr = bench.addr;
     // Warm up: the pool grows to its traffic before anything is measured.
@@ -592,19 +616,49 @@ async fn ratio_to_healthz(bench: &mut Bench, idpool: &Idpool, sizes: &Sizes) -> 
     .await?;
     bench.check("warm-up", &warm)?;
     let mut rounds = Rounds::default();
+    // The controlled variant: the same request with count 0, read, parsed
+    // and answered 400 by the same stack, issuing nothing: the share of
+    // GET /healthz that the HTTP and JSON work alone leaves.
+    let mut refused = Rounds::default();
     for _ in 0..sizes.rounds {
         let base = load::run(addr, 64, Until::Elapsed(sizes.slice), healthz_call).await?;
         let subject =
             load::run(addr, 64, Until::Elapsed(sizes.slice), ids_call("single", 1)).await?;
         bench.check("POST /ids count 1", &subject)?;
         rounds.push(subject.per_second(), base.per_second());
+        let variant =
+            load::run(addr, 64, Until::Elapsed(sizes.slice), ids_call("single", 0)).await?;
+        all_refused("POST /ids count 0", &variant)?;
+        refused.push(variant.per_second(), base.per_second());
     }
+    refused.context(
+        bench,
+        "controlled variant: POST /ids count 0 (400, nothing issued) ÷ GET /healthz",
+    );
     rounds.report(
         bench,
         "POST /ids count 1, 64 connections",
         "GET /healthz, 64 connections",
         "POST /ids count 1 ÷ GET /healthz",
-        0.7,
+        0.8,
+    );
+    // Against Postgres handing out numbers itself, on the same server, in
+    // alternating rounds.
+    let mut rounds = Rounds::default();
+    let seconds = sizes.slice.as_secs_f64().ceil().max(1.0) as u64;
+    for _ in 0..sizes.rounds {
+        let nextval = postgres.pgbench_nextval(64, seconds)?;
+        let subject =
+            load::run(addr, 64, Until::Elapsed(sizes.slice), ids_call("single", 1)).await?;
+        bench.check("POST /ids count 1", &subject)?;
+        rounds.push(subject.per_second(), nextval.tps);
+    }
+    rounds.report(
+        bench,
+        "POST /ids count 1, 64 connections (beside pgbench)",
+        "pgbench SELECT nextval, 64 prepared clients, same Postgres",
+        "POST /ids count 1 ÷ pgbench nextval",
+        1.0,
     );
     bench
         .peak_rss
@@ -632,6 +686,7 @@ async fn light_load_latency(
     // The tail against the server's own floor: GET /healthz at the same
     // load, in alternating rounds, so a slow phase hits both sides.
     let (mut ids_p99, mut healthz_p99, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let mut refused_ratios = Vec::new();
     for _ in 0..sizes.rounds {
         let base = load::run(bench.addr, 8, Until::Elapsed(sizes.slice), healthz_call).await?;
         let subject = load::run(
@@ -642,11 +697,25 @@ async fn light_load_latency(
         )
         .await?;
         bench.check("POST /ids count 1, 8 connections", &subject)?;
+        let variant = load::run(
+            bench.addr,
+            8,
+            Until::Elapsed(sizes.slice),
+            ids_call("light", 0),
+        )
+        .await?;
+        all_refused("POST /ids count 0, 8 connections", &variant)?;
         let (subject, base) = (subject.quantile_ms(0.99), base.quantile_ms(0.99));
         ids_p99.push(subject);
         healthz_p99.push(base);
         ratios.push(subject / base);
+        refused_ratios.push(variant.quantile_ms(0.99) / base);
     }
+    bench.context(
+        "controlled variant: POST /ids count 0 (400) p99 ÷ GET /healthz p99, 8 conn. (median)",
+        median(&mut refused_ratios),
+        "ratio",
+    );
     let n = ratios.len();
     let worst = ratios.iter().copied().fold(0.0, f64::max);
     bench.context(

@@ -137,6 +137,20 @@ impl Postgres {
             "INSERT INTO bench_insert (v) VALUES (1);\n",
             clients,
             seconds,
+            &[],
+        )
+    }
+
+    /// pgbench: Postgres handing out numbers itself, `SELECT nextval(…)`
+    /// on one sequence, prepared, with `clients` for `seconds`: what an ID
+    /// service straight on Postgres could do at best.
+    pub fn pgbench_nextval(&self, clients: u32, seconds: u64) -> anyhow::Result<Pgbench> {
+        self.pgbench(
+            "CREATE SEQUENCE IF NOT EXISTS bench_ids",
+            "SELECT nextval('bench_ids');\n",
+            clients,
+            seconds,
+            &["-M", "prepared"],
         )
     }
 
@@ -155,6 +169,7 @@ impl Postgres {
              COMMIT;\n",
             clients,
             seconds,
+            &[],
         )
     }
 
@@ -166,6 +181,7 @@ impl Postgres {
         script_text: &str,
         clients: u32,
         seconds: u64,
+        extra_args: &[&str],
     ) -> anyhow::Result<Pgbench> {
         let psql = self.bindir.join("psql");
         let port = self.port.to_string();
@@ -228,6 +244,7 @@ impl Postgres {
                 "-T",
                 &seconds.to_string(),
             ])
+            .args(extra_args)
             .args(["-l", "--log-prefix", "tx", "-f"])
             .arg(&script)
             .arg("pgbench_insert")

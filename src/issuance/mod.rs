@@ -317,13 +317,17 @@ impl Issuer {
     /// one place where the issuing path leaves the client's task. It keeps
     /// the request's commitment: a write it has not sent by the request's
     /// deadline is withdrawn (`crate::commitment`).
-    pub async fn detached<T: Send + 'static>(
+    ///
+    /// Spawned at the call, boxed: the caller's own future holds only the
+    /// task's handle across its await, not the work's whole state (moved
+    /// by every layer a request's future passes, a large future costs a
+    /// copy of itself per layer and per request).
+    pub fn detached<T: Send + 'static>(
         &self,
         work: impl Future<Output = T> + Send + 'static,
-    ) -> Result<T, tokio::task::JoinError> {
+    ) -> tokio::task::JoinHandle<T> {
         self.tasks
-            .spawn(crate::commitment::scope_detached(work))
-            .await
+            .spawn(Box::pin(crate::commitment::scope_detached(work)))
     }
 
     /// `count` numbers: what the lease gave or is bringing first (`begun`),

@@ -1138,3 +1138,185 @@ async fn every_route_at_once_on_two_database_turns_needs_no_second_connection() 
         .collect();
     assert!(failed.is_empty(), "{failed:?}");
 }
+
+/// What tenant B saw: the latencies of its `POST /ids` and
+/// `POST /documents`, those of `GET /healthz` on the same instance between
+/// them (what any request of that process waits for a core), and every
+/// answer that was not a 2xx.
+#[derive(Default)]
+struct TenantB {
+    issuing: Vec<Duration>,
+    healthz: Vec<Duration>,
+    failures: Vec<String>,
+}
+
+/// Tenant B's requests, one at a time (`POST /ids`, `GET /healthz`,
+/// `POST /documents`, `GET /healthz`, ...), at least `at_least` issuing
+/// ones and, given `running`, until it ends.
+async fn tenant_b_one_at_a_time(
+    client: &reqwest::Client,
+    base: &str,
+    at_least: usize,
+    running: Option<&AtomicBool>,
+) -> TenantB {
+    let mut seen = TenantB::default();
+    let mut n = 0u64;
+    while seen.issuing.len() < at_least || running.is_some_and(|r| r.load(Ordering::Relaxed)) {
+        n += 1;
+        let request = match n % 4 {
+            0 => client
+                .post(format!("{base}/ids"))
+                .json(&json!({"project": "TENB", "type": "1", "count": 1})),
+            2 => client
+                .post(format!("{base}/documents"))
+                .json(&json!({"project": "TENB", "type": "2", "metadata": {"n": n}})),
+            _ => client.get(format!("{base}/healthz")),
+        };
+        let started = Instant::now();
+        let response = request.send().await.expect("B's instance answers");
+        let status = response.status();
+        let body = response.text().await.unwrap_or_default();
+        let took = started.elapsed();
+        match n % 2 {
+            0 => seen.issuing.push(took),
+            _ => seen.healthz.push(took),
+        }
+        if !status.is_success() {
+            seen.failures.push(format!("{status} {body}"));
+        }
+    }
+    seen
+}
+
+/// The floor under any answer that waits for a commit: a bare single-row
+/// INSERT committed on its own connection, one at a time, at least
+/// `at_least` times and, given `running`, until it ends. Its latencies.
+async fn bare_commits(
+    db: &sqlx::PgPool,
+    at_least: usize,
+    running: Option<&AtomicBool>,
+) -> Vec<Duration> {
+    let mut conn = db.acquire().await.expect("a connection");
+    let mut latencies = Vec::new();
+    while latencies.len() < at_least || running.is_some_and(|r| r.load(Ordering::Relaxed)) {
+        let started = Instant::now();
+        sqlx::query("INSERT INTO bare_commits (at) VALUES (now())")
+            .execute(&mut *conn)
+            .await
+            .expect("a bare commit");
+        latencies.push(started.elapsed());
+    }
+    latencies
+}
+
+fn p99(latencies: &mut [Duration]) -> Duration {
+    latencies.sort_unstable();
+    latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)]
+}
+
+/// Tenant A migrates 100,000 documents with `idpool import` (8 batches at
+/// once) into one instance while tenant B sends requests one at a time to
+/// another, both on one Postgres and two cores. B gets no error (no
+/// connection it needs is held by A's work or by background work), and
+/// its p99 grows by no more than the machine's share of it: what B's
+/// process waits for a core (its `GET /healthz` p99) plus three times what
+/// a bare commit on the same Postgres waits more meanwhile. Every answer of
+/// B waits for a commit (a quiet sequence's `POST /ids` is recorded on its
+/// own), and the import slows every commit of that Postgres, idpool's or
+/// not (BENCHMARKS.md has the figures of a release build).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_postgres() {
+    let env = TestEnv::new();
+    let setup = env.spawn().await;
+    let key_a = create_key(&setup.state, &["TENA"], false).await;
+    let key_b = create_key(&setup.state, &["TENB"], false).await;
+    sqlx::query("CREATE TABLE bare_commits (id bigserial PRIMARY KEY, at timestamptz NOT NULL)")
+        .execute(&setup.db)
+        .await
+        .expect("a table of our own");
+    let instance_a = crate::helpers::ServeProcess::start(&env).await;
+    let instance_b = crate::helpers::ServeProcess::start(&env).await;
+    let base_b = format!("http://127.0.0.1:{}", instance_b.port);
+    let client_b = client_with_key(Some(&key_b));
+
+    let dir = tempfile::tempdir().expect("a directory");
+    let input = dir.path().join("tena.jsonl");
+    let mut lines = String::with_capacity(100_000 * 64);
+    for n in 0..100_000 {
+        lines.push_str(&format!(
+            "{{\"source_id\": \"a-{n}\", \"metadata\": {{\"n\": {n}, \"pad\": \"xxxxxxxxxxxxxxxx\"}}}}\n"
+        ));
+    }
+    std::fs::write(&input, lines).expect("the input");
+
+    // Alone (after a warm-up: first use creates B's sequences).
+    tenant_b_one_at_a_time(&client_b, &base_b, 50, None).await;
+    let mut alone = tenant_b_one_at_a_time(&client_b, &base_b, 400, None).await;
+    assert!(alone.failures.is_empty(), "B alone: {:?}", alone.failures);
+    let alone_p99 = p99(&mut alone.issuing);
+    let healthz_alone = p99(&mut alone.healthz);
+    let floor_alone = p99(&mut bare_commits(&setup.db, 400, None).await);
+
+    let mut import = std::process::Command::new(env!("CARGO_BIN_EXE_idpool"))
+        .arg("import")
+        .arg(&input)
+        .args(["--project", "TENA", "--type", "1", "--concurrency", "8"])
+        .args(["--url", &format!("http://127.0.0.1:{}", instance_a.port)])
+        .arg("--out")
+        .arg(dir.path().join("tena.map.jsonl"))
+        .env("IDPOOL_KEY", &key_a)
+        .stdout(crate::helpers::child_output())
+        .stderr(crate::helpers::child_output())
+        .spawn()
+        .expect("idpool import starts");
+    let importing = Arc::new(AtomicBool::new(true));
+    let beside = {
+        let (client_b, base_b, importing) = (client_b.clone(), base_b.clone(), importing.clone());
+        tokio::spawn(async move {
+            tenant_b_one_at_a_time(&client_b, &base_b, 100, Some(&importing)).await
+        })
+    };
+    let floor = {
+        let (db, importing) = (setup.db.clone(), importing.clone());
+        tokio::spawn(async move { bare_commits(&db, 100, Some(&importing)).await })
+    };
+    let status = tokio::task::spawn_blocking(move || import.wait())
+        .await
+        .expect("import")
+        .expect("import ran");
+    importing.store(false, Ordering::Relaxed);
+    let mut beside = beside.await.expect("B beside the import");
+    let floor_beside = p99(&mut floor.await.expect("bare commits beside the import"));
+    assert!(status.success(), "the import failed: {status}");
+    let imported: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM id_outbox WHERE tenant_code = 'TENA' AND source_id IS NOT NULL",
+    )
+    .fetch_one(&setup.db)
+    .await
+    .expect("count");
+    assert_eq!(imported, 100_000, "every line imported");
+    let failures = &beside.failures;
+    assert!(
+        failures.is_empty(),
+        "B beside A's import: {} of {} not 2xx, e.g. {:?}",
+        failures.len(),
+        beside.issuing.len() + beside.healthz.len(),
+        &failures[..failures.len().min(3)]
+    );
+    let beside_p99 = p99(&mut beside.issuing);
+    let healthz_beside = p99(&mut beside.healthz);
+    println!(
+        "B's p99 alone {alone_p99:?}, beside the import {beside_p99:?} ({} requests); its \
+         GET /healthz {healthz_alone:?} and {healthz_beside:?}; a bare commit's \
+         {floor_alone:?} and {floor_beside:?}",
+        beside.issuing.len()
+    );
+    let grown = beside_p99.saturating_sub(alone_p99);
+    let cores = healthz_beside.saturating_sub(healthz_alone);
+    let commits = floor_beside.saturating_sub(floor_alone);
+    assert!(
+        grown <= cores + commits * 3,
+        "B's p99 grew by {grown:?} ({alone_p99:?} alone, {beside_p99:?} beside A's import); \
+         waiting for a core grew by {cores:?}, a bare commit by {commits:?}"
+    );
+}
