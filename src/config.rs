@@ -135,7 +135,7 @@ pub struct Config {
         long = "idpool-db-pool-size",
         env = "IDPOOL_DB_POOL_SIZE",
         value_name = "IDPOOL_DB_POOL_SIZE",
-        default_value_t = 8,
+        default_value_t = 10,
         value_parser = clap::value_parser!(u32).range(8..=10_000),
     )]
     pub db_pool_size: u32,

@@ -64,10 +64,7 @@ pub(crate) struct Shape {
 
 impl Shape {
     pub(crate) fn new(pooler: Pooler, limits: &super::Limits) -> Self {
-        Self::with(pooler, limits, pooler.limits_per_transaction())
-    }
-
-    fn with(pooler: Pooler, limits: &super::Limits, per_transaction: bool) -> Self {
+        let per_transaction = pooler.limits_per_transaction();
         let begin = match per_transaction {
             true => format!("BEGIN; {}", limits.set_local()),
             false => "BEGIN".to_owned(),
@@ -111,16 +108,6 @@ impl Db {
 
     pub fn pooler(&self) -> Pooler {
         self.shape.pooler
-    }
-
-    /// The same connections under other limits, set in every transaction
-    /// (each statement in one of its own): for work that needs longer
-    /// than requests may take, without connections of its own.
-    pub fn under(&self, limits: &super::Limits) -> Db {
-        Db {
-            pool: self.pool.clone(),
-            shape: Arc::new(Shape::with(self.shape.pooler, limits, true)),
-        }
     }
 
     /// The options this pool connects with (for another pool on the same
