@@ -834,7 +834,7 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
         .filter(|id| !after_stall.contains(id))
         .collect();
     let last_before = &before_stall[before_stall.len().saturating_sub(200)..];
-    for id in after_stall.iter().chain(last_before).copied() {
+    for &id in after_stall.iter().chain(last_before) {
         let started = Instant::now();
         let response = attaching
             .post_document(
