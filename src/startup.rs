@@ -16,9 +16,9 @@ use crate::backoff::Backoff;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::counter::Counter;
-use crate::documents::Documents;
 use crate::documents::processor::{OutboxWake, PendingTenants, Processor};
 use crate::documents::sink::{Sink, SinkSettings};
+use crate::documents::{Documents, HandoutWaits};
 use crate::fair::FairSlots;
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
@@ -228,6 +228,8 @@ struct Parts {
     sequences: Arc<SequenceStore>,
     pools: Arc<PoolService>,
     issuer: Arc<Issuer>,
+    /// Attaches waiting for handout records, looked at together.
+    handout_waits: Arc<HandoutWaits>,
     reconciler: Arc<Reconciler>,
     instance_id: String,
 }
@@ -303,9 +305,11 @@ impl Parts {
             &instance_id,
         )
         .await?;
+        let handout_waits = HandoutWaits::spawn(db.clone(), &tasks);
         Ok(Self {
             db,
             background_db,
+            handout_waits,
             stats,
             keys,
             auth,
@@ -515,6 +519,7 @@ impl Parts {
             auth: self.auth,
             documents: Documents {
                 issuer: self.issuer.clone(),
+                handout_waits: self.handout_waits,
             },
             issuer: self.issuer,
             reconciler: self.reconciler,

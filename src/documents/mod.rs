@@ -2,13 +2,15 @@
 //! transactional outbox), then delivered to the target store by the outbox
 //! processor.
 
+mod handout_waits;
 pub mod outbox;
 pub mod processor;
 pub mod sink;
 
+pub use handout_waits::HandoutWaits;
+
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::db::Tx;
 use chrono::{DateTime, Utc};
@@ -86,10 +88,6 @@ pub enum NumbersRefused {
     /// The metadata's length with every number printed in full.
     TooLargePrinted(u64),
 }
-
-/// How long past a lease's expiry an attach still waits for it (the
-/// lease's statement may have run a moment after it was counted from).
-const HANDOUT_WAIT_SLACK: Duration = Duration::from_millis(500);
 
 /// Most documents in one batch (SPEC).
 pub const MAX_BATCH: usize = 1000;
@@ -197,6 +195,7 @@ impl BatchError {
 
 pub struct Documents {
     pub issuer: Arc<Issuer>,
+    pub handout_waits: Arc<HandoutWaits>,
 }
 
 /// The placement of each (project, type) of a batch.
@@ -268,74 +267,31 @@ impl Documents {
     /// Waits until every ID of `inputs` to attach that another instance
     /// answered from a lease is on record: its handout written (a few
     /// milliseconds after the answer), or its lease past its expiry and
-    /// ended here (its instance died before writing it; at most
-    /// `ledger::LEASE_TTL`). Before the caller's transaction, on
-    /// connections taken for one statement each, so no connection is held
-    /// while it waits. Whether an ID may be attached is decided after, in
-    /// the transaction ([`Documents::accept_in`]).
-    pub async fn wait_for_handouts(
-        &self,
-        inputs: &[DocumentInput],
-        placements: &Placements,
-    ) -> Result<(), BatchError> {
-        let mut by_sequence: HashMap<i64, Vec<i64>> = HashMap::new();
+    /// ended (its instance died before writing it; at most
+    /// `ledger::LEASE_TTL`). Before the caller's transaction and its
+    /// database turn, with every other attach of this instance in one
+    /// statement per look ([`HandoutWaits`]). Whether an ID may be
+    /// attached is decided after, in the transaction
+    /// ([`Documents::accept_in`]).
+    pub async fn wait_for_handouts(&self, inputs: &[DocumentInput], placements: &Placements) {
+        let mut numbers = Vec::new();
         for input in inputs {
             let Some(id) = &input.id else { continue };
-            let placement = &placements[&(input.project.to_string(), input.doc_type.to_string())];
+            let key = (input.project.to_string(), input.doc_type.to_string());
+            let Some(placement) = placements.get(&key) else {
+                continue;
+            };
             let sequence = &placement.sequence;
             if sequence.definition.numbering == Numbering::Gapless {
                 continue;
             }
             if let Some(seq) = sequence.seq_of(id) {
-                by_sequence.entry(sequence.id).or_default().push(seq);
+                numbers.push((sequence.id, seq));
             }
         }
-        for (sequence_id, mut seqs) in by_sequence {
-            seqs.sort_unstable();
-            seqs.dedup();
-            self.wait_for_sequence_handouts(sequence_id, seqs)
-                .await
-                .map_err(BatchError::whole)?;
-        }
-        Ok(())
-    }
-
-    async fn wait_for_sequence_handouts(
-        &self,
-        sequence_id: i64,
-        mut seqs: Vec<i64>,
-    ) -> Result<(), DocumentError> {
-        // A lease expires LEASE_TTL after it was recorded; one recorded
-        // just before this began is the longest wait.
-        let deadline = tokio::time::Instant::now() + ledger::LEASE_TTL + HANDOUT_WAIT_SLACK;
-        let mut pause = Duration::from_millis(2);
-        loop {
-            let waits = {
-                let mut conn = self.issuer.db().acquire().await?;
-                let waits = ledger::lease_waits(&mut conn, sequence_id, &seqs).await?;
-                let expired: Vec<i64> = seqs
-                    .iter()
-                    .zip(&waits)
-                    .filter(|(_, w)| **w == ledger::LeaseWait::Expired)
-                    .map(|(s, _)| *s)
-                    .collect();
-                if !expired.is_empty() {
-                    ledger::end_expired_leases(&mut conn, sequence_id, &expired).await?;
-                }
-                waits
-            };
-            seqs = seqs
-                .into_iter()
-                .zip(waits)
-                .filter(|(_, w)| *w == ledger::LeaseWait::Pending)
-                .map(|(s, _)| s)
-                .collect();
-            if seqs.is_empty() || tokio::time::Instant::now() >= deadline {
-                return Ok(());
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(100));
-        }
+        numbers.sort_unstable();
+        numbers.dedup();
+        self.handout_waits.settled(&numbers).await;
     }
 
     /// Accepts documents inside the caller's transaction: all or none.

@@ -23,7 +23,7 @@ use crate::auth::Caller;
 use crate::documents::outbox::{self, DocumentView};
 use crate::documents::{
     Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, NumbersRefused,
-    nesting_depth, unstorable_numbers,
+    Placements, nesting_depth, unstorable_numbers,
 };
 use crate::idempotency;
 use crate::ledger::outbox::DocumentStatus;
@@ -325,6 +325,8 @@ pub async fn create_document(
         }),
         None => None,
     };
+    let inputs = vec![input];
+    let placements = prepare(&state, &inputs, false).await?;
     // Keyed and attaching requests hold a connection for their transaction.
     let db_turn = state.db_turn(&caller).await;
     let caller = idempotency::Caller::key(caller.id());
@@ -333,7 +335,8 @@ pub async fn create_document(
     let issuer = state.issuer.clone();
     let answer = issuer
         .detached(async move {
-            let answer = accept_keyed(&state, &caller, vec![input], vec![keyed], false).await;
+            let keys = vec![keyed];
+            let answer = accept_keyed(&state, &caller, inputs, keys, &placements, false).await;
             drop(db_turn);
             answer
         })
@@ -348,31 +351,39 @@ pub async fn create_document(
     ))
 }
 
+/// Where each document's number comes from, and every ID to attach on
+/// record: before the caller's turns and transaction (placing may read or
+/// create a sequence; an attach may wait for another instance's handout).
+async fn prepare(
+    state: &AppState,
+    inputs: &[DocumentInput],
+    itemized: bool,
+) -> Result<Placements, ApiError> {
+    // A single document's problem names no item.
+    let placements = state.documents.place_all(inputs).await.map_err(|mut e| {
+        e.index = e.index.filter(|_| itemized);
+        ApiError::from(e)
+    })?;
+    state.documents.wait_for_handouts(inputs, &placements).await;
+    Ok(placements)
+}
+
 /// Accepts documents in one transaction under their keys (the attach and
-/// keyed paths, and batches).
+/// keyed paths, and batches), placed by [`prepare`].
 async fn accept_keyed(
     state: &AppState,
     caller: &idempotency::Caller,
     inputs: Vec<DocumentInput>,
     keys: Vec<Option<Keyed>>,
+    placements: &Placements,
     itemized: bool,
 ) -> Result<Vec<Answer>, ApiError> {
-    // Before the transaction: placing may read or create the sequence.
-    // A single document's problem names no item.
     let item = |index: Option<usize>| index.filter(|_| itemized);
-    let placements = state.documents.place_all(&inputs).await.map_err(|mut e| {
-        e.index = item(e.index);
-        ApiError::from(e)
-    })?;
     let documents = &state.documents;
-    documents
-        .wait_for_handouts(&inputs, &placements)
-        .await
-        .map_err(ApiError::from)?;
     idempotent::run(state, caller, &keys, 202, itemized, async |tx, fresh| {
         let fresh_inputs: Vec<DocumentInput> = fresh.iter().map(|i| inputs[*i].clone()).collect();
         let accepted = documents
-            .accept_in(tx, &fresh_inputs, &placements)
+            .accept_in(tx, &fresh_inputs, placements)
             .await
             .map_err(|mut e| {
                 e.index = item(e.index.map(|i| fresh[i]));
@@ -521,6 +532,7 @@ pub async fn create_batch(
         keys.push(key);
     }
     drop(body);
+    let placements = prepare(&state, &inputs, true).await?;
     // The batch is complete and checked: now it waits its turn, shared
     // fairly with other keys' batches, then for a connection of its own.
     let turn = state.batch_turns.acquire(caller.id()).await;
@@ -529,7 +541,7 @@ pub async fn create_batch(
     let issuer = state.issuer.clone();
     let answers = issuer
         .detached(async move {
-            let answers = accept_keyed(&state, &caller, inputs, keys, true).await;
+            let answers = accept_keyed(&state, &caller, inputs, keys, &placements, true).await;
             drop((turn, db_turn));
             answers
         })

@@ -104,33 +104,36 @@ pub enum LeaseWait {
     Expired,
 }
 
-/// The state of each of `seqs` (numbers of sequence `sequence_id`) for an
-/// attach; numbers that are in no lease at all are `Settled` (the attach's
-/// own check refuses them if nothing issued them).
+/// The state for an attach of each number of `numbers` (sequence id,
+/// number); one that is in no lease at all is `Settled` (the attach's own
+/// check refuses it if nothing issued it).
 pub async fn lease_waits(
     conn: &mut impl Link,
-    sequence_id: i64,
-    seqs: &[i64],
+    numbers: &[(i64, i64)],
 ) -> Result<Vec<LeaseWait>, sqlx::Error> {
+    let (sequence_ids, seqs): (Vec<i64>, Vec<i64>) = numbers.iter().copied().unzip();
     let rows = sqlx::query!(
-        "SELECT w.seq AS \"seq!\", \
+        "SELECT w.s AS \"sequence_id!\", w.seq AS \"seq!\", \
                 bool_or(l.lease_expires_at < clock_timestamp()) AS \"expired!\" \
-           FROM UNNEST($2::bigint[]) AS w(seq) \
-           JOIN issuance_ledger l ON l.sequence_id = $1 AND l.seqs @> w.seq AND l.via = $3 \
+           FROM UNNEST($1::bigint[], $2::bigint[]) AS w(s, seq) \
+           JOIN issuance_ledger l ON l.sequence_id = w.s AND l.seqs @> w.seq AND l.via = $3 \
           WHERE l.lease_ended_at IS NULL AND l.lease_expires_at IS NOT NULL \
             AND NOT EXISTS (SELECT 1 FROM lease_handouts h \
-                            WHERE h.sequence_id = $1 AND h.period = l.period AND h.seqs @> w.seq) \
-          GROUP BY w.seq",
-        sequence_id,
-        seqs,
+                            WHERE h.sequence_id = w.s AND h.period = l.period AND h.seqs @> w.seq) \
+          GROUP BY w.s, w.seq",
+        &sequence_ids,
+        &seqs,
         Via::Lease.as_str(),
     )
     .fetch_all(conn.statements())
     .await?;
-    let waiting: HashMap<i64, bool> = rows.into_iter().map(|r| (r.seq, r.expired)).collect();
-    Ok(seqs
+    let waiting: HashMap<(i64, i64), bool> = rows
+        .into_iter()
+        .map(|r| ((r.sequence_id, r.seq), r.expired))
+        .collect();
+    Ok(numbers
         .iter()
-        .map(|seq| match waiting.get(seq) {
+        .map(|number| match waiting.get(number) {
             None => LeaseWait::Settled,
             Some(false) => LeaseWait::Pending,
             Some(true) => LeaseWait::Expired,
@@ -138,21 +141,21 @@ pub async fn lease_waits(
         .collect())
 }
 
-/// Ends the leases past their expiry holding any of `seqs` (their holder
-/// hands out nothing more of them and gives none of their numbers back),
-/// so the numbers can be attached.
+/// Ends the leases past their expiry holding any of `numbers` (sequence
+/// id, number): their holder hands out nothing more of them and gives none
+/// of their numbers back, so the numbers can be attached.
 pub async fn end_expired_leases(
     conn: &mut impl Link,
-    sequence_id: i64,
-    seqs: &[i64],
+    numbers: &[(i64, i64)],
 ) -> Result<u64, sqlx::Error> {
+    let (sequence_ids, seqs): (Vec<i64>, Vec<i64>) = numbers.iter().copied().unzip();
     let ended = sqlx::query!(
         "UPDATE issuance_ledger l SET lease_ended_at = clock_timestamp() \
-          WHERE l.sequence_id = $1 AND l.via = $3 AND l.lease_ended_at IS NULL \
-            AND l.lease_expires_at < clock_timestamp() \
-            AND EXISTS (SELECT 1 FROM UNNEST($2::bigint[]) AS w(seq) WHERE l.seqs @> w.seq)",
-        sequence_id,
-        seqs,
+          FROM UNNEST($1::bigint[], $2::bigint[]) AS w(s, seq) \
+          WHERE l.sequence_id = w.s AND l.seqs @> w.seq AND l.via = $3 \
+            AND l.lease_ended_at IS NULL AND l.lease_expires_at < clock_timestamp()",
+        &sequence_ids,
+        &seqs,
         Via::Lease.as_str(),
     )
     .execute(conn.statements())

@@ -1320,3 +1320,83 @@ async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_
          waiting for a core grew by {cores:?}, a bare commit by {commits:?}"
     );
 }
+
+/// A tenant attaching numbers of its busy sequence that its lease has not
+/// handed out yet (each attach waits for a handout that may never come,
+/// at most until the lease's expiry) holds no database turn meanwhile:
+/// another tenant's keyed documents are answered as usual, and every
+/// waiting attach ends 202 or 409, never an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attaches_waiting_for_handouts_hold_up_no_other_tenant() {
+    let app = TestEnv::new().spawn().await;
+    let hostile = client_with_key(Some(&create_key(&app.state, &["HOLD"], false).await));
+    let other = client_with_key(Some(&create_key(&app.state, &["OTHB"], false).await));
+    // HOLD's sequence busy enough to be served from a lease, all along.
+    let issuing = Arc::new(AtomicBool::new(true));
+    let highest = Arc::new(AtomicU64::new(0));
+    let issuers: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url) = (hostile.clone(), app.url("/ids"));
+            let (issuing, highest) = (issuing.clone(), highest.clone());
+            tokio::spawn(async move {
+                while issuing.load(Ordering::Relaxed) {
+                    let body: Value = client
+                        .post(&url)
+                        .json(&json!({"project": "HOLD", "type": "1", "count": 1}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    highest.fetch_max(body["seqs"][0].as_u64().unwrap_or(0), Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    until(Duration::from_secs(10), "HOLD holds a lease", async || {
+        let metrics = app.metrics().await;
+        metrics.get("idpool_leases_total").copied().unwrap_or(0.0) > 0.0
+            && highest.load(Ordering::Relaxed) > 500
+    })
+    .await;
+    let ahead = highest.load(Ordering::Relaxed) + 1;
+    let attaches: Vec<_> = (ahead..ahead + 200)
+        .map(|n| {
+            let (client, url) = (hostile.clone(), app.url("/documents"));
+            tokio::spawn(async move {
+                let body = json!({"project": "HOLD", "type": "1", "id": format!("HOLD-1-{n}"), "metadata": {}});
+                client.post(&url).json(&body).send().await.unwrap().status()
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for n in 0..20 {
+        let started = Instant::now();
+        let answer = other
+            .post(app.url("/documents"))
+            .header("idempotency-key", format!("other-{n}"))
+            .json(&json!({"project": "OTHB", "type": "1", "metadata": {"n": n}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::ACCEPTED);
+        slowest = slowest.max(started.elapsed());
+    }
+    let mut statuses = std::collections::BTreeMap::new();
+    for attach in attaches {
+        *statuses.entry(attach.await.unwrap().as_u16()).or_insert(0) += 1;
+    }
+    issuing.store(false, Ordering::Relaxed);
+    for issuer in issuers {
+        issuer.await.unwrap();
+    }
+    assert!(
+        statuses.keys().all(|s| *s == 202 || *s == 409),
+        "attaches ahead of the lease: {statuses:?}"
+    );
+    assert!(
+        slowest < USUAL,
+        "another tenant's keyed document waited {slowest:?} beside 200 waiting attaches"
+    );
+}
