@@ -476,25 +476,36 @@ impl TransactionId {
 pub async fn answer_in_transaction<T, E>(
     db: &Db,
     work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
-) -> Result<T, E>
+) -> Answered<T, E>
 where
     E: From<sqlx::Error> + From<crate::commitment::NotAnswered>,
 {
     use crate::commitment::{Commitment, NotAnswered};
-    let mut conn = db.acquire().await?;
-    let mut tx = conn.begin().await?;
-    let id = TransactionId::of(&mut tx).await?;
+    // Nothing sent can have committed before the COMMIT: any error until
+    // then (a lost connection included) is NotWritten.
+    let mut conn = match db.acquire().await {
+        Ok(conn) => conn,
+        Err(e) => return Answered::NotWritten(e.into()),
+    };
+    let mut tx = match conn.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return Answered::NotWritten(e.into()),
+    };
+    let id = match TransactionId::of(&mut tx).await {
+        Ok(id) => id,
+        Err(e) => return Answered::NotWritten(e.into()),
+    };
     let done = match work(&mut tx).await {
         Ok(done) => done,
         Err(e) => {
-            tx.rollback().await?;
-            return Err(e);
+            let _ = tx.rollback().await;
+            return Answered::NotWritten(e);
         }
     };
     let commitment = Commitment::current();
     if commitment.as_ref().is_some_and(|c| !c.begin_send()) {
-        tx.rollback().await?;
-        return Err(NotAnswered::Withdrawn.into());
+        let _ = tx.rollback().await;
+        return Answered::NotWritten(NotAnswered::Withdrawn.into());
     }
     let not_written = || {
         if let Some(commitment) = &commitment {
@@ -502,10 +513,10 @@ where
         }
     };
     let error = match tokio::time::timeout(COMMIT_ANSWER_WAIT, tx.commit()).await {
-        Ok(Ok(())) => return Ok(done),
+        Ok(Ok(())) => return Answered::Committed(done),
         Ok(Err(e)) if !may_have_committed(&e) => {
             not_written();
-            return Err(e.into());
+            return Answered::NotWritten(e.into());
         }
         Ok(Err(e)) => e,
         Err(_) => sqlx::Error::Io(std::io::Error::new(
@@ -516,12 +527,31 @@ where
     // The connection may be mid-answer: closed, never reused.
     conn.discard();
     match id.committed(db).await {
-        Some(true) => Ok(done),
+        Some(true) => Answered::Committed(done),
         Some(false) => {
             not_written();
-            Err(error.into())
+            Answered::NotWritten(error.into())
         }
-        None => Err(NotAnswered::Unknown(error.to_string()).into()),
+        None => Answered::Unknown(NotAnswered::Unknown(error.to_string()).into()),
+    }
+}
+
+/// What became of a request's transaction ([`answer_in_transaction`]).
+#[derive(Debug)]
+pub enum Answered<T, E> {
+    Committed(T),
+    /// Surely not committed: nothing of it was written.
+    NotWritten(E),
+    /// Its `COMMIT` was sent and nobody could say whether it landed.
+    Unknown(E),
+}
+
+impl<T, E> Answered<T, E> {
+    pub fn into_result(self) -> Result<T, E> {
+        match self {
+            Answered::Committed(done) => Ok(done),
+            Answered::NotWritten(e) | Answered::Unknown(e) => Err(e),
+        }
     }
 }
 

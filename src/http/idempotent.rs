@@ -102,10 +102,12 @@ where
     let at = |e: ApiError, index: usize| if itemized { e.at_index(index) } else { e };
     let (fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
     // An error answer means nothing was written: see `answer_in_transaction`.
-    let (answers, fates) = crate::db::answer_in_transaction(&state.db, async |tx| {
-        claim_and_work(tx, caller, keys, status, fates, &to_claim, at, work).await
-    })
-    .await?;
+    let (answers, fates) = state
+        .issuer
+        .transaction(async |tx| {
+            claim_and_work(tx, caller, keys, status, fates, &to_claim, at, work).await
+        })
+        .await?;
     complete(answers, fates)
 }
 

@@ -60,10 +60,11 @@ impl Issuer {
                     })
                 }
                 Want::Ids { count } => {
-                    crate::db::answer_in_transaction(&issuer.db, async |tx| {
-                        issuer.gapless_in(tx, &placement, count, Via::Ids).await
-                    })
-                    .await
+                    issuer
+                        .transaction(async |tx| {
+                            issuer.gapless_in(tx, &placement, count, Via::Ids).await
+                        })
+                        .await
                 }
             }
         })

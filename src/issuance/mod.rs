@@ -15,6 +15,7 @@ mod leased;
 mod obtain;
 mod pipeline;
 mod returns;
+mod taken;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -400,7 +401,8 @@ impl Issuer {
         loop {
             let seqs = self
                 .obtain(&placement.pool, 1, obtain::Link::Pool(&self.db))
-                .await?;
+                .await?
+                .seqs;
             let demand = Demand::Document {
                 attachment: attachment.clone(),
             };

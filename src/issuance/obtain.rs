@@ -24,7 +24,10 @@ impl Issuer {
         let pool = &placement.pool;
         let (sequence_id, period) = (placement.sequence.id, placement.period.key());
         let mut issued = Vec::with_capacity(count);
-        let mut pending = self.obtain(pool, count, ledger.db(&self.db)).await?;
+        let Obtained {
+            seqs: mut pending,
+            mut popped,
+        } = self.obtain(pool, count, ledger.db(&self.db)).await?;
         loop {
             let refused = match &mut ledger {
                 LedgerTarget::Shared(via) => {
@@ -43,12 +46,25 @@ impl Issuer {
                 }
             };
             let accepted = numbers::without(pending, &refused);
+            if matches!(ledger, LedgerTarget::Transaction(..)) {
+                // Popped from Redis into a transaction that may yet roll
+                // back: given back then (see `Issuer::transaction`).
+                let popped: Vec<i64> = accepted
+                    .iter()
+                    .copied()
+                    .filter(|s| popped.binary_search(s).is_ok())
+                    .collect();
+                super::taken::popped_into_transaction(pool, popped);
+            }
             issued.extend(accepted);
             if refused.is_empty() {
                 break;
             }
             self.refused(pool, refused.len()).await;
-            pending = self
+            Obtained {
+                seqs: pending,
+                popped,
+            } = self
                 .obtain(pool, count - issued.len(), ledger.db(&self.db))
                 .await?;
         }
@@ -59,13 +75,13 @@ impl Issuer {
     /// `count` numbers of the pool's period, not yet issued: popped from the
     /// pool, and reserved straight from the counter for whatever the pool
     /// cannot give (Redis down, or still short after waiting for a refill),
-    /// through `db`. Ascending.
+    /// through `db`. Ascending, with which of them came from the pool.
     pub(super) async fn obtain(
         &self,
         pool: &PoolRef,
         count: usize,
         mut db: Link<'_, '_>,
-    ) -> Result<Vec<i64>, IssueError> {
+    ) -> Result<Obtained, IssueError> {
         let mut seqs = match self.pools.take(pool, count).await {
             Ok(seqs) => seqs,
             Err(e) => {
@@ -74,6 +90,7 @@ impl Issuer {
             }
         };
         self.stats.ids_from_pool.inc_by(seqs.len() as u64);
+        let mut popped = seqs.clone();
         while seqs.len() < count {
             let missing = count - seqs.len();
             let reserved = self.reserve_direct(&mut db, pool, missing as i64).await;
@@ -103,6 +120,7 @@ impl Issuer {
                         return Err(self.exhausted(pool, count));
                     }
                     self.stats.ids_from_pool.inc_by(more.len() as u64);
+                    popped.extend(&more);
                     seqs.extend(more);
                 }
                 Err(e) => {
@@ -112,7 +130,8 @@ impl Issuer {
             }
         }
         seqs.sort_unstable();
-        Ok(seqs)
+        popped.sort_unstable();
+        Ok(Obtained { seqs, popped })
     }
 
     async fn reserve_direct(
@@ -181,6 +200,13 @@ impl Issuer {
     async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) {
         self.pools.return_unissued(pool, seqs).await;
     }
+}
+
+/// Numbers [`Issuer::obtain`] got, ascending, and those of them popped
+/// from the pool (the rest came straight from the counter).
+pub(super) struct Obtained {
+    pub seqs: Vec<i64>,
+    pub popped: Vec<i64>,
 }
 
 /// Where numbers of the slower path are recorded.

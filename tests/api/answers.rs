@@ -99,8 +99,8 @@ async fn send_until_stopped(
 /// (its request timeout is 2 s) while clients send documents (plain,
 /// keyed, gapless, in batches) and keyed `POST /ids`, each marked. Once
 /// the network is back: every accepted document exists once, no document
-/// or stored answer of an error answer exists, and every error is a 503
-/// with Retry-After.
+/// or stored answer of an error answer exists, every error is a 503 with
+/// Retry-After, and no number is lost (those of error answers went back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
     let mut env = TestEnv::new();
@@ -235,4 +235,15 @@ async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
         sent.len()
     );
     assert!(errors > 0, "the stall cost no request: it did not stall");
+    // Numbers an error answer's request had taken went back to their pool
+    // (or rolled back with their transaction): none is lost.
+    app.settle_and_reconcile().await;
+    for doc_type in ["1", "2"] {
+        for gap in app.gaps("STALL", doc_type).await {
+            assert_eq!(
+                gap["reason"], "issued_unattached",
+                "STALL/{doc_type}: {gap}"
+            );
+        }
+    }
 }
