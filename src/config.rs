@@ -130,13 +130,14 @@ pub struct Config {
 
     /// Postgres connections of this instance, all told, shared out as
     /// `startup::ConnectionBudget` says (requests, the shared writers,
-    /// background work, refills, the notification listener); at least 8.
+    /// outbox loops, other background work, refills, the notification
+    /// listener); at least 10.
     #[arg(
         long = "idpool-db-pool-size",
         env = "IDPOOL_DB_POOL_SIZE",
         value_name = "IDPOOL_DB_POOL_SIZE",
-        default_value_t = 10,
-        value_parser = clap::value_parser!(u32).range(8..=10_000),
+        default_value_t = 12,
+        value_parser = clap::value_parser!(u32).range(10..=10_000),
     )]
     pub db_pool_size: u32,
 

@@ -96,7 +96,9 @@ impl Application {
         let supervisor = Supervisor::new(background.clone(), stats.clone());
         let lease_supervisor = Supervisor::new(drained.clone(), stats.clone());
         let parts = Parts::build(config, &overrides, db, stats).await?;
-        parts.start_background(config, &overrides, &supervisor, &background)?;
+        parts
+            .start_background(config, &overrides, &supervisor, &background)
+            .await?;
         let issuer = parts.issuer.clone();
         lease_supervisor.spawn("lease reports", move || {
             issuer.clone().report_leases(drained.clone())
@@ -259,8 +261,9 @@ impl Parts {
                 },
             )
             .await?;
-        // Key reloads and the shared look for unknown keys: background work.
-        let keys = Arc::new(KeyStore::new(background_db.clone()));
+        // Keys new to the instance are looked up for the request that
+        // names them: the requests' pool.
+        let keys = Arc::new(KeyStore::new(db.clone()));
         keys.load_all().await?;
         let auth = Self::auth(config, &keys);
         let sequences = Arc::new(SequenceStore::new(
@@ -408,7 +411,7 @@ impl Parts {
 
     /// The supervised loops: Redis watch, notifications, key use,
     /// idempotency pruning, and (when on) reconciliation and the outbox.
-    fn start_background(
+    async fn start_background(
         &self,
         config: &Config,
         overrides: &Overrides,
@@ -460,12 +463,13 @@ impl Parts {
                 supervisor,
                 stop,
                 (outbox_wake, pending_tenants),
-            )?;
+            )
+            .await?;
         }
         Ok(())
     }
 
-    fn start_outbox(
+    async fn start_outbox(
         &self,
         config: &Config,
         overrides: &Overrides,
@@ -483,8 +487,15 @@ impl Parts {
                 clock: overrides.clock.clone(),
             },
         )?;
+        let outbox_db = self
+            .db
+            .sibling(
+                ConnectionBudget::of(config).outbox,
+                config.db_limits().for_background(),
+            )
+            .await?;
         let processor = Arc::new(Processor::with_tenants(
-            self.background_db.clone(),
+            outbox_db,
             sink,
             config.processor_settings(),
             wake,
@@ -551,11 +562,13 @@ pub const BATCH_BODIES_PER_KEY: usize = 4;
 /// How the instance's Postgres connections (`IDPOOL_DB_POOL_SIZE`, all
 /// told) are shared. Each share is a pool of its own, so no kind of work
 /// waits on a connection another kind holds: requests (handed out fairly
-/// per key as database turns), the shared writers that answer requests,
-/// background work (outbox loops, handout records, lease returns, sweeps,
-/// key reloads, reconciliation), refills (a busy request path makes them
-/// slower, never leaves the pools empty), and the listener when it listens
-/// on the pool.
+/// per key as database turns; the lookups of keys new to the instance
+/// too), the shared writers that answer requests, the outbox loops (each
+/// holds its connection through a batch of deliveries, a slow webhook's
+/// answers included), other background work (handout records, lease
+/// returns, sweeps, key reloads, reconciliation), refills (a busy request
+/// path makes them slower, never leaves the pools empty), and the listener
+/// when it listens on the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionBudget {
     /// Requests that hold a connection of their own (lists, reads, keyed
@@ -563,6 +576,8 @@ pub struct ConnectionBudget {
     pub requests: u32,
     /// The shared ledger writer and the gapless write stage, one each.
     pub writers: u32,
+    /// One per outbox loop (none with the processor off).
+    pub outbox: u32,
     pub background: u32,
     pub refills: u32,
     pub listener: u32,
@@ -570,7 +585,7 @@ pub struct ConnectionBudget {
 
 impl ConnectionBudget {
     pub fn of(config: &Config) -> Self {
-        let total = config.db_pool_size.max(8);
+        let total = config.db_pool_size;
         let listener =
             match listen::Source::new_kind(config.pg_pooler, config.pg_listen_url.is_some()) {
                 listen::Kind::Pool => 1,
@@ -578,10 +593,17 @@ impl ConnectionBudget {
             };
         let refills = (config.refill_concurrency as u32).clamp(1, if total >= 12 { 2 } else { 1 });
         let writers = 2;
-        let background = (total / 4).max(2);
+        let outbox = match config.outbox_processor.is_on() {
+            true => config.outbox_workers.max(1) as u32,
+            false => 0,
+        };
+        // Reconciliation holds two at once (its work, its heartbeat).
+        let background = 2;
+        let others = refills + listener + writers + outbox + background;
         Self {
-            requests: total - refills - listener - writers - background,
+            requests: total.saturating_sub(others).max(2),
             writers,
+            outbox,
             background,
             refills,
             listener,

@@ -19,7 +19,7 @@ fn stderr(output: &Output) -> String {
 #[test]
 fn out_of_range_values_stop_serve_naming_the_variable_and_the_range() {
     for (variable, value, accepted) in [
-        ("IDPOOL_DB_POOL_SIZE", "7", "8..=10000"),
+        ("IDPOOL_DB_POOL_SIZE", "9", "10..=10000"),
         ("IDPOOL_OUTBOX_BATCH", "0", "1..=10000"),
         ("IDPOOL_REQUEST_TIMEOUT_S", "0", "1..=3600"),
         ("IDPOOL_REDIS_CLIENTS", "0", "1..=64"),

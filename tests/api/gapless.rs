@@ -239,7 +239,7 @@ async fn a_reservation_is_confirmed_by_its_document_or_voided_with_its_reason() 
 async fn voids_of_a_sequence_no_longer_cached_do_not_starve_the_pool() {
     let mut env = TestEnv::new();
     // The smallest pool there is: two connections for requests.
-    env.db_pool_size = 8;
+    env.db_pool_size = 10;
     let app = env.spawn().await;
     gapless(&app, "GV", "1", json!({})).await;
     let mut keys = Vec::new();

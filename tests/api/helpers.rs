@@ -307,7 +307,7 @@ impl TestEnv {
             request_timeout_s: 30,
             max_connections: 10_000,
             max_sequences_per_project: 1000,
-            db_pool_size: 10,
+            db_pool_size: 12,
             webhook_secret: TEST_WEBHOOK_SECRET.to_owned(),
             auth: true,
             rate_limit: 1_000_000,
