@@ -1228,7 +1228,8 @@ fn p99(latencies: &mut [Duration]) -> Duration {
 /// once) into one instance while tenant B sends keyed requests one at a
 /// time to another, both on one Postgres and two cores; B's instance
 /// delivers every tenant's documents to a webhook that answers in half a
-/// second (its outbox loops hold their connections through A's backlog).
+/// second (its outbox loops hold their connections through A's backlog)
+/// and reconciles all along.
 /// B gets no error (no connection it needs is held by A's work or by
 /// background work), a key made for B during the import is served at
 /// once, and B's p99 grows by no more than the machine's share of it: what B's
@@ -1297,6 +1298,20 @@ async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_
         let (db, importing) = (setup.db.clone(), importing.clone());
         tokio::spawn(async move { bare_commits(&db, 100, Some(&importing)).await })
     };
+    // B's instance reconciles meanwhile, as each instance does on its
+    // interval (a run reads what the import writes).
+    let reconciling = {
+        let (client, url, importing) = (
+            setup.client.clone(),
+            format!("{base_b}/api/v1/ids/gaps/reconcile"),
+            importing.clone(),
+        );
+        tokio::spawn(async move {
+            while importing.load(Ordering::Relaxed) {
+                let _ = client.post(&url).send().await;
+            }
+        })
+    };
     // A key made meanwhile: B's instance looks it up for its first request.
     until(
         Duration::from_secs(10),
@@ -1319,6 +1334,7 @@ async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_
         .expect("import")
         .expect("import ran");
     importing.store(false, Ordering::Relaxed);
+    reconciling.await.expect("reconciliation runs");
     let mut beside = beside.await.expect("B beside the import");
     let floor_beside = p99(&mut floor.await.expect("bare commits beside the import"));
     assert!(status.success(), "the import failed: {status}");
