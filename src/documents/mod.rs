@@ -454,8 +454,10 @@ async fn write_rows(conn: &mut Tx<'_>, rows: &[PlacedRow]) -> Result<Vec<Accepte
         .await
         .map_err(BatchError::whole)?
     {
+        let (sequence_id, period, row) = &rows[index];
+        crate::issuance::never_reuse(Some((*sequence_id, period, row.seq)));
         return Err(BatchError::at(index)(DocumentError::IdTaken(
-            rows[index].2.document_id.clone(),
+            row.document_id.clone(),
         )));
     }
     let refs: Vec<(i64, &str, &OutboxRow)> =
@@ -464,6 +466,12 @@ async fn write_rows(conn: &mut Tx<'_>, rows: &[PlacedRow]) -> Result<Vec<Accepte
         let e: LedgerError = e.into();
         match e {
             LedgerError::SourceIdTaken => BatchError::whole(DocumentError::SourceIdInUse),
+            LedgerError::DocumentIdTaken => {
+                // Taken meanwhile by a concurrent write: which row's ID,
+                // the constraint does not say.
+                crate::issuance::never_reuse(None);
+                BatchError::whole(LedgerError::DocumentIdTaken)
+            }
             e => BatchError::whole(e),
         }
     })?;

@@ -17,6 +17,8 @@ mod pipeline;
 mod returns;
 mod taken;
 
+pub use taken::never_reuse;
+
 use std::future::Future;
 use std::sync::Arc;
 

@@ -9,9 +9,18 @@ use std::sync::{Arc, Mutex};
 
 use super::Issuer;
 use crate::db::{Answered, Tx};
-use crate::pool::PoolRef;
+use crate::pool::{DiscardCause, PoolRef};
 
-type Popped = Arc<Mutex<Vec<(PoolRef, Vec<i64>)>>>;
+/// Numbers popped into the current transaction, and those of them that
+/// must never go back: the ID one prints is another document's.
+#[derive(Default)]
+struct Taken {
+    popped: Vec<(PoolRef, Vec<i64>)>,
+    never_again: Vec<(i64, String, i64)>,
+    all_never_again: bool,
+}
+
+type Popped = Arc<Mutex<Taken>>;
 
 tokio::task_local! {
     static POPPED: Popped;
@@ -27,7 +36,26 @@ pub(super) fn popped_into_transaction(pool: &PoolRef, seqs: Vec<i64>) {
         popped
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .popped
             .push((pool.clone(), seqs));
+    });
+}
+
+/// Number `seq` of sequence `sequence_id` in `period` prints an ID another
+/// document holds: whatever becomes of the current transaction, it never
+/// goes back to its pool (it would print that ID again); `None` for every
+/// number of it (which one is not known).
+pub fn never_reuse(number: Option<(i64, &str, i64)>) {
+    let _ = POPPED.try_with(|popped| {
+        let mut taken = popped.lock().unwrap_or_else(|e| e.into_inner());
+        match number {
+            Some((sequence_id, period, seq)) => {
+                taken
+                    .never_again
+                    .push((sequence_id, period.to_owned(), seq))
+            }
+            None => taken.all_never_again = true,
+        }
     });
 }
 
@@ -51,9 +79,27 @@ impl Issuer {
             )
             .await;
         if let Answered::NotWritten(_) = &answered {
-            let popped = std::mem::take(&mut *popped.lock().unwrap_or_else(|e| e.into_inner()));
-            for (pool, seqs) in popped {
-                self.pools.return_unissued(&pool, &seqs).await;
+            let taken = std::mem::take(&mut *popped.lock().unwrap_or_else(|e| e.into_inner()));
+            for (pool, seqs) in taken.popped {
+                let (sequence_id, period) = (pool.sequence.id, pool.period.key());
+                let (never, back): (Vec<i64>, Vec<i64>) = seqs.into_iter().partition(|seq| {
+                    taken.all_never_again
+                        || taken
+                            .never_again
+                            .iter()
+                            .any(|(s, p, n)| *s == sequence_id && p == period && n == seq)
+                });
+                self.pools.return_unissued(&pool, &back).await;
+                if !never.is_empty() {
+                    self.pools
+                        .record_discard(
+                            &pool.sequence,
+                            period,
+                            &crate::numbers::runs(&never),
+                            DiscardCause::DocumentNotWritten,
+                        )
+                        .await;
+                }
             }
         }
         answered.into_result()

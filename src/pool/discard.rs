@@ -45,8 +45,9 @@ pub enum DiscardCause {
     /// A lease's numbers this instance did not hand out, which could not be
     /// taken off the ledger to go back to their pool.
     LeaseReturned,
-    /// A leased number whose document's outbox row was not written (or
-    /// whether it was is unknown): never handed out again.
+    /// A number whose document's outbox row was not written (or whether it
+    /// was is unknown, or the ID it prints is another document's): never
+    /// handed out again.
     DocumentNotWritten,
 }
 
