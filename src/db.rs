@@ -137,25 +137,45 @@ pub async fn pool(
     pooler: Pooler,
 ) -> anyhow::Result<Db> {
     let options = limits.apply(options, pooler);
-    let pool = PgPoolOptions::new()
+    let pool = pool_options(max_connections, &limits)
+        .min_connections(0)
+        .idle_timeout(IDLE)
+        .connect_with(options)
+        .await?;
+    Ok(Db::new(pool, link::Shape::new(pooler, &limits)))
+}
+
+/// How a pool of `max_connections` hands out connections under `limits`.
+fn pool_options(max_connections: u32, limits: &Limits) -> PgPoolOptions {
+    PgPoolOptions::new()
         .test_before_acquire(limits.ping_on_acquire)
         // A connection opened before its server was seen read-only or
         // going away is closed rather than used: the address (HAProxy, a
         // DNS name) leads a new one to the writable primary.
         .before_acquire(|_, meta| Box::pin(async move { Ok(!opened_before_distrust(meta.age)) }))
         .max_connections(max_connections.max(1))
-        .min_connections(1)
         .acquire_timeout(limits.acquire)
-        .connect_with(options)
-        .await?;
-    Ok(Db::new(pool, link::Shape::new(pooler, &limits)))
 }
 
+/// How long a connection stays open unused: the instance holds the server
+/// connections its work uses now, not all it ever used (an instance at
+/// full throughput holds at most 8, SPEC). Work that comes now and then (a
+/// definition read, an outbox poll, a refill) opens one again (about a
+/// millisecond on the same host).
+const IDLE: Duration = Duration::from_secs(1);
+const SIBLING_IDLE: Duration = IDLE;
+
 impl Db {
-    /// Another pool on the same server, as shaped as this one.
+    /// Another pool on the same server, as shaped as this one, opening
+    /// connections only as its work needs them and closing them when they
+    /// have sat unused for a while.
     pub async fn sibling(&self, max_connections: u32, limits: Limits) -> anyhow::Result<Db> {
-        let options = self.connect_options();
-        pool(options, max_connections, limits, self.pooler()).await
+        let options = limits.apply(self.connect_options(), self.pooler());
+        let pool = pool_options(max_connections, &limits)
+            .min_connections(0)
+            .idle_timeout(SIBLING_IDLE)
+            .connect_lazy_with(options);
+        Ok(Db::new(pool, link::Shape::new(self.pooler(), &limits)))
     }
 }
 

@@ -463,13 +463,12 @@ impl Parts {
                 supervisor,
                 stop,
                 (outbox_wake, pending_tenants),
-            )
-            .await?;
+            )?;
         }
         Ok(())
     }
 
-    async fn start_outbox(
+    fn start_outbox(
         &self,
         config: &Config,
         overrides: &Overrides,
@@ -487,15 +486,8 @@ impl Parts {
                 clock: overrides.clock.clone(),
             },
         )?;
-        let outbox_db = self
-            .db
-            .sibling(
-                ConnectionBudget::of(config).outbox,
-                config.db_limits().for_background(),
-            )
-            .await?;
         let processor = Arc::new(Processor::with_tenants(
-            outbox_db,
+            self.background_db.clone(),
             sink,
             config.processor_settings(),
             wake,
@@ -563,12 +555,14 @@ pub const BATCH_BODIES_PER_KEY: usize = 4;
 /// told) are shared. Each share is a pool of its own, so no kind of work
 /// waits on a connection another kind holds: requests (handed out fairly
 /// per key as database turns; the lookups of keys new to the instance
-/// too), the shared writers that answer requests, the outbox loops (each
-/// holds its connection through a batch of deliveries, a slow webhook's
-/// answers included), other background work (handout records, lease
-/// returns, sweeps, key reloads, reconciliation), refills (a busy request
-/// path makes them slower, never leaves the pools empty), and the listener
-/// when it listens on the pool.
+/// too), the shared writers that answer requests, background work (the
+/// outbox loops, each holding its connection through a batch of
+/// deliveries, a slow webhook's answers included, and two more for the
+/// rest: handout records, lease returns, sweeps, key reloads,
+/// reconciliation), refills (a busy request path makes them slower, never
+/// leaves the pools empty), and the listener when it listens on the pool.
+/// The pools open connections as their work needs them and close those
+/// left unused, so an instance holds the connections it uses now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionBudget {
     /// Requests that hold a connection of their own (lists, reads, keyed
@@ -576,8 +570,8 @@ pub struct ConnectionBudget {
     pub requests: u32,
     /// The shared ledger writer and the gapless write stage, one each.
     pub writers: u32,
-    /// One per outbox loop (none with the processor off).
-    pub outbox: u32,
+    /// One per outbox loop (none with the processor off) and two for the
+    /// rest, which the loops can never take.
     pub background: u32,
     pub refills: u32,
     pub listener: u32,
@@ -598,12 +592,11 @@ impl ConnectionBudget {
             false => 0,
         };
         // Reconciliation holds two at once (its work, its heartbeat).
-        let background = 2;
-        let others = refills + listener + writers + outbox + background;
+        let background = outbox + 2;
+        let others = refills + listener + writers + background;
         Self {
             requests: total.saturating_sub(others).max(2),
             writers,
-            outbox,
             background,
             refills,
             listener,
