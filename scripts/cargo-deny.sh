@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs cargo-deny, pinned, under target/tools, and lays out its
-# advisory database from the snapshot in .ci/advisory-db: this machine
-# reaches the package registries only, so the database is never fetched.
+# cargo-deny, pinned (installed once per machine by scripts/cargo-tool.sh),
+# and its advisory database, laid out under target/tools from the snapshot
+# in .ci/advisory-db: this machine reaches the package registries only, so
+# the database is never fetched.
 # Idempotent. Prints the directory to put on PATH.
 #
 # Refreshing the snapshot (on a machine that reaches GitHub):
@@ -10,12 +11,8 @@
 #   git -C /tmp/adb log -1 --format='%H %cI' > .ci/advisory-db/SNAPSHOT
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=0.20.2
+bin=$(scripts/cargo-tool.sh cargo-deny 0.20.2)
 root=$PWD/target/tools
-if [[ $("$root/bin/cargo-deny" --version 2>/dev/null) != *"$version"* ]]; then
-  echo "cargo-deny: installing $version into $root (about two minutes, once)" >&2
-  cargo install --quiet --locked --root "$root" --version "$version" cargo-deny >&2
-fi
 
 # cargo-deny looks for the database of deny.toml's db-urls here (the
 # name is a hash of that URL) and wants a git checkout.
@@ -38,4 +35,4 @@ if [[ $(cat "$db/.snapshot" 2>/dev/null) != "$commit" ]]; then
   )
   echo "$commit" > "$db/.snapshot"
 fi
-echo "$root/bin"
+echo "$bin"
