@@ -69,6 +69,9 @@ test: test-tools services sdk-tools
 flake-hunt:
 	@scripts/flake-hunt.sh $(RUNS)
 
+# cargo deny reads every crate of Cargo.lock, those of other platforms
+# too: cargo fetch brings them from the registry (the advisories stay
+# offline, from .ci/advisory-db).
 # The query macros build from the committed .sqlx/ (.cargo/config.toml sets
 # SQLX_OFFLINE); these two describe every query again against a scratch
 # database migrated from migrations/, and write or compare .sqlx/.
@@ -76,6 +79,7 @@ lint: services
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	@bin=$$(scripts/cargo-machete.sh) && PATH="$$bin:$$PATH" cargo machete
+	@cargo fetch --locked --quiet
 	@bin=$$(scripts/cargo-deny.sh) && PATH="$$bin:$$PATH" cargo deny --offline check
 	@bin=$$(scripts/sqlx-cli.sh) && export PATH="$$bin:$$PATH" DATABASE_URL="$${DATABASE_URL%/*}/idpool_sqlx_check" \
 	  && sqlx database reset -y --source migrations >/dev/null \
