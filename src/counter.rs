@@ -559,14 +559,18 @@ impl Counter {
     /// [`Counter::take_gapless`] for a commit shared by many sequences:
     /// `None`, at once, when another transaction holds the counter (a
     /// batch of that sequence, another instance's shared commit), rather
-    /// than making every document of the commit wait for it.
+    /// than making every document of the commit wait for it. With what it
+    /// took, the id of the caller's transaction (`txid_current()`, read in
+    /// the same round trip): should the commit's answer be lost, that id
+    /// says whether these numbers were written (after a rollback another
+    /// document takes the same numbers, so the rows alone cannot say).
     pub async fn take_gapless_unless_held(
         &self,
         conn: &mut impl Link,
         sequence: &Sequence,
         period: &Period,
         n: i64,
-    ) -> Result<Option<Reserved<SeqRange>>, sqlx::Error> {
+    ) -> Result<Option<(Reserved<SeqRange>, i64)>, sqlx::Error> {
         self.ensure_period(&self.refill_db, sequence, period)
             .await?;
         // One round trip: the lock (skipped when held), then the update of
@@ -584,7 +588,7 @@ impl Counter {
                RETURNING next_seq - $3 AS first \
              ) \
              SELECT EXISTS (SELECT 1 FROM locked) AS \"locked!\", \
-                    (SELECT first FROM taken) AS first",
+                    (SELECT first FROM taken) AS first, txid_current() AS \"xid!\"",
             sequence.id,
             period.key(),
             n,
@@ -593,11 +597,12 @@ impl Counter {
         )
         .fetch_one(conn.statements())
         .await?;
-        match (taken.locked, taken.first) {
-            (false, _) => Ok(None),
-            (true, Some(first)) => Ok(Some(Reserved::Got(SeqRange::new(first, first + n)))),
-            (true, None) => Ok(Some(self.why_not(conn.statements(), sequence).await?)),
-        }
+        let reserved = match (taken.locked, taken.first) {
+            (false, _) => return Ok(None),
+            (true, Some(first)) => Reserved::Got(SeqRange::new(first, first + n)),
+            (true, None) => self.why_not(conn.statements(), sequence).await?,
+        };
+        Ok(Some((reserved, taken.xid)))
     }
 }
 

@@ -484,6 +484,14 @@ impl TransactionId {
     }
 }
 
+/// Whether transaction `xid` (`txid_current()`), run by `session`,
+/// committed: asked on a fresh connection once the server answers, after
+/// that session ended; None when Postgres did not say within
+/// `IN_DOUBT_PATIENCE`.
+pub async fn transaction_committed(db: &Db, xid: i64, session: Option<Session>) -> Option<bool> {
+    TransactionId { xid, session }.committed(db).await
+}
+
 /// Runs `work` in a transaction whose commit answers a request, so that an
 /// error means nothing was written: the request's commitment
 /// (`crate::commitment`) is asked before the `COMMIT` is sent (a request
@@ -694,6 +702,10 @@ pub mod sqlstate {
     pub const CANNOT_CONNECT_NOW: &str = "57P03";
     /// No space left on the database's disk.
     pub const DISK_FULL: &str = "53100";
+    /// `idle_in_transaction_session_timeout` ran out: the server ended the
+    /// session and rolled its transaction back (statements held up on
+    /// their way, a network that stalls).
+    pub const IDLE_IN_TRANSACTION_TIMEOUT: &str = "25P03";
 
     /// The SQLSTATE of a database error, if `e` is one.
     pub fn of(e: &sqlx::Error) -> Option<String> {

@@ -258,6 +258,9 @@ impl From<LedgerError> for ApiError {
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             LedgerError::Withdrawn => timed_out(),
+            LedgerError::OutcomeUnknown(cause) => {
+                crate::commitment::NotAnswered::Unknown(cause.to_string()).into()
+            }
             LedgerError::Db(_)
             | LedgerError::ReadOnly(_)
             | LedgerError::NotCommitted(_)
@@ -343,11 +346,13 @@ pub fn db_error(e: sqlx::Error) -> ApiError {
                 || code.starts_with(INSUFFICIENT_RESOURCES_CLASS)
                 || code.starts_with(OPERATOR_INTERVENTION_CLASS)
                 || code == LOCK_NOT_AVAILABLE
+                || code == IDLE_IN_TRANSACTION_TIMEOUT
             {
                 // Serialization failures, deadlocks, a connection the
                 // server or a pooler gave up (PgBouncer's query_wait_timeout,
                 // its client limit), resources, timeouts, lock waits,
-                // shutdowns: try again.
+                // shutdowns, a transaction the server ended for idling
+                // (rolled back): try again.
                 ApiError::unavailable(e)
             } else {
                 ApiError::internal(e)

@@ -248,12 +248,13 @@ impl Writer {
                 }
             })
             .collect();
-        let (mut outcomes, session) = self.record(&writes, &popped).await;
+        let (mut outcomes, session, numberings) = self.record(&writes, &popped).await;
         if outcomes
             .iter()
             .any(|o| o.as_ref().is_err_and(LedgerError::in_doubt))
         {
-            self.settle_in_doubt(&writes, &mut outcomes, session).await;
+            self.settle_in_doubt(&writes, &mut outcomes, session, &numberings)
+                .await;
         }
         self.give_back_unwritten(&popped, &outcomes).await;
         for (popped, outcome) in popped.iter().zip(&outcomes) {
@@ -270,7 +271,11 @@ impl Writer {
         &self,
         writes: &[LedgerWrite],
         popped: &[Popped],
-    ) -> (Vec<Result<Recorded, LedgerError>>, Option<Session>) {
+    ) -> (
+        Vec<Result<Recorded, LedgerError>>,
+        Option<Session>,
+        Vec<GaplessNumbering>,
+    ) {
         let mut held = self.conn.lock().await;
         let (conn, session) = match held.as_mut() {
             Some(held) => held,
@@ -279,7 +284,7 @@ impl Writer {
                 // Nothing was sent: the numbers go back, nothing to look up.
                 Err(e) => {
                     let e = LedgerError::NotCommitted(Arc::new(e));
-                    return (ledger::failed_all(writes, &e), None);
+                    return (ledger::failed_all(writes, &e), None, Vec::new());
                 }
             },
         };
@@ -287,6 +292,7 @@ impl Writer {
         let gapless = GaplessOf {
             counter: &self.counter,
             popped,
+            numberings: std::sync::Mutex::new(Vec::new()),
         };
         // A connection that stalls without closing never answers: past the
         // wait it is taken for broken and the writes are looked up.
@@ -313,7 +319,11 @@ impl Writer {
                 conn.discard();
             }
         }
-        (outcomes, session)
+        let numberings = gapless
+            .numberings
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        (outcomes, session, numberings)
     }
 }
 
@@ -323,7 +333,80 @@ impl Writer {
     /// again: the caller gets the true answer, and numbers that did not
     /// land go back to their pool instead of being written off. Everything
     /// queued behind waits meanwhile; nothing could be written anyway.
+    /// A gapless document is numbered inside the transaction, so its
+    /// rows cannot be looked up by content (after a rollback another
+    /// document takes the same number): its write is settled by the id of
+    /// the transaction that numbered it. What stays unknown is answered as
+    /// unknown, never as a failure to retry.
     async fn settle_in_doubt(
+        &self,
+        writes: &[LedgerWrite],
+        outcomes: &mut [Result<Recorded, LedgerError>],
+        session: Option<Session>,
+        numberings: &[GaplessNumbering],
+    ) {
+        self.settle_by_content(writes, outcomes, session).await;
+        self.settle_gapless(writes, outcomes, session, numberings)
+            .await;
+        for outcome in outcomes.iter_mut() {
+            if let Err(LedgerError::Db(e)) = outcome {
+                *outcome = Err(LedgerError::OutcomeUnknown(e.clone()));
+            }
+        }
+    }
+
+    /// The in-doubt writes of gapless documents, by the transaction that
+    /// numbered each (the last one to, should the write have been split):
+    /// committed, its rows are the write's; rolled back, or never numbered,
+    /// nothing of it was written.
+    async fn settle_gapless(
+        &self,
+        writes: &[LedgerWrite],
+        outcomes: &mut [Result<Recorded, LedgerError>],
+        session: Option<Session>,
+        numberings: &[GaplessNumbering],
+    ) {
+        for i in 0..writes.len() {
+            let Err(LedgerError::Db(e)) = &outcomes[i] else {
+                continue;
+            };
+            if writes[i].unnumbered.is_empty() {
+                continue;
+            }
+            let e = e.clone();
+            let Some((xid, numbered)) = numbered_in(numberings, writes, i) else {
+                outcomes[i] = Err(LedgerError::NotCommitted(e));
+                continue;
+            };
+            match crate::db::transaction_committed(&self.db, xid, session).await {
+                Some(false) => outcomes[i] = Err(LedgerError::NotCommitted(e)),
+                None => {}
+                Some(true) => {
+                    let asked = Arc::new(vec![numbered.clone()]);
+                    let landed = crate::db::once_answering(
+                        &self.db,
+                        crate::db::IN_DOUBT_PATIENCE,
+                        None,
+                        |mut conn| {
+                            let asked = asked.clone();
+                            async move { ledger::landed(&mut conn, &asked).await }
+                        },
+                    )
+                    .await;
+                    if let Some(ledger::Landed::Yes(mut recorded)) =
+                        landed.and_then(|mut l| l.pop())
+                    {
+                        self.stats.in_doubt_settled.inc();
+                        recorded.numbered = numbered.documents;
+                        outcomes[i] = Ok(recorded);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The in-doubt writes whose rows say whether they landed.
+    async fn settle_by_content(
         &self,
         writes: &[LedgerWrite],
         outcomes: &mut [Result<Recorded, LedgerError>],
@@ -331,7 +414,11 @@ impl Writer {
     ) {
         let doubtful: Vec<usize> = (0..writes.len())
             .filter(|&i| outcomes[i].as_ref().is_err_and(LedgerError::in_doubt))
+            .filter(|&i| writes[i].unnumbered.is_empty())
             .collect();
+        if doubtful.is_empty() {
+            return;
+        }
         let asked: Arc<Vec<LedgerWrite>> =
             Arc::new(doubtful.iter().map(|&i| writes[i].clone()).collect());
         let landed = crate::db::once_answering(
@@ -387,26 +474,79 @@ impl Writer {
     }
 }
 
-/// The counters of the batch's gapless sequences, by write.
+/// The counters of the batch's gapless sequences, by write; what each
+/// take gave, and in which transaction, is kept for a commit in doubt.
 struct GaplessOf<'a> {
     counter: &'a Counter,
     popped: &'a [Popped],
+    numberings: std::sync::Mutex<Vec<GaplessNumbering>>,
+}
+
+/// Numbers a gapless counter gave to writes of a shared write, in order
+/// from `first`, inside transaction `xid`.
+struct GaplessNumbering {
+    xid: i64,
+    first: i64,
+    writes: Vec<usize>,
 }
 
 impl GaplessCounter for GaplessOf<'_> {
-    async fn take(&self, conn: &mut impl Link, index: usize, n: i64) -> Result<i64, LedgerError> {
+    async fn take(
+        &self,
+        conn: &mut impl Link,
+        writes: &[usize],
+        n: i64,
+    ) -> Result<i64, LedgerError> {
+        let Some(&index) = writes.first() else {
+            return Err(LedgerError::Closed);
+        };
         let placement = &self.popped[index].job.placement;
-        let taken = self
+        let (taken, xid) = self
             .counter
             .take_gapless_unless_held(conn, &placement.sequence, &placement.period, n)
             .await?
             .ok_or(LedgerError::CounterHeld)?;
         match taken {
-            Reserved::Got(range) => Ok(range.start),
+            Reserved::Got(range) => {
+                self.numberings
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(GaplessNumbering {
+                        xid,
+                        first: range.start,
+                        writes: writes.to_vec(),
+                    });
+                Ok(range.start)
+            }
             Reserved::Exhausted => Err(LedgerError::Exhausted),
             Reserved::Stale | Reserved::Unfenced => Err(LedgerError::DefinitionChanged),
         }
     }
+}
+
+/// Write `index` as the last numbering that included it numbered it, and
+/// that numbering's transaction; None when none did.
+fn numbered_in(
+    numberings: &[GaplessNumbering],
+    writes: &[LedgerWrite],
+    index: usize,
+) -> Option<(i64, LedgerWrite)> {
+    let numbering = numberings
+        .iter()
+        .rev()
+        .find(|n| n.writes.contains(&index))?;
+    let mut next = numbering.first;
+    for &before in numbering.writes.iter().take_while(|&&w| w != index) {
+        next += writes[before].unnumbered.len() as i64;
+    }
+    let mut numbered = writes[index].clone();
+    for document in std::mem::take(&mut numbered.unnumbered) {
+        numbered
+            .documents
+            .push(document.attachment.row(&document.shape, next));
+        next += 1;
+    }
+    Some((numbering.xid, numbered))
 }
 
 /// A connection for the write stage, from the writers' pool, whose

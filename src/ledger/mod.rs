@@ -89,6 +89,10 @@ pub enum LedgerError {
     /// write was found not to have committed: nothing was written.
     #[error("ledger write lost with its connection; nothing was written")]
     NotCommitted(#[source] Arc<sqlx::Error>),
+    /// The write was sent, its answer was lost, and Postgres did not say
+    /// whether it committed in all the time it was asked.
+    #[error("ledger write sent; whether it committed is unknown: {0}")]
+    OutcomeUnknown(#[source] Arc<sqlx::Error>),
     #[error("the ledger writer has stopped")]
     Closed,
     /// The request was withdrawn at its deadline before this write was

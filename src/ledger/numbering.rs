@@ -22,12 +22,13 @@ pub struct Unnumbered {
 /// Takes numbers of gapless sequences for a shared write, inside its
 /// transaction (the counter row stays locked until the commit).
 pub trait GaplessCounter: Sync {
-    /// `n` numbers of the sequence period of write `index` (of the writes
-    /// given to [`write_shared`]); the first of them.
+    /// `n` numbers of the sequence period of `writes` (indexes of the
+    /// writes given to [`write_shared`], all of one sequence period, to be
+    /// numbered in this order); the first of them.
     fn take(
         &self,
         conn: &mut impl Link,
-        index: usize,
+        writes: &[usize],
         n: i64,
     ) -> impl Future<Output = Result<i64, LedgerError>> + Send;
 }
@@ -36,7 +37,7 @@ pub trait GaplessCounter: Sync {
 pub struct NoGapless;
 
 impl GaplessCounter for NoGapless {
-    async fn take(&self, _: &mut impl Link, _: usize, _: i64) -> Result<i64, LedgerError> {
+    async fn take(&self, _: &mut impl Link, _: &[usize], _: i64) -> Result<i64, LedgerError> {
         Err(LedgerError::DefinitionChanged)
     }
 }
@@ -65,9 +66,8 @@ pub(super) async fn number(
     let mut held = Vec::new();
     for indexes in groups.values() {
         let n: usize = indexes.iter().map(|i| writes[*i].unnumbered.len()).sum();
-        let taken = gapless
-            .take(&mut *conn, offset + indexes[0], n as i64)
-            .await;
+        let shared: Vec<usize> = indexes.iter().map(|index| offset + index).collect();
+        let taken = gapless.take(&mut *conn, &shared, n as i64).await;
         let mut next = match taken {
             Err(LedgerError::CounterHeld) => {
                 for index in indexes {

@@ -95,12 +95,16 @@ async fn send_until_stopped(
     sent
 }
 
-/// One instance reaches Postgres through a network that stalls for 6 s
-/// (its request timeout is 2 s) while clients send documents (plain,
-/// keyed, gapless, in batches) and keyed `POST /ids`, each marked. Once
-/// the network is back: every accepted document exists once, no document
-/// or stored answer of an error answer exists, every error is a 503 with
-/// Retry-After, and no number is lost (those of error answers went back).
+/// One instance reaches Postgres through a network that stalls (its
+/// request timeout is 2 s) while clients send documents (plain, keyed,
+/// gapless, in batches) and keyed `POST /ids`, each marked. The stall
+/// starts right after the gapless write stage's `COMMIT` reached the
+/// server, and lasts past `COMMIT_ANSWER_WAIT`: that commit landed, its
+/// answer did not come, and it is looked up. Once the network is back:
+/// every accepted document exists once, no document or stored answer of
+/// an error answer exists, every error is a 503 with Retry-After, the
+/// gapless documents of the commit in doubt are answered 202, and no
+/// number is lost (those of error answers went back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
     let mut env = TestEnv::new();
@@ -109,6 +113,9 @@ async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
     let direct = env.database_url.clone();
     env.database_url = proxy.url_for(&direct);
     env.direct_database_url = Some(direct);
+    // The gapless write stage's connection: the one that takes numbers
+    // from a gapless counter inside its commit (`Counter::take_gapless_unless_held`).
+    proxy.mark_connections_sending("(SELECT first FROM taken) AS first, txid_current()");
     let app = env.spawn().await;
     app.define("STALLG", "1", json!({"numbering": "gapless"}))
         .await;
@@ -124,6 +131,7 @@ async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
         "document",
         "keyed document",
         "keyed document",
+        "gapless document",
         "gapless document",
         "batch",
         "keyed ids",
@@ -154,9 +162,17 @@ async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
     )
     .await;
     expect_postgres_trouble();
-    proxy.stall();
+    proxy.stall_after_next_marked_commit();
+    until(
+        Duration::from_secs(20),
+        "a gapless commit stalled",
+        async || proxy.is_stalled(),
+    )
+    .await;
     let stalled_at = before.elapsed();
-    let stall = Duration::from_secs(6);
+    // The stall is what is tested, not a wait for something: longer than
+    // a COMMIT's answer is waited for.
+    let stall = idpool::db::COMMIT_ANSWER_WAIT + Duration::from_secs(1);
     tokio::time::sleep(stall).await;
     proxy.resume();
     // Requests after the network came back are answered again.
@@ -228,10 +244,19 @@ async fn a_stalled_network_to_postgres_leaves_nothing_behind_an_error_answer() {
             );
         }
     }
+    let settled_gapless = sent
+        .iter()
+        .filter(|one| one.kind == "gapless document" && one.status.is_success())
+        .filter(|one| one.took > idpool::db::COMMIT_ANSWER_WAIT)
+        .count();
+    assert!(
+        settled_gapless > 0,
+        "no gapless document of the commit in doubt was answered 202"
+    );
     let answered_ok = sent.len() - errors;
     eprintln!(
         "stall at {stalled_at:?}: {} requests, {answered_ok} succeeded ({waited_through} of them \
-         after waiting out the stall), {errors} answered 503",
+         after waiting out the stall, {settled_gapless} gapless ones looked up), {errors} answered 503",
         sent.len()
     );
     assert!(errors > 0, "the stall cost no request: it did not stall");
