@@ -42,6 +42,11 @@ use pipeline::{Demand, Pipeline};
 /// Most numbers one request may take (SPEC).
 pub const MAX_COUNT: usize = 10_000;
 
+/// Leased numbers a document without an ID of its own tries before it is
+/// answered that its ID is taken: each taken one was a number of an ended
+/// lease attached meanwhile, a few at most per request in flight.
+const DOCUMENT_ID_TRIES: usize = 4;
+
 #[derive(Debug, thiserror::Error)]
 pub enum IssueError {
     #[error(
@@ -382,9 +387,20 @@ impl Issuer {
         placement: &Arc<Placement>,
         attachment: Arc<Attachment>,
     ) -> Result<(OutboxRow, DateTime<Utc>), IssueError> {
-        let on_its_own = match self.document_on_lease(placement, &attachment).await {
-            leased::OnLease::Written(written) => return written,
-            leased::OnLease::NotServed(on_its_own) => on_its_own,
+        // A number taken from the lease just before this instance stopped
+        // running (paused, frozen) for longer than the lease's expiry can
+        // meanwhile have been attached to another document by an attach
+        // that ended the lease: nothing of this one was written, and it
+        // names no ID of its own, so it takes another number.
+        let mut tries = 0;
+        let on_its_own = loop {
+            tries += 1;
+            match self.document_on_lease(placement, &attachment).await {
+                leased::OnLease::Written(Err(IssueError::Ledger(LedgerError::DocumentIdTaken)))
+                    if tries < DOCUMENT_ID_TRIES => {}
+                leased::OnLease::Written(written) => return written,
+                leased::OnLease::NotServed(on_its_own) => break on_its_own,
+            }
         };
         let demand = Demand::Document {
             attachment: attachment.clone(),

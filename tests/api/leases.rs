@@ -13,8 +13,8 @@ use idpool::pool::PoolSettings;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::helpers::eventually;
 use crate::helpers::{ServeProcess, TestApp, TestEnv, metrics_at, seqs_of};
+use crate::helpers::{eventually, until};
 use crate::redis_server::RedisServer;
 
 /// Ledger rows of a sequence recorded `via`, in the order they were written.
@@ -940,5 +940,127 @@ async fn a_killed_holders_never_answered_lease_numbers_are_not_attachable() {
         accepted.is_empty(),
         "never answered, yet attached: {accepted:?} (answered up to {:?})",
         answered.last()
+    );
+}
+
+/// Clients post documents with no ID of their own to one instance, which
+/// then stops running (SIGSTOP) for longer than its leases' expiry; a
+/// tenant meanwhile attaches, through another instance, every number of
+/// those leases that carries no document (each attach ends its lease once
+/// past the expiry). Resumed, the instance writes the documents it had in
+/// flight on other numbers: no answer is `409 document_id_taken` (nothing
+/// of such a document was written, and it named no ID).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documents_in_flight_on_a_frozen_instance_take_other_numbers_once_theirs_were_attached() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let env = TestEnv::new();
+    let attaching = env.spawn().await;
+    let frozen = ServeProcess::start(&env).await;
+    let url = format!("http://127.0.0.1:{}/documents", frozen.port);
+    let running = Arc::new(AtomicBool::new(true));
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url, running) = (attaching.client.clone(), url.clone(), running.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                while running.load(Ordering::Relaxed) {
+                    let response = client
+                        .post(&url)
+                        .json(&json!({"project": "FZ", "type": "1", "metadata": {}}))
+                        .send()
+                        .await
+                        .expect("the instance answers");
+                    let status = response.status();
+                    let body: Value = response.json().await.unwrap_or(Value::Null);
+                    statuses.push((status, body["code"].as_str().map(str::to_owned)));
+                }
+                statuses
+            })
+        })
+        .collect();
+    let documents = async || -> BTreeSet<i64> {
+        sqlx::query_scalar(
+            "SELECT o.seq FROM id_outbox o JOIN sequences s ON s.id = o.sequence_id \
+             WHERE s.project = 'FZ'",
+        )
+        .fetch_all(&attaching.db)
+        .await
+        .expect("documents")
+        .into_iter()
+        .collect()
+    };
+    until(
+        Duration::from_secs(30),
+        "documents on leased numbers",
+        async || {
+            documents().await.len() >= 300
+                && !ledger_rows(&attaching.db, "FZ", "lease").await.is_empty()
+        },
+    )
+    .await;
+    let pid = Pid::from_raw(frozen.child.id() as i32);
+    kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+    let leased = numbers_of(&ledger_rows(&attaching.db, "FZ", "lease").await);
+    let written = documents().await;
+    let free: Vec<i64> = leased.difference(&written).copied().collect();
+    let attaches = futures::future::join_all(free.iter().map(|seq| {
+        let body =
+            json!({"project": "FZ", "type": "1", "id": format!("FZ-1-{seq}"), "metadata": {}});
+        let attaching = &attaching;
+        async move { attaching.post_document(&body, None).await }
+    }))
+    .await;
+    let attached = attaches
+        .iter()
+        .filter(|r| r.status() == reqwest::StatusCode::ACCEPTED)
+        .count();
+    // Not attached: a document written on it just before the stop
+    // (committed, not yet read above).
+    let not_attached: Vec<reqwest::StatusCode> = attaches
+        .iter()
+        .map(reqwest::Response::status)
+        .filter(|s| *s != reqwest::StatusCode::ACCEPTED)
+        .collect();
+    assert!(
+        not_attached
+            .iter()
+            .all(|s| *s == reqwest::StatusCode::CONFLICT),
+        "attaches refused otherwise than for a document already there: {not_attached:?}"
+    );
+    kill(pid, Signal::SIGCONT).expect("SIGCONT");
+    assert!(
+        attached > 0,
+        "none of the {} free leased numbers was attached: the test did not test",
+        free.len()
+    );
+    // Answers after the resume, then the clients stop.
+    let resumed_with = documents().await.len();
+    until(
+        Duration::from_secs(30),
+        "documents after the resume",
+        async || documents().await.len() > resumed_with + 100,
+    )
+    .await;
+    running.store(false, Ordering::Relaxed);
+    let mut statuses = Vec::new();
+    for client in clients {
+        statuses.extend(client.await.expect("client"));
+    }
+    let refused: Vec<_> = statuses
+        .iter()
+        .filter(|(status, _)| *status != reqwest::StatusCode::ACCEPTED)
+        .collect();
+    println!(
+        "{} documents posted, {attached} of {} free leased numbers attached meanwhile, refused: {refused:?}",
+        statuses.len(),
+        free.len()
+    );
+    assert!(
+        refused.iter().all(
+            |(status, code)| *status == reqwest::StatusCode::SERVICE_UNAVAILABLE
+                && code.as_deref() != Some("document_id_taken")
+        ),
+        "{refused:?}"
     );
 }
