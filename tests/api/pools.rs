@@ -71,8 +71,16 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     clock.advance(chrono::Duration::milliseconds(1300));
     let view = app.ok_json("/api/v1/sequences/GROW/1").await;
     let depth = view["live"]["pool_depth"].as_i64().unwrap();
+    let refills_before = pool_refills(&app).await;
     seqs.extend(app.issue("GROW", "1", depth + 1).await.1);
     assert_distinct(&seqs, "GROW after idling");
+    // The drained pool's refill runs in the background, after the answer
+    // (a request never waits on a refill): the target is read once it has
+    // landed.
+    crate::helpers::eventually(Duration::from_secs(10), "the pool refilled", async || {
+        (pool_refills(&app).await > refills_before).then_some(())
+    })
+    .await;
     let shrunk = pool_target(&env, &app).await;
     assert_eq!(shrunk, grown / 2, "target after an idle spell");
 }
