@@ -12,7 +12,7 @@ help:
 	@echo "make flake-hunt     the whole suite N times (RUNS=5) with one core kept busy; failures per test"
 	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
 	@echo "make bench-quick    the same scenarios at about a tenth of the size"
-	@echo "make lint           rustfmt, ARCHITECTURE.md names only code that exists, clippy (warnings as errors), unused and denied dependencies, .sqlx/ current"
+	@echo "make lint           rustfmt, ARCHITECTURE.md names only code that exists, no import up a layer, clippy (warnings as errors), unused and denied dependencies, .sqlx/ current"
 	@echo "make sqlx-prepare   rewrite .sqlx/ after changing a query or a migration"
 	@echo "make openapi        regenerate openapi/openapi.json"
 	@echo "make services-down  stop the Postgres/Redis that make started (never others)"
@@ -78,6 +78,7 @@ flake-hunt:
 lint: services
 	cargo fmt --all -- --check
 	@python3 scripts/architecture-paths.py
+	@python3 scripts/layers.py
 	cargo clippy --workspace --all-targets -- -D warnings
 	@bin=$$(scripts/cargo-machete.sh) && PATH="$$bin:$$PATH" cargo machete
 	@cargo fetch --locked --quiet
