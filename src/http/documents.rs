@@ -138,7 +138,8 @@ pub struct BatchAccepted {
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(create_document))
-        .routes(routes!(create_document_short))
+        // Its short path: the same handler, documented by `super::short_paths`.
+        .route("/documents", axum::routing::post(create_document))
         .layer(DefaultBodyLimit::max(DOCUMENT_BODY_LIMIT))
         .layer(axum::Extension(super::extract::BodyLimit(
             DOCUMENT_BODY_LIMIT,
@@ -400,40 +401,6 @@ async fn accept_keyed(
             .collect()
     })
     .await
-}
-
-/// Accept a document (short path of `POST /api/v1/documents`).
-#[utoipa::path(
-    post,
-    path = "/documents",
-    tag = "documents",
-    operation_id = "create_document_short",
-    request_body = CreateDocument,
-    params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; kept 24 h", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
-    ),
-    responses(
-        (status = 202, description = "Accepted", body = AcceptedDocument,
-         headers(("Location" = String, description = "/api/v1/documents/{id}"),
-                 ("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
-        (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
-    )
-)]
-#[tracing::instrument(skip_all, level = "debug")]
-pub async fn create_document_short(
-    state: State<AppState>,
-    caller: Caller,
-    key: IdempotencyKey,
-    body: Json<CreateDocument>,
-) -> Result<Response, ApiError> {
-    create_document(state, caller, key, body).await
 }
 
 /// A source id: 1 to 255 characters, none of them a control character.

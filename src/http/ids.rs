@@ -72,7 +72,8 @@ pub struct IssuedIds {
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(issue_ids))
-        .routes(routes!(issue_ids_short))
+        // Its short path: the same handler, documented by `super::short_paths`.
+        .route("/ids", axum::routing::post(issue_ids))
 }
 
 /// Validated `POST /ids` input.
@@ -230,37 +231,4 @@ async fn issue_once(
     )
     .await?;
     idempotent::only_answer(answers)
-}
-
-/// Issue IDs (short path of `POST /api/v1/ids`).
-#[utoipa::path(
-    post,
-    path = "/ids",
-    tag = "ids",
-    operation_id = "issue_ids_short",
-    request_body = IssueIdsRequest,
-    params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters; a retry with it gets the same IDs (kept 24 h)", pattern = r"^[ -~]{1,255}$", min_length = 1, max_length = 255),
-    ),
-    responses(
-        (status = 200, description = "IDs issued", body = IssuedIds,
-         headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
-        (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long, too_many_reservations (a gapless sequence holds 1,000 open)", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
-    )
-)]
-#[tracing::instrument(skip_all, level = "debug")]
-pub async fn issue_ids_short(
-    state: State<AppState>,
-    caller: Caller,
-    key: IdempotencyKey,
-    body: Json<IssueIdsRequest>,
-) -> Result<Response, ApiError> {
-    issue_ids(state, caller, key, body).await
 }

@@ -132,8 +132,38 @@ pub fn api_router() -> OpenApiRouter<AppState> {
 /// The OpenAPI document, built without any running dependency.
 pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut document = api_router().into_openapi();
+    short_paths(&mut document);
     secure(&mut document);
     document
+}
+
+/// The short paths of the two routes clients call most, each served by
+/// the same handler as its full path (see `ids::router`,
+/// `documents::router`).
+const SHORT_PATHS: [(&str, &str); 2] =
+    [("/ids", "/api/v1/ids"), ("/documents", "/api/v1/documents")];
+
+/// Documents each short path as its full path's operation, under an
+/// operation id of its own (`<id>_short`) and a summary that names the
+/// full path.
+fn short_paths(document: &mut utoipa::openapi::OpenApi) {
+    for (short, full) in SHORT_PATHS {
+        let Some(mut item) = document.paths.paths.get(full).cloned() else {
+            continue;
+        };
+        if let Some(operation) = item.post.as_mut() {
+            operation.operation_id = operation
+                .operation_id
+                .take()
+                .map(|id| format!("{id}_short"));
+            operation.summary = operation.summary.take().map(|summary| {
+                let summary = summary.trim_end_matches('.');
+                format!("{summary} (short path of `POST {full}`).")
+            });
+            operation.description = None;
+        }
+        document.paths.paths.insert(short.to_owned(), item);
+    }
 }
 
 /// States what the authentication layer does: the bearer scheme and the
@@ -270,6 +300,7 @@ pub fn app(
 /// The routes and their fallbacks, without the layers of [`app`].
 pub fn router(state: AppState) -> Router {
     let (api, mut document) = api_router().split_for_parts();
+    short_paths(&mut document);
     secure(&mut document);
     api.layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
         .layer(axum::Extension(extract::BodyLimit(SMALL_BODY_LIMIT)))
