@@ -22,11 +22,11 @@ pub const WAIT_FOR_TWIN: &str = "2s";
 /// Whose records these are: an API key's id (`anonymous` with
 /// authentication off). Two keys never see each other's answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Caller(String);
+pub struct Owner(String);
 
-impl Caller {
+impl Owner {
     pub fn key(id: &str) -> Self {
-        Caller(format!("key:{id}"))
+        Owner(format!("key:{id}"))
     }
 
     pub fn as_str(&self) -> &str {
@@ -169,7 +169,7 @@ pub async fn wait_for_twins_briefly(conn: &mut Tx<'_>) -> Result<(), sqlx::Error
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn claim(
     conn: &mut Tx<'_>,
-    caller: &Caller,
+    caller: &Owner,
     keys: &[(String, Vec<u8>)],
 ) -> Result<Vec<Claimed>, ClaimError> {
     let mut order: Vec<usize> = (0..keys.len()).collect();
@@ -228,7 +228,7 @@ pub async fn claim(
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn store(
     conn: &mut Tx<'_>,
-    caller: &Caller,
+    caller: &Owner,
     answers: &[(&str, u16, Value)],
 ) -> Result<(), sqlx::Error> {
     if answers.is_empty() {
@@ -378,7 +378,7 @@ mod tests {
 
     #[test]
     fn records_are_keyed_by_the_key_id() {
-        assert_eq!(Caller::key("abc").as_str(), "key:abc");
-        assert_ne!(Caller::key("abc"), Caller::key("abd"));
+        assert_eq!(Owner::key("abc").as_str(), "key:abc");
+        assert_ne!(Owner::key("abc"), Owner::key("abd"));
     }
 }

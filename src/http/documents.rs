@@ -330,7 +330,7 @@ pub async fn create_document(
     let placements = prepare(&state, &inputs, false).await?;
     // Keyed and attaching requests hold a connection for their transaction.
     let db_turn = state.db_turn(&caller).await;
-    let caller = idempotency::Caller::key(caller.id());
+    let caller = idempotency::Owner::key(caller.id());
     // Detached: a client hanging up must not cancel a transaction between
     // taking a number and recording it.
     let issuer = state.issuer.clone();
@@ -373,7 +373,7 @@ async fn prepare(
 /// keyed paths, and batches), placed by [`prepare`].
 async fn accept_keyed(
     state: &AppState,
-    caller: &idempotency::Caller,
+    caller: &idempotency::Owner,
     inputs: Vec<DocumentInput>,
     keys: Vec<Option<Keyed>>,
     placements: &Placements,
@@ -504,7 +504,7 @@ pub async fn create_batch(
     // fairly with other keys' batches, then for a connection of its own.
     let turn = state.batch_turns.acquire(caller.id()).await;
     let db_turn = state.db_turn(&caller).await;
-    let caller = idempotency::Caller::key(caller.id());
+    let caller = idempotency::Owner::key(caller.id());
     let issuer = state.issuer.clone();
     let answers = issuer
         .detached(async move {

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::AppState;
 use super::problem::{ApiError, db_error, key_reused};
-use crate::idempotency::{self, Caller, Claimed};
+use crate::idempotency::{self, Claimed, Owner};
 
 /// The `Idempotency-Key` header, validated, if sent.
 pub struct IdempotencyKey(pub Option<String>);
@@ -90,7 +90,7 @@ enum Fate {
 /// commit. `itemized` names the item at fault in errors (a batch).
 pub async fn run<W>(
     state: &AppState,
-    caller: &Caller,
+    caller: &Owner,
     keys: &[Option<Keyed>],
     status: u16,
     itemized: bool,
@@ -115,7 +115,7 @@ where
 #[allow(clippy::too_many_arguments)]
 async fn claim_and_work<W>(
     tx: &mut Tx<'_>,
-    caller: &Caller,
+    caller: &Owner,
     keys: &[Option<Keyed>],
     status: u16,
     mut fates: Vec<Fate>,
@@ -173,7 +173,7 @@ where
 /// request (the same key sent twice at once) had a moment to commit.
 async fn claim(
     tx: &mut Tx<'_>,
-    caller: &Caller,
+    caller: &Owner,
     claims: &[(String, Vec<u8>)],
 ) -> Result<Vec<Claimed>, ApiError> {
     idempotency::wait_for_twins_briefly(tx)

@@ -169,7 +169,7 @@ pub async fn issue_ids(
     };
     // A keyed request holds a connection for its transaction.
     let db_turn = state.db_turn(&caller).await;
-    let caller = idempotency::Caller::key(caller.id());
+    let caller = idempotency::Owner::key(caller.id());
     // Detached: a client hanging up must not cancel the transaction
     // between taking numbers and recording them.
     let issuer = state.issuer.clone();
@@ -197,7 +197,7 @@ fn answer(input: &IdsInput, issued: &Issued) -> IssuedIds {
 /// commit together, so a retry gets the same IDs and burns no numbers.
 async fn issue_once(
     state: AppState,
-    caller: idempotency::Caller,
+    caller: idempotency::Owner,
     key: String,
     input: IdsInput,
 ) -> Result<Response, ApiError> {

@@ -199,7 +199,7 @@ pub async fn void_id(
     // The transaction holds a connection: a database turn first, and
     // detached, so a client hanging up cannot cut it short.
     let db_turn = state.db_turn(&caller).await;
-    let caller = idempotency::Caller::key(caller.id());
+    let caller = idempotency::Owner::key(caller.id());
     let issuer = state.issuer.clone();
     issuer
         .detached(async move {
