@@ -26,7 +26,7 @@ pub const MAX_TOKENS: usize = 16;
 pub const MAX_DATE_ITEMS: usize = 32;
 
 /// Parts of the calendar a date item names; a reset period needs its IDs
-/// to name it (see `Calendar::names_every`).
+/// to name it (see `Calendar::names_the_day`, `names_the_month`, `names_the_year`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Calendar(u16);
 
