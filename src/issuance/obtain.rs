@@ -41,21 +41,26 @@ impl Issuer {
                         .refused
                 }
                 LedgerTarget::Transaction(conn, via) => {
-                    ledger::record_in(conn, &self.stats, sequence_id, period, &pending, *via)
-                        .await?
+                    // Popped from Redis into a transaction that may yet
+                    // roll back: given back then (see
+                    // `Issuer::transaction`). Noted before the statement,
+                    // which may itself fail (a connection lost or ended
+                    // mid-transaction); those the ledger refuses are
+                    // another's and are taken off the note again.
+                    let from_pool: Vec<i64> = pending
+                        .iter()
+                        .copied()
+                        .filter(|s| popped.binary_search(s).is_ok())
+                        .collect();
+                    super::taken::popped_into_transaction(pool, from_pool);
+                    let refused =
+                        ledger::record_in(conn, &self.stats, sequence_id, period, &pending, *via)
+                            .await?;
+                    super::taken::refused_in_transaction(pool, &refused);
+                    refused
                 }
             };
             let accepted = numbers::without(pending, &refused);
-            if matches!(ledger, LedgerTarget::Transaction(..)) {
-                // Popped from Redis into a transaction that may yet roll
-                // back: given back then (see `Issuer::transaction`).
-                let popped: Vec<i64> = accepted
-                    .iter()
-                    .copied()
-                    .filter(|s| popped.binary_search(s).is_ok())
-                    .collect();
-                super::taken::popped_into_transaction(pool, popped);
-            }
             issued.extend(accepted);
             if refused.is_empty() {
                 break;

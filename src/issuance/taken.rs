@@ -41,6 +41,22 @@ pub(super) fn popped_into_transaction(pool: &PoolRef, seqs: Vec<i64>) {
     });
 }
 
+/// Takes `refused` (numbers of `pool` the ledger says another holds) off
+/// what [`popped_into_transaction`] noted: they never go back to the pool.
+pub(super) fn refused_in_transaction(pool: &PoolRef, refused: &[i64]) {
+    if refused.is_empty() {
+        return;
+    }
+    let _ = POPPED.try_with(|popped| {
+        let mut taken = popped.lock().unwrap_or_else(|e| e.into_inner());
+        for (noted, seqs) in taken.popped.iter_mut() {
+            if noted.keys.pool == pool.keys.pool {
+                seqs.retain(|seq| !refused.contains(seq));
+            }
+        }
+    });
+}
+
 /// Number `seq` of sequence `sequence_id` in `period` prints an ID another
 /// document holds: whatever becomes of the current transaction, it never
 /// goes back to its pool (it would print that ID again); `None` for every
