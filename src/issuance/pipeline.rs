@@ -366,6 +366,11 @@ impl Writer {
         session: Option<Session>,
         numberings: &[GaplessNumbering],
     ) {
+        // Each write in doubt as its transaction numbered it; each
+        // transaction asked about once, however many writes it numbered.
+        let mut numbered_writes = Vec::new();
+        let mut committed: std::collections::HashMap<i64, Option<bool>> =
+            std::collections::HashMap::new();
         for i in 0..writes.len() {
             let Err(LedgerError::Db(e)) = &outcomes[i] else {
                 continue;
@@ -373,36 +378,55 @@ impl Writer {
             if writes[i].unnumbered.is_empty() {
                 continue;
             }
-            let e = e.clone();
             let Some((xid, numbered)) = numbered_in(numberings, writes, i) else {
-                outcomes[i] = Err(LedgerError::NotCommitted(e));
+                outcomes[i] = Err(LedgerError::NotCommitted(e.clone()));
                 continue;
             };
-            match crate::db::transaction_committed(&self.db, xid, session).await {
-                Some(false) => outcomes[i] = Err(LedgerError::NotCommitted(e)),
+            if let std::collections::hash_map::Entry::Vacant(slot) = committed.entry(xid) {
+                slot.insert(crate::db::transaction_committed(&self.db, xid, session).await);
+            }
+            match committed[&xid] {
+                Some(false) => outcomes[i] = Err(LedgerError::NotCommitted(e.clone())),
                 None => {}
-                Some(true) => {
-                    let asked = Arc::new(vec![numbered.clone()]);
-                    let landed = crate::db::once_answering(
-                        &self.db,
-                        crate::db::IN_DOUBT_PATIENCE,
-                        None,
-                        |mut conn| {
-                            let asked = asked.clone();
-                            async move { ledger::landed(&mut conn, &asked).await }
-                        },
-                    )
-                    .await;
-                    if let Some(ledger::Landed::Yes(mut recorded)) =
-                        landed.and_then(|mut l| l.pop())
-                    {
-                        self.stats.in_doubt_settled.inc();
-                        recorded.numbered = numbered.documents;
-                        outcomes[i] = Ok(recorded);
-                    }
-                }
+                Some(true) => numbered_writes.push((i, numbered)),
             }
         }
+        if numbered_writes.is_empty() {
+            return;
+        }
+        // Committed: their rows are there; read for the answers.
+        let asked = numbered_writes.iter().map(|(_, w)| w.clone()).collect();
+        let Some(landed) = self.landed(asked, None).await else {
+            return;
+        };
+        for ((i, numbered), landed) in numbered_writes.into_iter().zip(landed) {
+            if let ledger::Landed::Yes(mut recorded) = landed {
+                self.stats.in_doubt_settled.inc();
+                recorded.numbered = numbered.documents;
+                outcomes[i] = Ok(recorded);
+            }
+        }
+    }
+
+    /// What of `asked` is in the database, read on a fresh connection once
+    /// the server answers (after `session` ended); None when it did not
+    /// within `IN_DOUBT_PATIENCE`.
+    async fn landed(
+        &self,
+        asked: Vec<LedgerWrite>,
+        session: Option<Session>,
+    ) -> Option<Vec<ledger::Landed>> {
+        let asked = Arc::new(asked);
+        crate::db::once_answering(
+            &self.db,
+            crate::db::IN_DOUBT_PATIENCE,
+            session,
+            |mut conn| {
+                let asked = asked.clone();
+                async move { ledger::landed(&mut conn, &asked).await }
+            },
+        )
+        .await
     }
 
     /// The in-doubt writes whose rows say whether they landed.
@@ -419,19 +443,8 @@ impl Writer {
         if doubtful.is_empty() {
             return;
         }
-        let asked: Arc<Vec<LedgerWrite>> =
-            Arc::new(doubtful.iter().map(|&i| writes[i].clone()).collect());
-        let landed = crate::db::once_answering(
-            &self.db,
-            crate::db::IN_DOUBT_PATIENCE,
-            session,
-            |mut conn| {
-                let asked = asked.clone();
-                async move { ledger::landed(&mut conn, &asked).await }
-            },
-        )
-        .await;
-        let Some(landed) = landed else {
+        let asked = doubtful.iter().map(|&i| writes[i].clone()).collect();
+        let Some(landed) = self.landed(asked, session).await else {
             tracing::error!(
                 writes = doubtful.len(),
                 "ledger writes in doubt: Postgres did not answer again in time; their numbers are written off"
