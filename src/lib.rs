@@ -21,7 +21,6 @@ pub mod idempotency;
 pub mod import;
 pub mod issuance;
 pub mod json_number;
-pub mod lease;
 pub mod ledger;
 pub mod listen;
 pub mod log_limit;

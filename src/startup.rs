@@ -23,8 +23,8 @@ use crate::fair::FairSlots;
 use crate::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::http::server::ServerLimits;
 use crate::http::{AppInner, AppState};
+use crate::issuance::LeaseSettings;
 use crate::issuance::{Issuer, IssuerParts};
-use crate::lease::LeaseSettings;
 use crate::log_limit::Repeated;
 use crate::pool::{PoolService, PoolSettings, RedisLink, RedisSettings};
 use crate::sequence_store::SequenceStore;
@@ -444,7 +444,8 @@ impl Parts {
         });
         let (issuer, expiry_stop) = (self.issuer.clone(), stop.clone());
         supervisor.spawn("reservation expiry", move || {
-            issuer.clone().expire_reservations(expiry_stop.clone())
+            let (issuer, stop) = (issuer.clone(), expiry_stop.clone());
+            async move { issuer.reservations().expire_reservations(stop).await }
         });
         let (prune_db, prune_stop) = (self.background_db.clone(), stop.clone());
         supervisor.spawn("idempotency pruning", move || {

@@ -15,11 +15,11 @@ use std::sync::Arc;
 use crate::db::Tx;
 use chrono::{DateTime, Utc};
 
+use crate::issuance::Placement;
 use crate::issuance::{IssueError, Issuer, Want};
 use crate::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
 use crate::ledger::reservations::{self, ReservationStatus};
 use crate::ledger::{self, LedgerError, Via};
-use crate::pool::Placement;
 use crate::sequence::{IdShape, Numbering, ProjectCode, TypeCode};
 
 /// Largest `metadata` object (SPEC).

@@ -17,7 +17,7 @@ use super::ids::parse_codes;
 use super::problem::{ApiError, Problem};
 use crate::auth::Caller;
 use crate::idempotency;
-use crate::issuance::gapless::{VoidError, Voided};
+use crate::issuance::reservations::{VoidError, Voided};
 use crate::sequence::MAX_ID_LEN;
 
 /// Longest reason of a void, in characters (SPEC).
@@ -194,6 +194,7 @@ pub async fn void_id(
     // connection of its own.
     let target = state
         .issuer
+        .reservations()
         .void_target(&project, &doc_type, &body.id)
         .await?;
     // The transaction holds a connection: a database turn first, and
@@ -205,7 +206,9 @@ pub async fn void_id(
         .detached(async move {
             let issuer = state.issuer.clone();
             let answers = idempotent::run(&state, &caller, &[keyed], 200, false, async |tx, _| {
-                let voided = issuer.void_in(tx, &target, &body.reason).await?;
+                let voided = (issuer.reservations())
+                    .void_in(tx, &target, &body.reason)
+                    .await?;
                 let body =
                     serde_json::to_value(VoidedId::from(voided)).map_err(ApiError::internal)?;
                 Ok(vec![Answer {

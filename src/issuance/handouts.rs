@@ -1,6 +1,6 @@
-//! The handout reporter: which leased numbers went to callers, written in
-//! the background, every few milliseconds, for everything handed out
-//! meanwhile in one statement. No answer waits for it: the lease's ledger
+//! The handout reporter: which leased numbers went to callers, handed to
+//! the group-commit writer (`issuance::writer`) every few milliseconds,
+//! for everything handed out meanwhile in one statement. No answer waits for it: the lease's ledger
 //! row already covers the numbers (committed before any of them went out),
 //! and an attach of an ID whose handout is not written yet waits for it, or
 //! for the lease's expiry (`ledger::LEASE_TTL`) if this instance died first.
@@ -12,9 +12,9 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::task::TaskTracker;
 
+use super::shared_commit::SharedCommit;
 use crate::backoff::Backoff;
-use crate::db::{Conn, Db};
-use crate::ledger::{self, LeaseReport};
+use crate::ledger::LeaseReport;
 use crate::log_limit::Repeated;
 use crate::stats::Stats;
 
@@ -41,7 +41,7 @@ pub(super) struct Handouts {
 impl Handouts {
     /// Starts the reporter; it stops once the queue's sender is dropped and
     /// what was queued is written (or Postgres stays away).
-    pub(super) fn spawn(db: Db, stats: Arc<Stats>, tasks: &TaskTracker) -> Self {
+    pub(super) fn spawn(writer: SharedCommit, stats: Arc<Stats>, tasks: &TaskTracker) -> Self {
         let (queue, receiver) = mpsc::unbounded_channel();
         let handouts = Self {
             queue,
@@ -50,12 +50,11 @@ impl Handouts {
             caught_up: Arc::new(Notify::new()),
         };
         let reporter = Reporter {
-            db,
+            writer,
             stats,
             receiver,
             written: handouts.written.clone(),
             caught_up: handouts.caught_up.clone(),
-            conn: None,
         };
         tasks.spawn(reporter.run());
         handouts
@@ -91,13 +90,11 @@ impl Handouts {
 }
 
 struct Reporter {
-    db: Db,
+    writer: SharedCommit,
     stats: Arc<Stats>,
     receiver: mpsc::UnboundedReceiver<LeaseReport>,
     written: Arc<AtomicU64>,
     caught_up: Arc<Notify>,
-    /// Kept between writes: a write costs no pool checkout.
-    conn: Option<Conn>,
 }
 
 impl Reporter {
@@ -124,7 +121,7 @@ impl Reporter {
             }
             let numbers: usize = pending.iter().map(|r| r.seqs.len()).sum();
             self.stats.handouts_unreported.set(numbers as i64);
-            match self.write(&pending).await {
+            match self.writer.record_handouts(pending.clone()).await {
                 Ok(()) => {
                     FAILING.ended();
                     backoff.reset();
@@ -141,22 +138,9 @@ impl Reporter {
                     // have landed). Until then an attach of these numbers
                     // waits for the lease's expiry.
                     FAILING.warn(&e);
-                    if let Some(conn) = self.conn.take() {
-                        conn.discard();
-                    }
                     tokio::time::sleep(backoff.next_pause()).await;
                 }
             }
-        }
-    }
-
-    async fn write(&mut self, reports: &[LeaseReport]) -> Result<(), sqlx::Error> {
-        if self.conn.is_none() {
-            self.conn = Some(self.db.acquire().await?);
-        }
-        match self.conn.as_mut() {
-            Some(conn) => ledger::record_handouts(conn, reports).await,
-            None => Err(sqlx::Error::PoolClosed),
         }
     }
 }

@@ -3,41 +3,63 @@
 //! Every caller that needs numbers (`POST /ids`, documents single, keyed,
 //! attached or batched, the import) comes through [`Issuer::issue`] (the
 //! shared path) or [`Issuer::issue_in`] (inside the caller's transaction).
-//! Inside, one fixed order: this instance's lease memory (`leased`), then
-//! the shared pop-and-commit (`pipeline`), then the wait for a refill, then
-//! the counter of record (`obtain`). Numbers are recorded in the ledger
-//! before anything leaves. Work that must outlive a caller who hangs up is
-//! detached in one place, [`Issuer::detached`], on the one task tracker.
+//! The issuer only chooses; each stage is a type of its own file, in the
+//! order a request meets them:
+//!
+//! 1. [`lease_path`]: this instance's lease memory, no I/O on the answer's
+//!    path (`lease_store` is what it consults).
+//! 2. [`shared_commit`]: the shared pop and the group commit (`writer`,
+//!    which also writes the handouts the lease path reports).
+//! 3. [`counter_path`]: the pool after a refill, or the counter of record.
+//! 4. [`gapless_path`]: gapless sequences, numbered in the commit that
+//!    writes their documents; [`reservations`] voids what it reserved.
+//!
+//! Numbers are recorded in the ledger before anything leaves. Work that
+//! must outlive a caller who hangs up is detached in one place,
+//! [`Issuer::detached`], on the one task tracker.
 
-pub mod gapless;
+mod counter_path;
+mod gapless_path;
 mod handouts;
-mod leased;
-mod obtain;
-mod pipeline;
-mod returns;
-mod taken;
+mod lease_path;
+mod lease_returns;
+pub mod lease_store;
+mod placement;
+pub mod reservations;
+mod shared_commit;
+mod transactions;
+mod writer;
 
-pub use taken::never_reuse;
+pub use gapless_path::MAX_OPEN_RESERVATIONS;
+pub use lease_store::LeaseSettings;
+pub use placement::Placement;
+pub use reservations::Reservations;
+pub use transactions::never_reuse;
 
 use std::future::Future;
 use std::sync::Arc;
 
 use crate::db::{Db, Tx};
 use chrono::{DateTime, Utc};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::clock::Clock;
-use crate::counter::Counter;
-use crate::lease::{LeaseSettings, Leases};
 use crate::ledger::outbox::{Attachment, OutboxRow};
 use crate::ledger::{LedgerError, Via};
-use crate::pool::{Placement, PoolService};
+use crate::pool::{PoolRef, PoolService};
 use crate::sequence::{LayoutRangeError, MAX_ID_LEN, Numbering, ProjectCode, TypeCode};
 use crate::sequence_store::{SequenceStore, StoreError};
 use crate::stats::Stats;
 
-use obtain::LedgerTarget;
-use pipeline::{Demand, Pipeline};
+use counter_path::{CounterPath, LedgerTarget};
+use gapless_path::GaplessPath;
+use handouts::Handouts;
+use lease_path::{Begun, LeasePath, OnItsOwnTicket, OnLease};
+use lease_returns::LeaseReturns;
+use lease_store::{Leases, Order};
+use shared_commit::{Demand, SharedCommit};
+use transactions::Transactions;
 
 /// Most numbers one request may take (SPEC).
 pub const MAX_COUNT: usize = 10_000;
@@ -104,6 +126,19 @@ pub enum IssueError {
     Interrupted(#[from] tokio::task::JoinError),
 }
 
+impl IssueError {
+    /// `count` numbers more than `pool`'s sequence has left in its period.
+    fn exhausted(pool: &PoolRef, count: usize) -> Self {
+        IssueError::Exhausted {
+            project: pool.sequence.project.to_string(),
+            doc_type: pool.sequence.doc_type.to_string(),
+            period: pool.period.key().to_owned(),
+            count,
+            max: pool.sequence.definition.max_seq(),
+        }
+    }
+}
+
 /// What a caller asks of the issuer.
 pub enum Want {
     /// `count` numbers, for `POST /ids`.
@@ -167,18 +202,19 @@ pub struct IssuerParts {
     pub tasks: TaskTracker,
 }
 
+/// The choice between the stages, and what they share.
 pub struct Issuer {
-    pipeline: Pipeline,
+    lease_path: LeasePath,
+    shared: SharedCommit,
+    counter_path: CounterPath,
+    gapless_path: GaplessPath,
+    reservations: Reservations,
+    lease_returns: LeaseReturns,
+    transactions: Transactions,
     sequences: Arc<SequenceStore>,
     pools: Arc<PoolService>,
-    counter: Arc<Counter>,
-    leases: Leases<Arc<Placement>>,
-    handouts: handouts::Handouts,
     clock: Arc<dyn Clock>,
-    stats: Arc<Stats>,
     db: Db,
-    background_db: Db,
-    reservation_ttl: std::time::Duration,
     tasks: TaskTracker,
 }
 
@@ -198,18 +234,45 @@ impl Issuer {
             reservation_ttl,
             tasks,
         } = parts;
+        let shared = SharedCommit::spawn(writer_db, pools.clone(), stats.clone(), &tasks);
+        let handouts = Arc::new(Handouts::spawn(shared.clone(), stats.clone(), &tasks));
+        let leases = Arc::new(Leases::new(clock.clone(), leases, stats.clone()));
         Arc::new(Self {
-            pipeline: Pipeline::spawn(writer_db, pools.clone(), stats.clone(), &tasks),
-            handouts: handouts::Handouts::spawn(background_db.clone(), stats.clone(), &tasks),
-            leases: Leases::new(clock.clone(), leases, stats.clone()),
-            counter: pools.counter().clone(),
+            lease_path: LeasePath::new(
+                leases.clone(),
+                handouts.clone(),
+                shared.clone(),
+                pools.clone(),
+            ),
+            counter_path: CounterPath::new(
+                shared.clone(),
+                pools.clone(),
+                sequences.clone(),
+                stats.clone(),
+                db.clone(),
+            ),
+            gapless_path: GaplessPath::new(
+                shared.clone(),
+                pools.counter().clone(),
+                sequences.clone(),
+                clock.clone(),
+                stats.clone(),
+                reservation_ttl,
+            ),
+            reservations: Reservations::new(
+                sequences.clone(),
+                clock.clone(),
+                stats.clone(),
+                background_db.clone(),
+                reservation_ttl,
+            ),
+            lease_returns: LeaseReturns::new(leases, handouts, pools.clone(), stats, background_db),
+            transactions: Transactions::new(db.clone(), pools.clone()),
+            shared,
             sequences,
             pools,
             clock,
-            stats,
             db,
-            background_db,
-            reservation_ttl,
             tasks,
         })
     }
@@ -221,6 +284,11 @@ impl Issuer {
     /// The request pool, for what callers read before their transaction.
     pub fn db(&self) -> &Db {
         &self.db
+    }
+
+    /// Voids of gapless reservations, and their expiry.
+    pub fn reservations(&self) -> &Reservations {
+        &self.reservations
     }
 
     /// The sequence (created with defaults on first use), its current
@@ -260,23 +328,32 @@ impl Issuer {
     /// before this returns. Whatever awaits once numbers are taken runs
     /// detached: a caller that goes away cannot leave a number taken but
     /// unrecorded. (Numbers a lease gives whole are handed to the handout
-    /// writer before any await, so that common case needs no task.)
+    /// reporter before any await, so that common case needs no task.)
     pub async fn issue(
         self: &Arc<Self>,
         placement: Arc<Placement>,
         want: Want,
     ) -> Result<Issued, IssueError> {
-        if placement.sequence.definition.numbering == Numbering::Gapless {
-            return self.issue_gapless(placement, want).await;
-        }
+        let gapless = placement.sequence.definition.numbering == Numbering::Gapless;
+        let issuer = self.clone();
         match want {
+            Want::Ids { count } if gapless => {
+                self.detached(async move {
+                    let transaction = async |tx: &mut Tx<'_>| {
+                        (issuer.gapless_path)
+                            .issue_in(tx, &placement, count, Via::Ids)
+                            .await
+                    };
+                    issuer.transactions.run(transaction).await
+                })
+                .await?
+            }
             Want::Ids { count } => {
-                let begun = self.begin_ids(&placement, count);
-                if let leased::Begun::Complete(holder, got) = begun {
-                    let seqs = self.hand_out(&holder, got)?;
+                let begun = self.lease_path.begin(&placement, count, |o| self.order(o));
+                if let Begun::Complete(holder, got) = begun {
+                    let seqs = self.lease_path.hand_out(&holder, got)?;
                     return Ok(Issued::numbers_of(placement, seqs));
                 }
-                let issuer = self.clone();
                 self.detached(async move {
                     let seqs = issuer.ids(&placement, count, begun).await?;
                     Ok(Issued::numbers_of(placement, seqs))
@@ -284,9 +361,11 @@ impl Issuer {
                 .await?
             }
             Want::Document { attachment } => {
-                let issuer = self.clone();
                 self.detached(async move {
-                    let (row, created_at) = issuer.document(&placement, attachment).await?;
+                    let (row, created_at) = match gapless {
+                        true => issuer.gapless_path.document(&placement, attachment).await?,
+                        false => issuer.document(&placement, attachment).await?,
+                    };
                     Ok(Issued {
                         placement,
                         seqs: vec![row.seq],
@@ -304,7 +383,7 @@ impl Issuer {
     /// a batch its documents). The placement is made before the
     /// transaction begins, so the request never holds one pooled
     /// connection while waiting for another. The caller runs the
-    /// transaction [`Issuer::detached`].
+    /// transaction [`Issuer::detached`], through [`Issuer::transaction`].
     pub async fn issue_in(
         &self,
         conn: &mut Tx<'_>,
@@ -313,12 +392,29 @@ impl Issuer {
         via: Via,
     ) -> Result<Issued, IssueError> {
         if placement.sequence.definition.numbering == Numbering::Gapless {
-            return self.gapless_in(conn, placement, count, via).await;
+            return self
+                .gapless_path
+                .issue_in(conn, placement, count, via)
+                .await;
         }
         let seqs = self
-            .issue_with(placement, count, LedgerTarget::Transaction(conn, via))
+            .counter_path
+            .issue(placement, count, LedgerTarget::Transaction(conn, via))
             .await?;
         Ok(Issued::numbers_of(placement.clone(), seqs))
+    }
+
+    /// `work` in a transaction whose commit answers a request: an error
+    /// means nothing was written, and numbers it popped from pools go back
+    /// to them.
+    pub async fn transaction<T, E>(
+        &self,
+        work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<sqlx::Error> + From<crate::commitment::NotAnswered>,
+    {
+        self.transactions.run(work).await
     }
 
     /// Runs `work` to its end whether or not its caller still waits: the
@@ -338,23 +434,40 @@ impl Issuer {
             .spawn(Box::pin(crate::commitment::scope_detached(work)))
     }
 
+    /// Every `report_every` gives back idle leases and writes the returns;
+    /// at `stop` (once the server has drained: no request takes numbers
+    /// any more) gives back every lease before it returns.
+    pub async fn report_leases(self: Arc<Self>, stop: CancellationToken) {
+        self.lease_returns.run(stop).await;
+    }
+
+    /// Waits (up to 5 s) until every lease given back so far is back in
+    /// its pool.
+    pub async fn lease_returns_written(&self) {
+        self.lease_returns.written().await;
+    }
+
     /// `count` numbers: what the lease gave or is bringing first (`begun`),
-    /// the rest through the shared commit (pool, refill, counter).
+    /// the rest through the shared commit and the counter path.
     async fn ids(
         self: &Arc<Self>,
         placement: &Arc<Placement>,
         count: usize,
-        begun: leased::Begun,
+        begun: Begun,
     ) -> Result<Vec<i64>, IssueError> {
+        let lease = &self.lease_path;
         let (holder, got, on_its_own) = match begun {
-            leased::Begun::Complete(holder, got) => return self.hand_out(&holder, got),
-            leased::Begun::Waiting(holder, mut got) => {
-                match self.wait_for_lease(&holder, count, &mut got).await {
-                    Ok(()) => return self.hand_out(&holder, got),
+            Begun::Complete(holder, got) => return lease.hand_out(&holder, got),
+            Begun::Waiting(holder, mut got) => {
+                match lease
+                    .wait(&holder, count, &mut got, |o| self.order(o))
+                    .await
+                {
+                    Ok(()) => return lease.hand_out(&holder, got),
                     Err(on_its_own) => (Some(holder), got, on_its_own),
                 }
             }
-            leased::Begun::Alone(holder, got, on_its_own) => (holder, got, on_its_own),
+            Begun::Alone(holder, got, on_its_own) => (holder, got, on_its_own),
         };
         // Let go once this request's pop answered: a lease ordered
         // meanwhile is taken after it, so above its numbers.
@@ -365,13 +478,13 @@ impl Issuer {
             Ok(more) => more,
             Err(e) => {
                 if let Some(holder) = holder {
-                    self.leases.put_back(&holder, got);
+                    lease.put_back(&holder, got);
                 }
                 return Err(e);
             }
         };
         let mut seqs = match holder {
-            Some(holder) => self.hand_out(&holder, got)?,
+            Some(holder) => lease.hand_out(&holder, got)?,
             None => got,
         };
         seqs.extend(more);
@@ -395,11 +508,14 @@ impl Issuer {
         let mut tries = 0;
         let on_its_own = loop {
             tries += 1;
-            match self.document_on_lease(placement, &attachment).await {
-                leased::OnLease::Written(Err(IssueError::Ledger(LedgerError::DocumentIdTaken)))
+            let on_lease = (self.lease_path)
+                .document(placement, &attachment, |o| self.order(o))
+                .await;
+            match on_lease {
+                OnLease::Written(Err(IssueError::Ledger(LedgerError::DocumentIdTaken)))
                     if tries < DOCUMENT_ID_TRIES => {}
-                leased::OnLease::Written(written) => return written,
-                leased::OnLease::NotServed(on_its_own) => break on_its_own,
+                OnLease::Written(written) => return written,
+                OnLease::NotServed(on_its_own) => break on_its_own,
             }
         };
         let demand = Demand::Document {
@@ -407,46 +523,63 @@ impl Issuer {
         };
         // The ticket is let go once the pop answered (see OnItsOwn).
         let served = self
-            .pipeline
+            .shared
             .submit(placement.clone(), demand, on_its_own)
             .await?;
         if let Some(document) = served.document {
             return Ok(document);
         }
         if !served.refused.is_empty() {
-            self.refused(&placement.pool, served.refused.len()).await;
+            let refused = served.refused.len();
+            self.counter_path.refused(&placement.pool, refused).await;
         }
         loop {
-            let seqs = self
-                .obtain(&placement.pool, 1, obtain::Link::Pool(&self.db))
+            let seqs = (self.counter_path)
+                .obtain(&placement.pool, 1, counter_path::Link::Pool(&self.db))
                 .await?
                 .seqs;
             let demand = Demand::Document {
                 attachment: attachment.clone(),
             };
-            let served = self
-                .pipeline
-                .record(placement.clone(), demand, seqs)
-                .await?;
+            let served = self.shared.record(placement.clone(), demand, seqs).await?;
             if let Some(document) = served.document {
                 return Ok(document);
             }
-            self.refused(&placement.pool, served.refused.len().max(1))
-                .await;
+            let refused = served.refused.len().max(1);
+            self.counter_path.refused(&placement.pool, refused).await;
         }
+    }
+
+    /// Takes `order`'s lease in a task of its own, as a request would:
+    /// through the shared commit and the counter path.
+    fn order(self: &Arc<Self>, order: Order) {
+        let issuer = self.clone();
+        self.tasks.spawn(async move {
+            let until = issuer.lease_path.before_taking(&order).await;
+            // A lease recorded in part is a smaller lease: the part already
+            // committed is the lease's to hand out or give back, never
+            // dropped (it would be a lost lease).
+            let (leased, failed) = issuer
+                .shared_as_many(&order.holder.pool, order.size, Via::Lease, None)
+                .await;
+            if let Some(e) = &failed {
+                tracing::debug!(error = %e, size = order.size, got = leased.len(), "lease not taken whole; requests are served on their own");
+            }
+            issuer.lease_path.arrived(&order, leased, until);
+        });
     }
 
     /// `count` numbers of `placement`'s pool recorded in the shared commit
     /// as received `via`: popped in the shared batch, and what it could not
     /// give after a refill or from the counter. Ascending.
-    async fn shared<Held>(
+    async fn shared(
         &self,
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
-        held: Held,
+        on_its_own: Option<OnItsOwnTicket>,
     ) -> Result<Vec<i64>, IssueError> {
-        match self.shared_as_many(placement, count, via, held).await {
+        match self.shared_as_many(placement, count, via, on_its_own).await {
             (seqs, None) => Ok(seqs),
             // What was recorded stays issued (reconciliation says
             // `issued_unattached`): the caller asked for all or nothing.
@@ -457,20 +590,20 @@ impl Issuer {
     /// As many of `count` numbers as could be recorded (ascending), and
     /// the error that stopped the rest, if any: the first part may commit
     /// before the rest fails (the pool ran short, then Postgres went away).
-    /// `held` is let go once the shared pop answered.
-    async fn shared_as_many<Held>(
+    /// `on_its_own` is let go once the shared pop answered.
+    async fn shared_as_many(
         &self,
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
-        held: Held,
+        on_its_own: Option<OnItsOwnTicket>,
     ) -> (Vec<i64>, Option<IssueError>) {
         if count == 0 {
             return (Vec::new(), None);
         }
         let served = match self
-            .pipeline
-            .submit(placement.clone(), demand(via, count), held)
+            .shared
+            .submit(placement.clone(), demand(via, count), on_its_own)
             .await
         {
             Ok(served) => served,
@@ -478,13 +611,15 @@ impl Issuer {
         };
         let mut seqs = served.issued;
         if !served.refused.is_empty() {
-            self.refused(&placement.pool, served.refused.len()).await;
+            let refused = served.refused.len();
+            self.counter_path.refused(&placement.pool, refused).await;
         }
         let mut failed = None;
         if seqs.len() < count {
             // The pool ran short, was stale, or Redis is down.
-            match self
-                .issue_with(placement, count - seqs.len(), LedgerTarget::Shared(via))
+            let rest = count - seqs.len();
+            match (self.counter_path)
+                .issue(placement, rest, LedgerTarget::Shared(via))
                 .await
             {
                 Ok(more) => seqs.extend(more),
@@ -496,7 +631,8 @@ impl Issuer {
     }
 }
 
-/// What a request for `count` numbers received `via` asks of the pipeline.
+/// What a request for `count` numbers received `via` asks of the shared
+/// commit.
 fn demand(via: Via, count: usize) -> Demand {
     match via {
         Via::Lease => Demand::Lease { count },

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
+use crate::counter::Counter;
 use crate::db::sqlstate;
 use crate::log_limit::Repeated;
 use crate::numbers::{SeqRange, runs, subtract};
@@ -31,7 +32,7 @@ pub use leases::{
     LeaseReport, LeaseWait, end_expired_leases, lease_waits, record_handouts, release_lease,
 };
 use numbering::number;
-pub use numbering::{GaplessCounter, NoGapless, Unnumbered};
+pub use numbering::{Numbering, Unnumbered, numbered_in};
 
 /// How long after it is recorded a lease may hand out its numbers, on
 /// Postgres' clock (`lease_expires_at`). Its holder stops earlier by its
@@ -307,25 +308,18 @@ pub fn failed_all(
 
 /// Writes all `writes` on `conn` with one statement and one commit (a
 /// transaction when documents are among them). One outcome per write, in
-/// order.
+/// order. How `counter` numbered the writes' unnumbered documents (gapless
+/// ones) inside each attempt's transaction is pushed to `numberings` as it
+/// happens, so a caller that stops waiting for the answer still knows
+/// which transaction to ask about; when a shared write must be split to
+/// find the request at fault, what commits is numbered again.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn write_shared(
     conn: &mut impl Link,
     stats: &Stats,
+    counter: &Counter,
     writes: &[LedgerWrite],
-) -> Vec<Result<Recorded, LedgerError>> {
-    write_shared_numbering(conn, stats, writes, &NoGapless).await
-}
-
-/// [`write_shared`], numbering the writes' unnumbered documents through
-/// `gapless` inside each attempt's transaction: when a shared write must
-/// be split to find the request at fault, what commits is numbered again.
-#[tracing::instrument(skip_all, level = "debug")]
-pub async fn write_shared_numbering(
-    conn: &mut impl Link,
-    stats: &Stats,
-    writes: &[LedgerWrite],
-    gapless: &impl GaplessCounter,
+    numberings: &std::sync::Mutex<Vec<Numbering>>,
 ) -> Vec<Result<Recorded, LedgerError>> {
     let mut outcomes: Vec<Option<Result<Recorded, LedgerError>>> =
         writes.iter().map(|_| None).collect();
@@ -342,7 +336,7 @@ pub async fn write_shared_numbering(
     let mut split = false;
     while let Some(range) = pending.pop() {
         let part = &writes[range.clone()];
-        match write_part(conn, stats, part, range.start, gapless).await {
+        match write_part(conn, stats, part, range.start, counter, numberings).await {
             Ok(recorded) => {
                 for (slot, recorded) in outcomes[range].iter_mut().zip(recorded) {
                     *slot = Some(match recorded.held {
@@ -392,7 +386,8 @@ async fn write_part(
     stats: &Stats,
     writes: &[LedgerWrite],
     offset: usize,
-    gapless: &impl GaplessCounter,
+    counter: &Counter,
+    numberings: &std::sync::Mutex<Vec<Numbering>>,
 ) -> Result<Vec<Recorded>, LedgerError> {
     let unnumbered = writes.iter().any(|w| !w.unnumbered.is_empty());
     let documents = writes.iter().any(|w| !w.documents.is_empty());
@@ -408,7 +403,7 @@ async fn write_part(
         if !unnumbered {
             return write_together(tx, stats, writes).await;
         }
-        let (numbered, held) = number(&mut *tx, writes, offset, gapless).await?;
+        let (numbered, held) = number(&mut *tx, writes, offset, counter, numberings).await?;
         let mut recorded = write_together(tx, stats, &numbered).await?;
         for ((recorded, write), given) in recorded.iter_mut().zip(&numbered).zip(writes) {
             if !given.unnumbered.is_empty() {

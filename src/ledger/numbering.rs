@@ -2,14 +2,14 @@
 //! write's transaction, from their counters, in commit order.
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::db::Link;
 
 use super::outbox::Attachment;
 use super::{LedgerError, LedgerWrite};
-use crate::sequence::IdShape;
+use crate::counter::{Counter, Reserved};
+use crate::sequence::{IdShape, Period, Sequence};
 
 /// A document whose number is taken when it is written.
 #[derive(Debug, Clone)]
@@ -17,29 +17,77 @@ pub struct Unnumbered {
     pub attachment: Arc<Attachment>,
     /// How its ID prints.
     pub shape: IdShape,
+    /// Whose counter numbers it.
+    pub sequence: Arc<Sequence>,
+    pub period: Period,
 }
 
-/// Takes numbers of gapless sequences for a shared write, inside its
-/// transaction (the counter row stays locked until the commit).
-pub trait GaplessCounter: Sync {
-    /// `n` numbers of the sequence period of `writes` (indexes of the
-    /// writes given to [`write_shared`], all of one sequence period, to be
-    /// numbered in this order); the first of them.
-    fn take(
-        &self,
-        conn: &mut impl Link,
-        writes: &[usize],
-        n: i64,
-    ) -> impl Future<Output = Result<i64, LedgerError>> + Send;
+/// Numbers a gapless counter gave to writes of a shared write (indexes
+/// into it), in order from `first`, inside transaction `xid`: what a
+/// commit in doubt is settled by.
+#[derive(Debug, Clone)]
+pub struct Numbering {
+    pub xid: i64,
+    pub first: i64,
+    pub writes: Vec<usize>,
 }
 
-/// For writes that carry no unnumbered document.
-pub struct NoGapless;
-
-impl GaplessCounter for NoGapless {
-    async fn take(&self, _: &mut impl Link, _: &[usize], _: i64) -> Result<i64, LedgerError> {
-        Err(LedgerError::DefinitionChanged)
+/// `n` numbers of the counter of `document`'s sequence period, inside
+/// the write's transaction (the row stays locked until the commit), for
+/// `writes`; the first of them. Another transaction holding the counter
+/// is `CounterHeld`: nothing waits for it.
+async fn take(
+    conn: &mut impl Link,
+    counter: &Counter,
+    document: &Unnumbered,
+    writes: &[usize],
+    n: i64,
+    numberings: &Mutex<Vec<Numbering>>,
+) -> Result<i64, LedgerError> {
+    let (taken, xid) = counter
+        .take_gapless_unless_held(conn, &document.sequence, &document.period, n)
+        .await?
+        .ok_or(LedgerError::CounterHeld)?;
+    match taken {
+        Reserved::Got(range) => {
+            numberings
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Numbering {
+                    xid,
+                    first: range.start,
+                    writes: writes.to_vec(),
+                });
+            Ok(range.start)
+        }
+        Reserved::Exhausted => Err(LedgerError::Exhausted),
+        Reserved::Stale | Reserved::Unfenced => Err(LedgerError::DefinitionChanged),
     }
+}
+
+/// Write `index` of `writes` as the last numbering that included it
+/// numbered it, and that numbering's transaction; None when none did.
+pub fn numbered_in(
+    numberings: &[Numbering],
+    writes: &[LedgerWrite],
+    index: usize,
+) -> Option<(i64, LedgerWrite)> {
+    let numbering = numberings
+        .iter()
+        .rev()
+        .find(|n| n.writes.contains(&index))?;
+    let mut next = numbering.first;
+    for &before in numbering.writes.iter().take_while(|&&w| w != index) {
+        next += writes[before].unnumbered.len() as i64;
+    }
+    let mut numbered = writes[index].clone();
+    for document in std::mem::take(&mut numbered.unnumbered) {
+        numbered
+            .documents
+            .push(document.attachment.row(&document.shape, next));
+        next += 1;
+    }
+    Some((numbering.xid, numbered))
 }
 
 /// The writes with their unnumbered documents numbered: one counter
@@ -51,7 +99,8 @@ pub(super) async fn number(
     conn: &mut impl Link,
     writes: &[LedgerWrite],
     offset: usize,
-    gapless: &impl GaplessCounter,
+    counter: &Counter,
+    numberings: &Mutex<Vec<Numbering>>,
 ) -> Result<(Vec<LedgerWrite>, Vec<usize>), LedgerError> {
     let mut groups: BTreeMap<(i64, &str), Vec<usize>> = BTreeMap::new();
     for (index, write) in writes.iter().enumerate() {
@@ -67,7 +116,8 @@ pub(super) async fn number(
     for indexes in groups.values() {
         let n: usize = indexes.iter().map(|i| writes[*i].unnumbered.len()).sum();
         let shared: Vec<usize> = indexes.iter().map(|index| offset + index).collect();
-        let taken = gapless.take(&mut *conn, &shared, n as i64).await;
+        let document = &writes[indexes[0]].unnumbered[0];
+        let taken = take(&mut *conn, counter, document, &shared, n as i64, numberings).await;
         let mut next = match taken {
             Err(LedgerError::CounterHeld) => {
                 for index in indexes {

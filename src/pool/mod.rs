@@ -9,7 +9,6 @@
 
 mod discard;
 mod lists;
-mod placement;
 mod redis;
 mod refill;
 mod scripts;
@@ -29,7 +28,6 @@ use tokio_util::task::TaskTracker;
 
 pub use self::discard::DiscardCause;
 pub use self::lists::{Popped, Pushed};
-pub use self::placement::Placement;
 pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
 pub use self::refill::RefillOutcome;
 pub use self::watch::{ResyncError, Resynced};

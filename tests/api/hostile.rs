@@ -1198,7 +1198,15 @@ async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
         },
     ];
     let mut conn = app.state.db.acquire().await.unwrap();
-    let outcomes = write_shared(&mut conn, &app.state.stats, &writes).await;
+    let numberings = std::sync::Mutex::new(Vec::new());
+    let outcomes = write_shared(
+        &mut conn,
+        &app.state.stats,
+        app.state.pools.counter(),
+        &writes,
+        &numberings,
+    )
+    .await;
     let first = outcomes[0].as_ref().unwrap();
     let second = outcomes[1].as_ref().unwrap();
     assert!(first.refused.is_empty(), "{first:?}");

@@ -7,13 +7,16 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::Issuer;
+use super::Placement;
+use super::handouts::Handouts;
+use super::lease_store::{Leases, Returned};
 use crate::backoff::Backoff;
-use crate::lease::Returned;
+use crate::db::Db;
 use crate::ledger::{self, LeaseReport};
 use crate::log_limit::Repeated;
 use crate::numbers::runs;
-use crate::pool::{DiscardCause, Placement};
+use crate::pool::{DiscardCause, PoolService};
+use crate::stats::Stats;
 
 /// Longest a clean stop waits for leases being taken to arrive.
 const FETCHES_AT_STOP: Duration = Duration::from_secs(2);
@@ -21,20 +24,45 @@ const FETCHES_AT_STOP: Duration = Duration::from_secs(2);
 /// Longest a clean stop waits for the handouts to be written.
 const HANDOUTS_AT_STOP: Duration = Duration::from_secs(5);
 
-/// Longest [`Issuer::lease_returns_written`] waits.
+/// Longest [`LeaseReturns::written`] waits.
 const RETURNS_WAIT: Duration = Duration::from_secs(5);
 
-impl Issuer {
+/// What leases give back, written; at a stop, the handouts caught up.
+pub(super) struct LeaseReturns {
+    leases: Arc<Leases>,
+    handouts: Arc<Handouts>,
+    pools: Arc<PoolService>,
+    stats: Arc<Stats>,
+    background_db: Db,
+}
+
+impl LeaseReturns {
+    pub(super) fn new(
+        leases: Arc<Leases>,
+        handouts: Arc<Handouts>,
+        pools: Arc<PoolService>,
+        stats: Arc<Stats>,
+        background_db: Db,
+    ) -> Self {
+        Self {
+            leases,
+            handouts,
+            pools,
+            stats,
+            background_db,
+        }
+    }
+
     /// Every `report_every` gives back idle leases and writes the returns;
     /// at `stop` (once the server has drained: no request takes numbers
     /// any more) gives back every lease before it returns.
-    pub async fn report_leases(self: Arc<Self>, stop: CancellationToken) {
+    pub(super) async fn run(&self, stop: CancellationToken) {
         let mut returns = self.leases.pending_returns().await;
         let mut tick = tokio::time::interval(self.leases.settings().report_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Returns Postgres could not take (a failover): kept, and tried
         // again with backoff, rather than written off as lost leases.
-        let mut retrying: Vec<Returned<Arc<Placement>>> = Vec::new();
+        let mut retrying: Vec<Returned> = Vec::new();
         let mut backoff = Backoff::background();
         let mut retry_at = Instant::now();
         loop {
@@ -95,7 +123,7 @@ impl Issuer {
 
     /// Waits (up to 5 s) until every lease given back so far is back in
     /// its pool.
-    pub async fn lease_returns_written(&self) {
+    pub(super) async fn written(&self) {
         let _ = tokio::time::timeout(RETURNS_WAIT, self.leases.all_returns_written()).await;
     }
 
@@ -150,7 +178,7 @@ static RETURNS_FAILING: Repeated =
 /// Each give-back pushes to the head of the pool, so two given back apart
 /// would put the later one's (a lease that arrived at a clean stop, say)
 /// in front of lower numbers.
-fn merge_per_pool(returned: Vec<Returned<Arc<Placement>>>) -> Vec<(Arc<Placement>, LeaseReport)> {
+fn merge_per_pool(returned: Vec<Returned>) -> Vec<(Arc<Placement>, LeaseReport)> {
     let mut merged: Vec<(Arc<Placement>, LeaseReport)> = Vec::new();
     for Returned {
         pool: placement,

@@ -1,187 +1,28 @@
-//! The shared pop-and-commit of the issuing path: concurrent requests are
-//! served together, in two stages that overlap.
-//!
-//! A request's pop joins every other request waiting for one (the pool's
-//! one pop batcher: one Redis call per pool for all of them). The write
-//! stage records everything handed to it since its last write (ledger rows
-//! and documents' outbox rows) in one statement and commit, and only then
-//! answers. So while one batch waits for its commit, the next one is
-//! already being popped, and a commit serves every request that arrived
-//! meanwhile.
-//!
-//! Callers are detached from their clients (`Issuer::issue`), so a client
-//! that hangs up cannot leave a number popped but unrecorded. Whatever a
-//! batch cannot finish (a pool that ran short, Redis down, a stale number)
-//! is left to the caller's slower path (`issuance::obtain`).
+//! The group-commit writer: everything handed to it since its last write
+//! (requests' ledger rows and documents' outbox rows, lease handouts) in
+//! one statement and commit on one kept connection, then answered; a
+//! commit in doubt is settled before anything else is written. One type
+//! for both write stages of the shared commit (`issuance::shared_commit`).
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
-use tokio::sync::oneshot;
-use tokio_util::task::TaskTracker;
-
-use crate::batch::Batcher;
-use crate::commitment::Commitment;
-use crate::counter::{Counter, Reserved};
-use crate::db::{Conn, Db, Link, Session};
-use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{self, GaplessCounter, LedgerError, LedgerWrite, Recorded, Unnumbered, Via};
+use super::shared_commit::{Demand, Entry, Popped, Served};
+use crate::counter::Counter;
+use crate::db::{Conn, Db, Session};
+use crate::ledger::outbox::Attachment;
+use crate::ledger::{
+    self, LeaseReport, LedgerError, LedgerWrite, Numbering, Recorded, Unnumbered, Via, numbered_in,
+};
 use crate::numbers::without;
-use crate::pool::{Placement, PoolService};
+use crate::pool::PoolService;
 use crate::stats::Stats;
 
-/// What a request wants from a batch.
-pub enum Demand {
-    Ids {
-        count: usize,
-    },
-    /// Numbers leased to this instance, handed out later from memory.
-    Lease {
-        count: usize,
-    },
-    /// One number, carrying a document's outbox row.
-    Document {
-        attachment: Arc<Attachment>,
-    },
-    /// A document's outbox row on a number of this instance's lease: the
-    /// lease's ledger record covers the number, so only the row is written.
-    LeasedDocument {
-        attachment: Arc<Attachment>,
-    },
-    /// A document of a gapless sequence, numbered in the commit that
-    /// writes it.
-    Gapless {
-        attachment: Arc<Attachment>,
-    },
-}
-
-impl Demand {
-    fn numbers(&self) -> usize {
-        match self {
-            Demand::Ids { count } | Demand::Lease { count } => *count,
-            Demand::Document { .. } | Demand::LeasedDocument { .. } => 1,
-            Demand::Gapless { .. } => 0,
-        }
-    }
-}
-
-/// What a batch did for one request: numbers recorded as issued to it,
-/// numbers the ledger refused (a stale pool), and the document written.
-#[derive(Debug, Default)]
-pub struct Served {
-    pub issued: Vec<i64>,
-    pub refused: Vec<i64>,
-    pub document: Option<(OutboxRow, DateTime<Utc>)>,
-}
-
-type Reply = oneshot::Sender<Result<Served, LedgerError>>;
-
-struct Job {
-    placement: Arc<Placement>,
-    demand: Demand,
-    reply: Reply,
-    /// The request's, when one waits: asked before the job's write is sent.
-    commitment: Option<Arc<Commitment>>,
-}
-
-/// A job whose numbers were popped, on its way to the write stage.
-struct Popped {
-    job: Job,
-    seqs: Vec<i64>,
-}
-
-#[derive(Clone)]
-pub struct Pipeline {
-    pools: Arc<PoolService>,
-    stats: Arc<Stats>,
-    writes: Batcher<Vec<Popped>>,
-    /// Documents of gapless sequences commit in a write stage of their
-    /// own: their counter rows may be held by another transaction (a batch,
-    /// another instance), and a pooled request must never wait for that.
-    gapless_writes: Batcher<Vec<Popped>>,
-}
-
-impl Pipeline {
-    pub fn spawn(db: Db, pools: Arc<PoolService>, stats: Arc<Stats>, tasks: &TaskTracker) -> Self {
-        let stage = |name: &'static str| {
-            let writer = Arc::new(Writer {
-                db: db.clone(),
-                pools: pools.clone(),
-                counter: pools.counter().clone(),
-                stats: stats.clone(),
-                conn: tokio::sync::Mutex::new(None),
-            });
-            // One commit at a time: a commit costs Postgres far more than
-            // the rows it carries, so everything popped while one runs
-            // waits for the next (two at a time measured slower: smaller
-            // commits).
-            Batcher::spawn(tasks, name, 4096, move |batches: Vec<Vec<Popped>>| {
-                writer.clone().write(batches)
-            })
-        };
-        Self {
-            writes: stage("ledger writes"),
-            gapless_writes: stage("gapless writes"),
-            pools,
-            stats,
-        }
-    }
-
-    /// Pops what `demand` needs in the shared pop and records it in the
-    /// next shared commit. Nothing is recorded (and nothing issued) when
-    /// the pool gave nothing at once: the caller takes the slower path.
-    /// `held` is let go once the pop has answered (a request on its own
-    /// lets a lease be taken once its numbers are known).
-    pub async fn submit<Held>(
-        &self,
-        placement: Arc<Placement>,
-        demand: Demand,
-        held: Held,
-    ) -> Result<Served, LedgerError> {
-        let seqs = self
-            .pools
-            .pop_once(&placement.pool, demand.numbers())
-            .await
-            .unwrap_or_default();
-        drop(held);
-        self.stats.ids_from_pool.inc_by(seqs.len() as u64);
-        if seqs.is_empty() {
-            return Ok(Served::default());
-        }
-        self.record(placement, demand, seqs).await
-    }
-
-    /// Records numbers the caller holds (popped, leased, or obtained on
-    /// the slower paths: after a refill, or straight from the counter) in
-    /// the write stage's next shared commit.
-    pub async fn record(
-        &self,
-        placement: Arc<Placement>,
-        demand: Demand,
-        seqs: Vec<i64>,
-    ) -> Result<Served, LedgerError> {
-        let (reply, answer) = oneshot::channel();
-        let stage = match demand {
-            Demand::Gapless { .. } => &self.gapless_writes,
-            _ => &self.writes,
-        };
-        let job = Job {
-            placement,
-            demand,
-            reply,
-            commitment: Commitment::current(),
-        };
-        stage
-            .submit(vec![Popped { job, seqs }])
-            .await
-            .map_err(|_| LedgerError::Closed)?;
-        answer.await.map_err(|_| LedgerError::Closed)?
-    }
-}
+/// A handout write's answer.
+type HandoutsReply = tokio::sync::oneshot::Sender<Result<(), LedgerError>>;
 
 /// The write stage. It keeps one connection between batches (one batch at
 /// a time uses it), so a batch costs no pool checkout and return.
-struct Writer {
+pub(super) struct Writer {
     db: Db,
     pools: Arc<PoolService>,
     counter: Arc<Counter>,
@@ -192,14 +33,39 @@ struct Writer {
 }
 
 impl Writer {
-    /// Everything popped since the last write, recorded in one statement
-    /// and commit, then answered.
-    async fn write(self: Arc<Self>, batches: Vec<Vec<Popped>>) {
+    pub(super) fn new(db: Db, pools: Arc<PoolService>, stats: Arc<Stats>) -> Self {
+        Self {
+            db,
+            counter: pools.counter().clone(),
+            pools,
+            stats,
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Everything handed in since the last write: the requests' records in
+    /// one statement and commit, answered; then the handouts.
+    pub(super) async fn write(self: Arc<Self>, batches: Vec<Vec<Entry>>) {
+        let mut jobs = Vec::new();
+        let mut handouts = Vec::new();
+        for entry in batches.into_iter().flatten() {
+            match entry {
+                Entry::Job(popped) => jobs.push(popped),
+                Entry::Handouts(reports, reply) => handouts.push((reports, reply)),
+            }
+        }
+        self.write_jobs(jobs).await;
+        if !handouts.is_empty() {
+            self.write_handouts(handouts).await;
+        }
+    }
+
+    /// Requests' records in one statement and commit, then answered.
+    async fn write_jobs(&self, jobs: Vec<Popped>) {
         // A request withdrawn at its deadline sends nothing: its numbers
         // go back, and it was answered already.
-        let (popped, withdrawn): (Vec<Popped>, Vec<Popped>) = batches
+        let (popped, withdrawn): (Vec<Popped>, Vec<Popped>) = jobs
             .into_iter()
-            .flatten()
             .partition(|p| p.job.commitment.as_ref().is_none_or(|c| c.begin_send()));
         if !withdrawn.is_empty() {
             let outcomes: Vec<_> = withdrawn
@@ -234,6 +100,8 @@ impl Writer {
                         unnumbered.push(Unnumbered {
                             attachment: attachment.clone(),
                             shape: placement.shape.clone(),
+                            sequence: placement.sequence.clone(),
+                            period: placement.period.clone(),
                         });
                         (Via::Document, Vec::new(), Vec::new())
                     }
@@ -248,7 +116,7 @@ impl Writer {
                 }
             })
             .collect();
-        let (mut outcomes, session, numberings) = self.record(&writes, &popped).await;
+        let (mut outcomes, session, numberings) = self.record(&writes).await;
         if outcomes
             .iter()
             .any(|o| o.as_ref().is_err_and(LedgerError::in_doubt))
@@ -270,11 +138,10 @@ impl Writer {
     async fn record(
         &self,
         writes: &[LedgerWrite],
-        popped: &[Popped],
     ) -> (
         Vec<Result<Recorded, LedgerError>>,
         Option<Session>,
-        Vec<GaplessNumbering>,
+        Vec<Numbering>,
     ) {
         let mut held = self.conn.lock().await;
         let (conn, session) = match held.as_mut() {
@@ -289,24 +156,19 @@ impl Writer {
             },
         };
         let session = *session;
-        let gapless = GaplessOf {
-            counter: &self.counter,
-            popped,
-            numberings: std::sync::Mutex::new(Vec::new()),
-        };
         // A connection that stalls without closing never answers: past the
         // wait it is taken for broken and the writes are looked up.
+        // Kept outside the write: a write given up on still says which
+        // transactions numbered gapless documents.
+        let numberings = std::sync::Mutex::new(Vec::new());
         let outcomes = tokio::time::timeout(
             crate::db::COMMIT_ANSWER_WAIT,
-            ledger::write_shared_numbering(conn, &self.stats, writes, &gapless),
+            ledger::write_shared(conn, &self.stats, &self.counter, writes, &numberings),
         )
         .await
         .unwrap_or_else(|_| {
-            let stalled = sqlx::Error::Io(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "no answer from Postgres",
-            ));
-            ledger::failed_all(writes, &LedgerError::Db(Arc::new(stalled)))
+            let e = LedgerError::Db(Arc::new(no_answer()));
+            ledger::failed_all(writes, &e)
         });
         if outcomes
             .iter()
@@ -319,15 +181,46 @@ impl Writer {
                 conn.discard();
             }
         }
-        let numberings = gapless
-            .numberings
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner());
+        let numberings = numberings.into_inner().unwrap_or_else(|e| e.into_inner());
         (outcomes, session, numberings)
     }
-}
 
-impl Writer {
+    /// Which leased numbers went to callers, for every report handed in,
+    /// in one statement. A failure is answered to the reporter, which keeps
+    /// them and hands them in again (a handout written twice says the same
+    /// thing twice: one in doubt is simply written again).
+    async fn write_handouts(&self, handouts: Vec<(Vec<LeaseReport>, HandoutsReply)>) {
+        let reports: Vec<LeaseReport> = handouts
+            .iter()
+            .flat_map(|(reports, _)| reports.iter().cloned())
+            .collect();
+        let mut held = self.conn.lock().await;
+        let written = match held.as_mut() {
+            Some(held) => Ok(held),
+            None => writer_connection(&self.db)
+                .await
+                .map(|taken| held.insert(taken)),
+        };
+        let outcome = match written {
+            Ok((conn, _)) => tokio::time::timeout(
+                crate::db::COMMIT_ANSWER_WAIT,
+                ledger::record_handouts(conn, &reports),
+            )
+            .await
+            .unwrap_or_else(|_| Err(no_answer())),
+            Err(e) => Err(e),
+        };
+        let outcome = outcome.map_err(|e| {
+            if let Some((conn, _)) = held.take() {
+                conn.discard();
+            }
+            LedgerError::Db(Arc::new(e))
+        });
+        for (_, reply) in handouts {
+            let _ = reply.send(outcome.clone());
+        }
+    }
+
     /// The writes whose commit is in doubt (the connection broke before its
     /// answer: a crash, a failover) are looked up once the server answers
     /// again: the caller gets the true answer, and numbers that did not
@@ -343,7 +236,7 @@ impl Writer {
         writes: &[LedgerWrite],
         outcomes: &mut [Result<Recorded, LedgerError>],
         session: Option<Session>,
-        numberings: &[GaplessNumbering],
+        numberings: &[Numbering],
     ) {
         self.settle_by_content(writes, outcomes, session).await;
         self.settle_gapless(writes, outcomes, session, numberings)
@@ -364,7 +257,7 @@ impl Writer {
         writes: &[LedgerWrite],
         outcomes: &mut [Result<Recorded, LedgerError>],
         session: Option<Session>,
-        numberings: &[GaplessNumbering],
+        numberings: &[Numbering],
     ) {
         // Each write in doubt as its transaction numbered it; each
         // transaction asked about once, however many writes it numbered.
@@ -487,81 +380,6 @@ impl Writer {
     }
 }
 
-/// The counters of the batch's gapless sequences, by write; what each
-/// take gave, and in which transaction, is kept for a commit in doubt.
-struct GaplessOf<'a> {
-    counter: &'a Counter,
-    popped: &'a [Popped],
-    numberings: std::sync::Mutex<Vec<GaplessNumbering>>,
-}
-
-/// Numbers a gapless counter gave to writes of a shared write, in order
-/// from `first`, inside transaction `xid`.
-struct GaplessNumbering {
-    xid: i64,
-    first: i64,
-    writes: Vec<usize>,
-}
-
-impl GaplessCounter for GaplessOf<'_> {
-    async fn take(
-        &self,
-        conn: &mut impl Link,
-        writes: &[usize],
-        n: i64,
-    ) -> Result<i64, LedgerError> {
-        let Some(&index) = writes.first() else {
-            return Err(LedgerError::Closed);
-        };
-        let placement = &self.popped[index].job.placement;
-        let (taken, xid) = self
-            .counter
-            .take_gapless_unless_held(conn, &placement.sequence, &placement.period, n)
-            .await?
-            .ok_or(LedgerError::CounterHeld)?;
-        match taken {
-            Reserved::Got(range) => {
-                self.numberings
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(GaplessNumbering {
-                        xid,
-                        first: range.start,
-                        writes: writes.to_vec(),
-                    });
-                Ok(range.start)
-            }
-            Reserved::Exhausted => Err(LedgerError::Exhausted),
-            Reserved::Stale | Reserved::Unfenced => Err(LedgerError::DefinitionChanged),
-        }
-    }
-}
-
-/// Write `index` as the last numbering that included it numbered it, and
-/// that numbering's transaction; None when none did.
-fn numbered_in(
-    numberings: &[GaplessNumbering],
-    writes: &[LedgerWrite],
-    index: usize,
-) -> Option<(i64, LedgerWrite)> {
-    let numbering = numberings
-        .iter()
-        .rev()
-        .find(|n| n.writes.contains(&index))?;
-    let mut next = numbering.first;
-    for &before in numbering.writes.iter().take_while(|&&w| w != index) {
-        next += writes[before].unnumbered.len() as i64;
-    }
-    let mut numbered = writes[index].clone();
-    for document in std::mem::take(&mut numbered.unnumbered) {
-        numbered
-            .documents
-            .push(document.attachment.row(&document.shape, next));
-        next += 1;
-    }
-    Some((numbering.xid, numbered))
-}
-
 /// A connection for the write stage, from the writers' pool, whose
 /// connections wait at most 200 ms for a lock (see `startup`). Requests
 /// never contend for the numbers they record, so a wait means another
@@ -600,4 +418,13 @@ fn answer(
         });
         let _ = popped.job.reply.send(answer);
     }
+}
+
+/// What a statement that got no answer within `COMMIT_ANSWER_WAIT` failed
+/// with.
+fn no_answer() -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "no answer from Postgres",
+    ))
 }

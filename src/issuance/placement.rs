@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
-use super::PoolRef;
+use crate::pool::PoolRef;
 use crate::sequence::{IdShape, Period, Sequence};
 
 /// Where numbers of a sequence issued now come from, and how they read.

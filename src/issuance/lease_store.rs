@@ -17,8 +17,9 @@
 //!
 //! This module is the store only: which numbers each holder has, when a
 //! new lease is due, and which numbers go back (idle, too old, or at a
-//! stop). It does no I/O: taking a lease, recording handouts and giving
-//! numbers back are the issuer's (`issuance::leased`), which consults it.
+//! stop). It does no I/O: taking a lease and recording handouts are the
+//! lease path's (`issuance::lease_path`), giving numbers back the lease
+//! returns' (`issuance::lease_returns`); both consult it.
 //! Every time decision reads the one injected clock.
 
 pub mod rate;
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, mpsc};
 
+use super::Placement;
 use crate::clock::Clock;
 use crate::stats::Stats;
 
@@ -67,10 +69,10 @@ impl Default for LeaseSettings {
 }
 
 /// The leased numbers of one pool (sequence version and period) on this
-/// instance. `P` is the caller's handle on that pool, handed back with
-/// every lease order and return.
-pub struct Holder<P> {
-    pub pool: P,
+/// instance, and the placement it was made for (handed back with every
+/// lease order and return).
+pub struct Holder {
+    pub pool: Arc<Placement>,
     state: Mutex<State>,
     /// Woken when a lease arrives or fails.
     changed: Notify,
@@ -114,7 +116,7 @@ struct State {
     on_their_own: usize,
 }
 
-impl<P> Holder<P> {
+impl Holder {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -148,13 +150,13 @@ impl State {
 pub type HolderKey = (i64, i32, String);
 
 /// Where a request stands after taking what a lease had.
-pub enum Progress<P> {
+pub enum Progress {
     Complete,
     /// A lease is on its way.
     Waiting,
     /// No lease is coming: the rest is served for this request alone,
     /// which holds the ticket until it has its numbers.
-    Alone(OnItsOwn<P>),
+    Alone(OnItsOwn),
 }
 
 /// A request served on its own, from the moment it was told no lease is
@@ -164,11 +166,11 @@ pub enum Progress<P> {
 /// request sent after that one's answer would get a lower number from the
 /// lease. (Not until the request is recorded: a request stuck on a locked
 /// number must not hold up the lease everyone else waits for.)
-pub struct OnItsOwn<P> {
-    holder: Arc<Holder<P>>,
+pub struct OnItsOwn {
+    holder: Arc<Holder>,
 }
 
-impl<P> Drop for OnItsOwn<P> {
+impl Drop for OnItsOwn {
     fn drop(&mut self) {
         let mut state = self.holder.state();
         state.on_their_own = state.on_their_own.saturating_sub(1);
@@ -181,25 +183,25 @@ impl<P> Drop for OnItsOwn<P> {
 
 /// A lease to take now, of `size` numbers; whoever gets one must answer
 /// it with [`Leases::arrived`].
-pub struct Order<P> {
-    pub holder: Arc<Holder<P>>,
+pub struct Order {
+    pub holder: Arc<Holder>,
     pub size: usize,
 }
 
 /// Numbers a holder gives back: not handed out, to go back to their pool.
-pub struct Returned<P> {
-    pub pool: P,
+pub struct Returned {
+    pub pool: Arc<Placement>,
     pub seqs: Vec<i64>,
 }
 
-pub struct Leases<P> {
+pub struct Leases {
     clock: Arc<dyn Clock>,
     settings: LeaseSettings,
-    holders: Mutex<HashMap<HolderKey, Arc<Holder<P>>>>,
-    returns: mpsc::UnboundedSender<Returned<P>>,
+    holders: Mutex<HashMap<HolderKey, Arc<Holder>>>,
+    returns: mpsc::UnboundedSender<Returned>,
     /// Held by the one reporter while it runs (a restarted one takes it
     /// over).
-    pending_returns: tokio::sync::Mutex<mpsc::UnboundedReceiver<Returned<P>>>,
+    pending_returns: tokio::sync::Mutex<mpsc::UnboundedReceiver<Returned>>,
     /// Leases being taken, and a wake-up when one arrives.
     fetches: AtomicUsize,
     fetched: Notify,
@@ -209,7 +211,7 @@ pub struct Leases<P> {
     stats: Arc<Stats>,
 }
 
-impl<P: Clone> Leases<P> {
+impl Leases {
     pub fn new(clock: Arc<dyn Clock>, settings: LeaseSettings, stats: Arc<Stats>) -> Self {
         let (returns, pending_returns) = mpsc::unbounded_channel();
         Self {
@@ -235,7 +237,7 @@ impl<P: Clone> Leases<P> {
     }
 
     /// The holder of `key`, made with `pool` on first use.
-    pub fn holder(&self, key: HolderKey, pool: impl FnOnce() -> P) -> Arc<Holder<P>> {
+    pub fn holder(&self, key: HolderKey, pool: impl FnOnce() -> Arc<Placement>) -> Arc<Holder> {
         let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
         holders
             .entry(key)
@@ -256,12 +258,12 @@ impl<P: Clone> Leases<P> {
     /// rate. The order, if any, must be taken and answered.
     pub fn take(
         &self,
-        holder: &Arc<Holder<P>>,
+        holder: &Arc<Holder>,
         count: usize,
         pool_size: usize,
         got: &mut Vec<i64>,
         first_visit: bool,
-    ) -> (Progress<P>, Option<Order<P>>) {
+    ) -> (Progress, Option<Order>) {
         let now = self.clock.now();
         let mut state = holder.state();
         if first_visit {
@@ -311,7 +313,7 @@ impl<P: Clone> Leases<P> {
 
     /// Counted under the same lock that decided it, so no lease ordered
     /// after the decision can miss it.
-    fn on_its_own(holder: &Arc<Holder<P>>, mut state: MutexGuard<'_, State>) -> Progress<P> {
+    fn on_its_own(holder: &Arc<Holder>, mut state: MutexGuard<'_, State>) -> Progress {
         state.on_their_own += 1;
         Progress::Alone(OnItsOwn {
             holder: holder.clone(),
@@ -320,7 +322,7 @@ impl<P: Clone> Leases<P> {
 
     /// Until every request told to go on its own has popped its numbers: a
     /// lease is taken only then (see [`OnItsOwn`]).
-    pub async fn after_those_on_their_own(&self, holder: &Holder<P>) {
+    pub async fn after_those_on_their_own(&self, holder: &Holder) {
         loop {
             let done = holder.own_done.notified();
             tokio::pin!(done);
@@ -338,12 +340,12 @@ impl<P: Clone> Leases<P> {
     /// taking one failed (None: the caller finds out why on its own).
     pub async fn fill(
         &self,
-        holder: &Arc<Holder<P>>,
+        holder: &Arc<Holder>,
         count: usize,
         pool_size: usize,
         got: &mut Vec<i64>,
-        mut order: impl FnMut(Order<P>),
-    ) -> Result<(), Option<OnItsOwn<P>>> {
+        mut order: impl FnMut(Order),
+    ) -> Result<(), Option<OnItsOwn>> {
         loop {
             let changed = holder.changed.notified();
             tokio::pin!(changed);
@@ -370,7 +372,7 @@ impl<P: Clone> Leases<P> {
     /// The answer to an [`Order`]: the numbers leased (recorded in the
     /// ledger as this instance's), or None when none were, and the instant
     /// after which none of them may be handed out.
-    pub fn arrived(&self, holder: &Holder<P>, leased: Option<Vec<i64>>, until: Instant) {
+    pub fn arrived(&self, holder: &Holder, leased: Option<Vec<i64>>, until: Instant) {
         let mut state = holder.state();
         state.fetching = false;
         match leased {
@@ -411,11 +413,11 @@ impl<P: Clone> Leases<P> {
     /// Numbers taken from a lease but not handed out after all (a
     /// document not written) go back to their pool: their deadline is no
     /// longer known here, so they never go back into the lease.
-    pub fn put_back(&self, holder: &Holder<P>, seqs: Vec<i64>) {
+    pub fn put_back(&self, holder: &Holder, seqs: Vec<i64>) {
         self.give_back(holder, seqs);
     }
 
-    fn give_back(&self, holder: &Holder<P>, seqs: Vec<i64>) {
+    fn give_back(&self, holder: &Holder, seqs: Vec<i64>) {
         if seqs.is_empty() {
             return;
         }
@@ -494,7 +496,7 @@ impl<P: Clone> Leases<P> {
     /// The returns waiting to be written; the reporter holds the guard.
     pub async fn pending_returns(
         &self,
-    ) -> tokio::sync::MutexGuard<'_, mpsc::UnboundedReceiver<Returned<P>>> {
+    ) -> tokio::sync::MutexGuard<'_, mpsc::UnboundedReceiver<Returned>> {
         self.pending_returns.lock().await
     }
 
@@ -523,8 +525,45 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
 
-    fn leases(clock: Arc<ManualClock>) -> Leases<()> {
+    fn leases(clock: Arc<ManualClock>) -> Leases {
         Leases::new(clock, LeaseSettings::default(), Arc::new(Stats::default()))
+    }
+
+    /// Where numbers of a default sequence issued `at` come from.
+    fn placement(at: DateTime<Utc>) -> Arc<Placement> {
+        use crate::pool::{PoolKeys, PoolRef};
+        use crate::sequence::{Definition, ProjectCode, Sequence, TypeCode};
+        let (project, doc_type) = (
+            ProjectCode::parse("P").unwrap(),
+            TypeCode::parse("T").unwrap(),
+        );
+        let definition = Definition::defaults(&project, &doc_type).unwrap();
+        let period = definition.period_at(at);
+        let shape = definition.shape("P", "T", &period, at).unwrap();
+        let sequence = Arc::new(Sequence {
+            id: 1,
+            project,
+            doc_type,
+            definition,
+            version: 1,
+            identity_version: 1,
+            floor: None,
+            created_at: at,
+            updated_at: at,
+        });
+        let keys = Arc::new(PoolKeys::new("test", "P", "T", period.key()));
+        let pool = PoolRef {
+            sequence: sequence.clone(),
+            period: period.clone(),
+            keys,
+        };
+        Arc::new(Placement {
+            sequence,
+            period,
+            pool,
+            shape,
+            at,
+        })
     }
 
     /// A request told to go on its own, then a burst that orders a lease:
@@ -534,7 +573,7 @@ mod tests {
     async fn a_lease_ordered_while_a_request_is_on_its_own_is_taken_after_it() {
         let clock = Arc::new(ManualClock::new(Utc::now()));
         let leases = leases(clock.clone());
-        let holder = leases.holder((1, 1, String::new()), || ());
+        let holder = leases.holder((1, 1, String::new()), || placement(clock.now()));
         let mut got = Vec::new();
         let (progress, order) = leases.take(&holder, 1, 1000, &mut got, true);
         assert!(order.is_none(), "one request orders no lease");

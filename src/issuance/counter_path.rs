@@ -6,16 +6,47 @@ use std::sync::Arc;
 
 use crate::db::{Db, Tx};
 
-use super::{IssueError, Issuer, demand};
-use crate::counter::Reserved;
+use super::shared_commit::SharedCommit;
+use super::{IssueError, Placement, demand, transactions};
+use crate::counter::{Counter, Reserved};
 use crate::ledger::{self, Via};
 use crate::numbers;
-use crate::pool::{Placement, PoolRef};
+use crate::pool::{PoolRef, PoolService};
+use crate::sequence_store::SequenceStore;
+use crate::stats::Stats;
 
-impl Issuer {
+/// The slower path: the pool after a refill, or the counter of record.
+pub(super) struct CounterPath {
+    shared: SharedCommit,
+    pools: Arc<PoolService>,
+    counter: Arc<Counter>,
+    sequences: Arc<SequenceStore>,
+    stats: Arc<Stats>,
+    /// The requests' pool, for a reservation outside any transaction.
+    db: Db,
+}
+
+impl CounterPath {
+    pub(super) fn new(
+        shared: SharedCommit,
+        pools: Arc<PoolService>,
+        sequences: Arc<SequenceStore>,
+        stats: Arc<Stats>,
+        db: Db,
+    ) -> Self {
+        Self {
+            shared,
+            counter: pools.counter().clone(),
+            pools,
+            sequences,
+            stats,
+            db,
+        }
+    }
+
     /// Obtains numbers and records them in `ledger`, replacing any the
     /// ledger refuses until `count` are issued.
-    pub(super) async fn issue_with(
+    pub(super) async fn issue(
         &self,
         placement: &Arc<Placement>,
         count: usize,
@@ -31,7 +62,7 @@ impl Issuer {
         loop {
             let refused = match &mut ledger {
                 LedgerTarget::Shared(via) => {
-                    self.pipeline
+                    self.shared
                         .record(
                             placement.clone(),
                             demand(*via, pending.len()),
@@ -43,7 +74,7 @@ impl Issuer {
                 LedgerTarget::Transaction(conn, via) => {
                     // Popped from Redis into a transaction that may yet
                     // roll back: given back then (see
-                    // `Issuer::transaction`). Noted before the statement,
+                    // `Transactions::run`). Noted before the statement,
                     // which may itself fail (a connection lost or ended
                     // mid-transaction); those the ledger refuses are
                     // another's and are taken off the note again.
@@ -52,11 +83,11 @@ impl Issuer {
                         .copied()
                         .filter(|s| popped.binary_search(s).is_ok())
                         .collect();
-                    super::taken::popped_into_transaction(pool, from_pool);
+                    transactions::popped_into_transaction(pool, from_pool);
                     let refused =
                         ledger::record_in(conn, &self.stats, sequence_id, period, &pending, *via)
                             .await?;
-                    super::taken::refused_in_transaction(pool, &refused);
+                    transactions::refused_in_transaction(pool, &refused);
                     refused
                 }
             };
@@ -122,7 +153,7 @@ impl Issuer {
                     let more = self.pools.take(pool, missing).await.unwrap_or_default();
                     if more.is_empty() {
                         self.give_back(pool, &seqs).await;
-                        return Err(self.exhausted(pool, count));
+                        return Err(IssueError::exhausted(pool, count));
                     }
                     self.stats.ids_from_pool.inc_by(more.len() as u64);
                     popped.extend(&more);
@@ -190,16 +221,6 @@ impl Issuer {
             .await;
     }
 
-    pub(super) fn exhausted(&self, pool: &PoolRef, count: usize) -> IssueError {
-        IssueError::Exhausted {
-            project: pool.sequence.project.to_string(),
-            doc_type: pool.sequence.doc_type.to_string(),
-            period: pool.period.key().to_owned(),
-            count,
-            max: pool.sequence.definition.max_seq(),
-        }
-    }
-
     /// Returns unissued numbers to the head of their pool, in order, so a
     /// refused request near `max` does not burn them.
     async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) {
@@ -207,7 +228,7 @@ impl Issuer {
     }
 }
 
-/// Numbers [`Issuer::obtain`] got, ascending, and those of them popped
+/// Numbers [`CounterPath::obtain`] got, ascending, and those of them popped
 /// from the pool (the rest came straight from the counter).
 pub(super) struct Obtained {
     pub seqs: Vec<i64>,

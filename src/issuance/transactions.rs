@@ -7,9 +7,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::Issuer;
-use crate::db::{Answered, Tx};
-use crate::pool::{DiscardCause, PoolRef};
+use crate::db::{Answered, Db, Tx};
+use crate::pool::{DiscardCause, PoolRef, PoolService};
 
 /// Numbers popped into the current transaction, and those of them that
 /// must never go back: the ID one prints is another document's.
@@ -27,7 +26,7 @@ tokio::task_local! {
 }
 
 /// Notes `seqs`, popped from `pool` and recorded in the transaction the
-/// current task runs through [`Issuer::transaction`] (none outside one).
+/// current task runs through [`Transactions::run`] (none outside one).
 pub(super) fn popped_into_transaction(pool: &PoolRef, seqs: Vec<i64>) {
     if seqs.is_empty() {
         return;
@@ -75,12 +74,22 @@ pub fn never_reuse(number: Option<(i64, &str, i64)>) {
     });
 }
 
-impl Issuer {
+/// Requests' transactions, on the requests' pool.
+pub(super) struct Transactions {
+    db: Db,
+    pools: Arc<PoolService>,
+}
+
+impl Transactions {
+    pub(super) fn new(db: Db, pools: Arc<PoolService>) -> Self {
+        Self { db, pools }
+    }
+
     /// `work` in a transaction whose commit answers a request
     /// (`db::answer_in_transaction`: an error means nothing was written);
     /// numbers it popped from pools go back to them when it surely did not
     /// commit.
-    pub async fn transaction<T, E>(
+    pub(super) async fn run<T, E>(
         &self,
         work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E>

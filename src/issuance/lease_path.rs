@@ -1,7 +1,9 @@
-//! The first step of the path: numbers from this instance's lease memory.
-//! The lease store (`crate::lease`) says what a holder has and when a
-//! lease is due; this takes leases (through the shared commit), records
-//! handouts and writes documents on leased numbers.
+//! The first stage of the path: numbers from this instance's lease memory.
+//! The lease store (`issuance::lease_store`) says what a holder has and
+//! when a lease is due; this stage hands numbers out, has handouts
+//! recorded and writes documents on leased numbers. Taking a lease is the
+//! issuer's (`Issuer::order`): it goes through the shared commit and the
+//! counter path like any request.
 
 use std::sync::Arc;
 
@@ -9,18 +11,19 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 
-use super::pipeline::Demand;
-use super::{IssueError, Issuer};
-use crate::lease::{Holder, OnItsOwn, Order, Progress};
+use super::handouts::Handouts;
+use super::lease_store::{Holder, Leases, OnItsOwn, Order, Progress};
+use super::shared_commit::{Demand, SharedCommit};
+use super::{IssueError, Placement};
 use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{LEASE_TTL, LeaseReport, LedgerError, Via};
+use crate::ledger::{LEASE_TTL, LeaseReport, LedgerError};
 use crate::numbers::SeqRange;
-use crate::pool::{DiscardCause, Placement};
+use crate::pool::{DiscardCause, PoolService};
 
-type LeaseHolder = Holder<Arc<Placement>>;
+type LeaseHolder = Holder;
 
 /// Held by a request served on its own until its pop has answered.
-pub(super) type OnItsOwnTicket = OnItsOwn<Arc<Placement>>;
+pub(super) type OnItsOwnTicket = OnItsOwn;
 
 /// Where a request for numbers stands after its first look at the lease.
 pub(super) enum Begun {
@@ -52,7 +55,31 @@ fn pool_size(holder: &LeaseHolder) -> usize {
     holder.pool.sequence.definition.pool_size as usize
 }
 
-impl Issuer {
+/// The lease path: the store of this instance's leases, the reporter of
+/// what they hand out, and the shared commit that writes documents on
+/// leased numbers.
+pub(super) struct LeasePath {
+    leases: Arc<Leases>,
+    handouts: Arc<Handouts>,
+    shared: SharedCommit,
+    pools: Arc<PoolService>,
+}
+
+impl LeasePath {
+    pub(super) fn new(
+        leases: Arc<Leases>,
+        handouts: Arc<Handouts>,
+        shared: SharedCommit,
+        pools: Arc<PoolService>,
+    ) -> Self {
+        Self {
+            leases,
+            handouts,
+            shared,
+            pools,
+        }
+    }
+
     fn holder(&self, placement: &Arc<Placement>) -> Arc<LeaseHolder> {
         let sequence = &placement.sequence;
         let key = (
@@ -65,18 +92,23 @@ impl Issuer {
 
     /// Takes what the lease has toward `count` numbers, without waiting:
     /// under the lease's lock, counting the request in the rate, and
-    /// ordering the next lease if one is due.
-    pub(super) fn begin_ids(self: &Arc<Self>, placement: &Arc<Placement>, count: usize) -> Begun {
+    /// handing the next lease to `order` if one is due.
+    pub(super) fn begin(
+        &self,
+        placement: &Arc<Placement>,
+        count: usize,
+        order: impl FnOnce(Order),
+    ) -> Begun {
         if !self.leases.enabled() {
             return Begun::Alone(None, Vec::new(), None);
         }
         let holder = self.holder(placement);
         let mut got = Vec::with_capacity(count);
-        let (progress, order) =
-            self.leases
-                .take(&holder, count, pool_size(&holder), &mut got, true);
-        if let Some(order) = order {
-            self.order(order);
+        let (progress, next) = self
+            .leases
+            .take(&holder, count, pool_size(&holder), &mut got, true);
+        if let Some(next) = next {
+            order(next);
         }
         match progress {
             Progress::Complete => Begun::Complete(holder, got),
@@ -87,40 +119,36 @@ impl Issuer {
 
     /// Waits for the lease on its way until `got` holds `count` numbers;
     /// an error when none is coming after all (see [`crate::lease::Leases::fill`]).
-    pub(super) async fn wait_for_lease(
-        self: &Arc<Self>,
+    pub(super) async fn wait(
+        &self,
         holder: &Arc<LeaseHolder>,
         count: usize,
         got: &mut Vec<i64>,
+        order: impl FnMut(Order),
     ) -> Result<(), Option<OnItsOwnTicket>> {
         self.leases
-            .fill(holder, count, pool_size(holder), got, |order| {
-                self.order(order)
-            })
+            .fill(holder, count, pool_size(holder), got, order)
             .await
     }
 
-    /// Takes a lease in a task of its own, through the shared commit.
-    fn order(self: &Arc<Self>, order: Order<Arc<Placement>>) {
-        let issuer = self.clone();
-        self.tasks.spawn(async move {
-            let Order { holder, size } = order;
-            issuer.leases.after_those_on_their_own(&holder).await;
-            // Before the lease is sent: its expiry in the ledger is later.
-            let until = Instant::now() + LEASE_TTL - DEADLINE_MARGIN;
-            // A lease recorded in part is a smaller lease: the part already
-            // committed is the lease's to hand out or give back, never
-            // dropped (it would be a lost lease).
-            let (leased, failed) = issuer
-                .shared_as_many(&holder.pool, size, Via::Lease, ())
-                .await;
-            if let Some(e) = &failed {
-                tracing::debug!(error = %e, size, got = leased.len(), "lease not taken whole; requests are served on their own");
-            }
-            issuer
-                .leases
-                .arrived(&holder, (!leased.is_empty()).then_some(leased), until);
-        });
+    /// Puts numbers taken from `holder` back, unanswered.
+    pub(super) fn put_back(&self, holder: &LeaseHolder, seqs: Vec<i64>) {
+        self.leases.put_back(holder, seqs);
+    }
+
+    /// Once the requests on their own of `holder` have their numbers, the
+    /// moment before `order`'s lease is sent; the instant until which the
+    /// lease's numbers may be handed out.
+    pub(super) async fn before_taking(&self, order: &Order) -> Instant {
+        self.leases.after_those_on_their_own(&order.holder).await;
+        // Before the lease is sent: its expiry in the ledger is later.
+        Instant::now() + LEASE_TTL - DEADLINE_MARGIN
+    }
+
+    /// `order`'s lease arrived with `leased` (none: it failed).
+    pub(super) fn arrived(&self, order: &Order, leased: Vec<i64>, until: Instant) {
+        self.leases
+            .arrived(&order.holder, (!leased.is_empty()).then_some(leased), until);
     }
 
     /// Hands `seqs` to the caller: the lease's ledger row covers them, so
@@ -151,15 +179,16 @@ impl Issuer {
     /// A document on a number of this instance's lease, its outbox row
     /// written in the shared commit (the lease's ledger record covers the
     /// number).
-    pub(super) async fn document_on_lease(
-        self: &Arc<Self>,
+    pub(super) async fn document(
+        &self,
         placement: &Arc<Placement>,
         attachment: &Arc<Attachment>,
+        mut order: impl FnMut(Order),
     ) -> OnLease {
-        let (holder, mut got) = match self.begin_ids(placement, 1) {
+        let (holder, mut got) = match self.begin(placement, 1, &mut order) {
             Begun::Complete(holder, got) => (holder, got),
             Begun::Waiting(holder, mut got) => {
-                if let Err(on_its_own) = self.wait_for_lease(&holder, 1, &mut got).await {
+                if let Err(on_its_own) = self.wait(&holder, 1, &mut got, order).await {
                     return OnLease::NotServed(on_its_own);
                 }
                 (holder, got)
@@ -174,7 +203,7 @@ impl Issuer {
             attachment: attachment.clone(),
         };
         let written = self
-            .pipeline
+            .shared
             .record(placement.clone(), demand, vec![seq])
             .await
             .and_then(|served| served.document.ok_or(LedgerError::Closed));

@@ -1,0 +1,202 @@
+//! The shared pop-and-commit of the issuing path: concurrent requests are
+//! served together, in two stages that overlap.
+//!
+//! A request's pop joins every other request waiting for one (the pool's
+//! one pop batcher: one Redis call per pool for all of them). The write
+//! stage records everything handed to it since its last write (ledger rows
+//! and documents' outbox rows) in one statement and commit, and only then
+//! answers. So while one batch waits for its commit, the next one is
+//! already being popped, and a commit serves every request that arrived
+//! meanwhile.
+//!
+//! Callers are detached from their clients (`Issuer::issue`), so a client
+//! that hangs up cannot leave a number popped but unrecorded. Whatever a
+//! batch cannot finish (a pool that ran short, Redis down, a stale number)
+//! is left to the caller's slower path (`issuance::counter_path`).
+//!
+//! This is the front: what a request hands in and gets back. The commit
+//! itself is the writer's (`issuance::writer`), the one group-commit
+//! writer of the instance: the lease handouts (`issuance::handouts`) are
+//! written by it too.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
+
+use super::Placement;
+use super::lease_store::OnItsOwn;
+use super::writer::Writer;
+use crate::batch::Batcher;
+use crate::commitment::Commitment;
+use crate::db::Db;
+use crate::ledger::outbox::{Attachment, OutboxRow};
+use crate::ledger::{LeaseReport, LedgerError};
+use crate::pool::PoolService;
+use crate::stats::Stats;
+
+/// What a request wants from a batch.
+pub enum Demand {
+    Ids {
+        count: usize,
+    },
+    /// Numbers leased to this instance, handed out later from memory.
+    Lease {
+        count: usize,
+    },
+    /// One number, carrying a document's outbox row.
+    Document {
+        attachment: Arc<Attachment>,
+    },
+    /// A document's outbox row on a number of this instance's lease: the
+    /// lease's ledger record covers the number, so only the row is written.
+    LeasedDocument {
+        attachment: Arc<Attachment>,
+    },
+    /// A document of a gapless sequence, numbered in the commit that
+    /// writes it.
+    Gapless {
+        attachment: Arc<Attachment>,
+    },
+}
+
+impl Demand {
+    pub(super) fn numbers(&self) -> usize {
+        match self {
+            Demand::Ids { count } | Demand::Lease { count } => *count,
+            Demand::Document { .. } | Demand::LeasedDocument { .. } => 1,
+            Demand::Gapless { .. } => 0,
+        }
+    }
+}
+
+/// What a batch did for one request: numbers recorded as issued to it,
+/// numbers the ledger refused (a stale pool), and the document written.
+#[derive(Debug, Default)]
+pub struct Served {
+    pub issued: Vec<i64>,
+    pub refused: Vec<i64>,
+    pub document: Option<(OutboxRow, DateTime<Utc>)>,
+}
+
+pub(super) type Reply = oneshot::Sender<Result<Served, LedgerError>>;
+
+pub(super) struct Job {
+    pub placement: Arc<Placement>,
+    pub demand: Demand,
+    pub reply: Reply,
+    /// The request's, when one waits: asked before the job's write is sent.
+    pub commitment: Option<Arc<Commitment>>,
+}
+
+/// A job whose numbers were popped, on its way to the write stage.
+pub(super) struct Popped {
+    pub job: Job,
+    pub seqs: Vec<i64>,
+}
+
+/// What the writer is handed.
+pub(super) enum Entry {
+    /// A request's numbers and documents, answered once committed.
+    Job(Popped),
+    /// Which leased numbers went to callers (the handout reporter's).
+    Handouts(Vec<LeaseReport>, oneshot::Sender<Result<(), LedgerError>>),
+}
+
+/// The shared commit: requests' pops joined per pool, their records
+/// written together by the writer.
+#[derive(Clone)]
+pub struct SharedCommit {
+    pools: Arc<PoolService>,
+    stats: Arc<Stats>,
+    writes: Batcher<Vec<Entry>>,
+    /// Documents of gapless sequences commit in a write stage of their
+    /// own: their counter rows may be held by another transaction (a batch,
+    /// another instance), and a pooled request must never wait for that.
+    gapless_writes: Batcher<Vec<Entry>>,
+}
+
+impl SharedCommit {
+    pub fn spawn(db: Db, pools: Arc<PoolService>, stats: Arc<Stats>, tasks: &TaskTracker) -> Self {
+        let stage = |name: &'static str| {
+            let writer = Arc::new(Writer::new(db.clone(), pools.clone(), stats.clone()));
+            // One commit at a time: a commit costs Postgres far more than
+            // the rows it carries, so everything popped while one runs
+            // waits for the next (two at a time measured slower: smaller
+            // commits).
+            Batcher::spawn(tasks, name, 4096, move |batches: Vec<Vec<Entry>>| {
+                writer.clone().write(batches)
+            })
+        };
+        Self {
+            writes: stage("ledger writes"),
+            gapless_writes: stage("gapless writes"),
+            pools,
+            stats,
+        }
+    }
+
+    /// Pops what `demand` needs in the shared pop and records it in the
+    /// next shared commit. Nothing is recorded (and nothing issued) when
+    /// the pool gave nothing at once: the caller takes the slower path.
+    /// `on_its_own` is let go once the pop has answered (a request on its
+    /// own lets a lease be taken once its numbers are known).
+    pub async fn submit(
+        &self,
+        placement: Arc<Placement>,
+        demand: Demand,
+        on_its_own: Option<OnItsOwn>,
+    ) -> Result<Served, LedgerError> {
+        let seqs = self
+            .pools
+            .pop_once(&placement.pool, demand.numbers())
+            .await
+            .unwrap_or_default();
+        drop(on_its_own);
+        self.stats.ids_from_pool.inc_by(seqs.len() as u64);
+        if seqs.is_empty() {
+            return Ok(Served::default());
+        }
+        self.record(placement, demand, seqs).await
+    }
+
+    /// Records numbers the caller holds (popped, leased, or obtained on
+    /// the slower paths: after a refill, or straight from the counter) in
+    /// the write stage's next shared commit.
+    pub async fn record(
+        &self,
+        placement: Arc<Placement>,
+        demand: Demand,
+        seqs: Vec<i64>,
+    ) -> Result<Served, LedgerError> {
+        let (reply, answer) = oneshot::channel();
+        let stage = match demand {
+            Demand::Gapless { .. } => &self.gapless_writes,
+            _ => &self.writes,
+        };
+        let job = Job {
+            placement,
+            demand,
+            reply,
+            commitment: Commitment::current(),
+        };
+        stage
+            .submit(vec![Entry::Job(Popped { job, seqs })])
+            .await
+            .map_err(|_| LedgerError::Closed)?;
+        answer.await.map_err(|_| LedgerError::Closed)?
+    }
+
+    /// Writes which leased numbers went to callers, in the writer's next
+    /// turn (after that turn's commit is answered: no answer waits for
+    /// it).
+    pub async fn record_handouts(&self, reports: Vec<LeaseReport>) -> Result<(), LedgerError> {
+        let (reply, answer) = oneshot::channel();
+        self.writes
+            .submit(vec![Entry::Handouts(reports, reply)])
+            .await
+            .map_err(|_| LedgerError::Closed)?;
+        answer.await.map_err(|_| LedgerError::Closed)?
+    }
+}
