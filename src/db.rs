@@ -165,20 +165,6 @@ fn pool_options(max_connections: u32, limits: &Limits) -> PgPoolOptions {
 const IDLE: Duration = Duration::from_secs(1);
 const SIBLING_IDLE: Duration = IDLE;
 
-impl Db {
-    /// Another pool on the same server, as shaped as this one, opening
-    /// connections only as its work needs them and closing them when they
-    /// have sat unused for a while.
-    pub async fn sibling(&self, max_connections: u32, limits: Limits) -> anyhow::Result<Db> {
-        let options = limits.apply(self.connect_options(), self.pooler());
-        let pool = pool_options(max_connections, &limits)
-            .min_connections(0)
-            .idle_timeout(SIBLING_IDLE)
-            .connect_lazy_with(options);
-        Ok(Db::new(pool, link::Shape::new(self.pooler(), &limits)))
-    }
-}
-
 /// When a server was last seen unable to take writes (read-only, shutting
 /// down), in milliseconds after `EPOCH`; 0 for never.
 static DISTRUSTED_AT_MS: AtomicU64 = AtomicU64::new(0);

@@ -150,8 +150,8 @@ impl Application {
         stop.cancel();
         lease_supervisor.stop(Duration::from_secs(10)).await;
         supervisor.stop(Duration::from_secs(10)).await;
-        pools.finish_refills(Duration::from_secs(5)).await;
-        pools.return_held(true).await;
+        pools.refills().finish(Duration::from_secs(5)).await;
+        pools.discards().return_held(true).await;
         pools.redis().shutdown().await;
         tracing::info!("idpool stopped");
         Ok(())
@@ -423,7 +423,7 @@ impl Parts {
         let (pools, auth, db) = (self.pools.clone(), self.auth.clone(), self.db.clone());
         let watch_stop = stop.clone();
         supervisor.spawn("redis watch", move || {
-            pools.clone().watch_redis(watch_stop.clone())
+            pools.watch().clone().watch_redis(watch_stop.clone())
         });
         let subscribers: listen::Subscribers = vec![
             self.sequences.clone(),

@@ -110,6 +110,18 @@ impl Db {
         self.shape.pooler
     }
 
+    /// Another pool on the same server, as shaped as this one, opening
+    /// connections only as its work needs them and closing them when they
+    /// have sat unused for a while.
+    pub async fn sibling(&self, max_connections: u32, limits: super::Limits) -> anyhow::Result<Db> {
+        let options = limits.apply(self.connect_options(), self.pooler());
+        let pool = super::pool_options(max_connections, &limits)
+            .min_connections(0)
+            .idle_timeout(super::SIBLING_IDLE)
+            .connect_lazy_with(options);
+        Ok(Db::new(pool, Shape::new(self.pooler(), &limits)))
+    }
+
     /// The options this pool connects with (for another pool on the same
     /// server).
     pub fn connect_options(&self) -> sqlx::postgres::PgConnectOptions {

@@ -287,9 +287,8 @@ impl Reconciler {
                     .await?;
             }
         }
-        summary.gapless_violations = self
-            .check_gapless(conn, &mut sequences, &mut summary)
-            .await?;
+        summary.gapless_violations =
+            super::gapless::check_gapless(self, conn, &mut sequences, &mut summary).await?;
         let record = serde_json::to_value(&summary).unwrap_or_default();
         store::finish_run(conn, run.id, record).await?;
         Ok(summary)
@@ -360,7 +359,10 @@ impl Reconciler {
         let bound = if period.pool_closed {
             period.next_seq
         } else if ended {
-            self.pools.close_period(sequence, &period.period).await?;
+            self.pools
+                .discards()
+                .close_period(sequence, &period.period)
+                .await?;
             closed = true;
             // Nothing can leave this period any more: all of it is settled
             // once the settle time has passed.

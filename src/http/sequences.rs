@@ -290,13 +290,18 @@ pub async fn put_sequence(
     if let Some(old) = &outcome.replaced_identity {
         state
             .pools
+            .discards()
             .discard_sequence_pools(old, crate::pool::DiscardCause::DefinitionChanged)
             .await;
     } else if let Some(old) = &outcome.previous
         && outcome.sequence.definition.max_seq() < old.definition.max_seq()
     {
         // Pools filled under the higher max hold numbers past the new one.
-        state.pools.trim_sequence_pools(&outcome.sequence).await;
+        state
+            .pools
+            .discards()
+            .trim_sequence_pools(&outcome.sequence)
+            .await;
     }
     let status = if outcome.created {
         StatusCode::CREATED

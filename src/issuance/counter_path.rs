@@ -217,6 +217,7 @@ impl CounterPath {
             "pool handed out numbers that were already issued; discarding the pool"
         );
         self.pools
+            .discards()
             .invalidate(pool, crate::pool::DiscardCause::StaleList)
             .await;
     }
@@ -224,7 +225,7 @@ impl CounterPath {
     /// Returns unissued numbers to the head of their pool, in order, so a
     /// refused request near `max` does not burn them.
     async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) {
-        self.pools.return_unissued(pool, seqs).await;
+        self.pools.discards().return_unissued(pool, seqs).await;
     }
 }
 

@@ -228,6 +228,7 @@ impl LeasePath {
         }
         let placement = &holder.pool;
         self.pools
+            .discards()
             .record_discard(
                 &placement.sequence,
                 placement.period.key(),

@@ -146,7 +146,12 @@ impl LeaseReturns {
         let (cause, numbers) = match released {
             // Taking them off the ledger again finds nothing to take: the
             // next try only pushes them.
-            Ok(free) => match self.pools.give_back(&placement.pool, &free).await {
+            Ok(free) => match self
+                .pools
+                .discards()
+                .give_back(&placement.pool, &free)
+                .await
+            {
                 Ok(()) => return Ok(()),
                 Err(e) if !last => return Err(format!("pushing them back to the pool: {e}")),
                 Err(e) => {
@@ -164,6 +169,7 @@ impl LeaseReturns {
             }
         };
         self.pools
+            .discards()
             .record_discard(&placement.sequence, &unused.period, &runs(&numbers), cause)
             .await;
         Ok(())

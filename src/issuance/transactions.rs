@@ -114,9 +114,10 @@ impl Transactions {
                             .iter()
                             .any(|(s, p, n)| *s == sequence_id && p == period && n == seq)
                 });
-                self.pools.return_unissued(&pool, &back).await;
+                self.pools.discards().return_unissued(&pool, &back).await;
                 if !never.is_empty() {
                     self.pools
+                        .discards()
                         .record_discard(
                             &pool.sequence,
                             period,

@@ -373,6 +373,7 @@ impl Writer {
             );
             if from_pool && e.numbers_reusable() && !popped.seqs.is_empty() {
                 self.pools
+                    .discards()
                     .return_unissued(&popped.job.placement.pool, &popped.seqs)
                     .await;
             }

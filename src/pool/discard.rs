@@ -1,9 +1,29 @@
 //! Numbers that left a pool without being issued: why (`pool_discards.cause`),
 //! and the pool operations that discard them.
 
-use super::{PoolKeys, PoolRef, PoolService, RedisFailure};
+use std::sync::{Arc, Mutex};
+
+use super::{PoolKeys, PoolRef, RedisFailure, RedisLink};
+use crate::counter::Counter;
 use crate::numbers::SeqRange;
 use crate::sequence::Sequence;
+use crate::stats::Stats;
+
+/// Most numbers held for giving back at once; beyond, they are recorded
+/// as discarded at once.
+const MAX_UNRETURNED: usize = 100_000;
+
+/// Numbers going back to their pools, and those emptied out of them,
+/// recorded.
+pub struct Discards {
+    redis: Arc<RedisLink>,
+    counter: Arc<Counter>,
+    stats: Arc<Stats>,
+    /// Numbers surely not issued that Redis could not take back (the
+    /// circuit open: a failover): given back once the pools are checked
+    /// and in use again. At most `MAX_UNRETURNED` numbers.
+    unreturned: Mutex<Vec<(PoolRef, Vec<i64>)>>,
+}
 
 /// The word stored in `pool_discards.cause`, logged, and shown as the note
 /// of a `pool_discarded` gap (by which the gap list can be filtered).
@@ -51,7 +71,16 @@ pub enum DiscardCause {
     DocumentNotWritten,
 }
 
-impl PoolService {
+impl Discards {
+    pub(super) fn new(redis: Arc<RedisLink>, counter: Arc<Counter>, stats: Arc<Stats>) -> Self {
+        Self {
+            redis,
+            counter,
+            stats,
+            unreturned: Mutex::new(Vec::new()),
+        }
+    }
+
     pub async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) -> Result<(), RedisFailure> {
         let mut sorted = seqs.to_vec();
         sorted.sort_unstable();
@@ -80,7 +109,7 @@ impl PoolService {
     fn hold_unreturned(&self, pool: &PoolRef, seqs: &[i64]) -> bool {
         let mut held = self.unreturned.lock().unwrap_or_else(|e| e.into_inner());
         let holding: usize = held.iter().map(|(_, s)| s.len()).sum();
-        if holding + seqs.len() > super::MAX_UNRETURNED {
+        if holding + seqs.len() > MAX_UNRETURNED {
             return false;
         }
         held.push((pool.clone(), seqs.to_vec()));
@@ -195,33 +224,6 @@ impl PoolService {
         }
     }
 
-    /// The pools Redis holds for `sequence`, each with its period.
-    pub(super) async fn pools_of(
-        &self,
-        sequence: &Sequence,
-    ) -> Result<Vec<(PoolKeys, String)>, RedisFailure> {
-        let listed = self
-            .redis
-            .pool_keys(Some((
-                sequence.project.as_str(),
-                sequence.doc_type.as_str(),
-            )))
-            .await?;
-        Ok(listed
-            .iter()
-            .filter_map(|key| {
-                let (project, doc_type, period) =
-                    PoolKeys::parse_pool_key(self.redis.prefix(), key)?;
-                Some((
-                    self.redis.keys(project, doc_type, period),
-                    period.to_owned(),
-                ))
-            })
-            .collect())
-    }
-}
-
-impl PoolService {
     /// Empties the pool of `sequence` in the period named `period` (the
     /// period ended) and records its numbers.
     pub async fn close_period(
@@ -240,19 +242,26 @@ impl PoolService {
         Ok(())
     }
 
-    /// The lowest number the pool of `sequence` in `period` holds; None
-    /// when it is empty.
-    pub async fn head(
-        &self,
-        sequence: &Sequence,
-        period: &str,
-    ) -> Result<Option<i64>, RedisFailure> {
-        let keys = self.redis.keys(
-            sequence.project.as_str(),
-            sequence.doc_type.as_str(),
-            period,
-        );
-        self.redis.head(&keys).await
+    /// The pools Redis holds for `sequence`, each with its period.
+    async fn pools_of(&self, sequence: &Sequence) -> Result<Vec<(PoolKeys, String)>, RedisFailure> {
+        let listed = self
+            .redis
+            .pool_keys(Some((
+                sequence.project.as_str(),
+                sequence.doc_type.as_str(),
+            )))
+            .await?;
+        Ok(listed
+            .iter()
+            .filter_map(|key| {
+                let (project, doc_type, period) =
+                    PoolKeys::parse_pool_key(self.redis.prefix(), key)?;
+                Some((
+                    self.redis.keys(project, doc_type, period),
+                    period.to_owned(),
+                ))
+            })
+            .collect())
     }
 }
 

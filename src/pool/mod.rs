@@ -22,15 +22,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::clock::Clock;
-use futures::future::{BoxFuture, Shared};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
-pub use self::discard::DiscardCause;
+pub use self::discard::{DiscardCause, Discards};
 pub use self::lists::{Popped, Pushed};
 pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
-pub use self::refill::RefillOutcome;
-pub use self::watch::{ResyncError, Resynced};
+use self::refill::RefillParts;
+pub use self::refill::{RefillOutcome, Refills};
+pub use self::watch::{PoolWatch, ResyncError, Resynced};
 use crate::batch::Batcher;
 use crate::counter::Counter;
 use crate::sequence::{Period, Sequence};
@@ -88,35 +88,20 @@ struct PopRequest {
     reply: oneshot::Sender<Result<Popped, RedisFailure>>,
 }
 
-type SharedRefill = Shared<BoxFuture<'static, RefillOutcome>>;
-
+/// The pools: pops (joined per pool), and the parts that refill, empty
+/// and watch them.
 pub struct PoolService {
     redis: Arc<RedisLink>,
     counter: Arc<Counter>,
-    sequences: Arc<SequenceStore>,
     stats: Arc<Stats>,
     settings: PoolSettings,
-    clock: Arc<dyn Clock>,
     pops: Batcher<PopRequest>,
-    refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
-    /// Numbers requests of this instance are waiting for, per pool.
-    demand: Mutex<HashMap<Arc<PoolKeys>, i64>>,
     /// The current pool of each sequence seen, by sequence id and period.
     pool_refs: Mutex<HashMap<i64, HashMap<String, PoolRef>>>,
-    refill_slots: Arc<Semaphore>,
-    /// Refills running in the background; awaited (for a while) at shutdown.
-    refills: TaskTracker,
-    /// Which Postgres the last resync checked the pools against.
-    postgres_seen: Mutex<Option<crate::counter::PostgresIdentity>>,
-    /// Numbers surely not issued that Redis could not take back (the
-    /// circuit open: a failover): given back once the pools are checked
-    /// and in use again. At most `MAX_UNRETURNED` numbers.
-    unreturned: Mutex<Vec<(PoolRef, Vec<i64>)>>,
+    discards: Arc<Discards>,
+    refills: Arc<Refills>,
+    watch: Arc<PoolWatch>,
 }
-
-/// Most numbers held for giving back at once; beyond, they are recorded
-/// as discarded at once.
-const MAX_UNRETURNED: usize = 100_000;
 
 /// Most sequences whose current pool one instance remembers.
 const MAX_POOL_REFS: usize = 10_000;
@@ -135,22 +120,50 @@ impl PoolService {
         let pops = Batcher::spawn(tasks, "pool pops", 4096, move |batch| {
             pop_batch(pop_link.clone(), pop_stats.clone(), batch)
         });
+        let discards = Arc::new(Discards::new(redis.clone(), counter.clone(), stats.clone()));
+        let refills = Refills::new(RefillParts {
+            redis: redis.clone(),
+            counter: counter.clone(),
+            sequences: sequences.clone(),
+            stats: stats.clone(),
+            settings: settings.clone(),
+            clock,
+            discards: discards.clone(),
+        });
+        let watch = Arc::new(PoolWatch::new(
+            redis.clone(),
+            counter.clone(),
+            sequences,
+            stats.clone(),
+            settings.clone(),
+            discards.clone(),
+        ));
         Arc::new(Self {
-            refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
             redis,
             counter,
-            sequences,
             stats,
             settings,
-            clock,
             pops,
-            refills_in_flight: Mutex::new(HashMap::new()),
-            demand: Mutex::new(HashMap::new()),
             pool_refs: Mutex::new(HashMap::new()),
-            refills: TaskTracker::new(),
-            postgres_seen: Mutex::new(None),
-            unreturned: Mutex::new(Vec::new()),
+            discards,
+            refills,
+            watch,
         })
+    }
+
+    /// Numbers going back to their pools, and pools emptied.
+    pub fn discards(&self) -> &Discards {
+        &self.discards
+    }
+
+    /// The refills of this instance.
+    pub fn refills(&self) -> &Arc<Refills> {
+        &self.refills
+    }
+
+    /// The circuit watch.
+    pub fn watch(&self) -> &Arc<PoolWatch> {
+        &self.watch
     }
 
     pub fn counter(&self) -> &Arc<Counter> {
@@ -227,13 +240,13 @@ impl PoolService {
             // request is served from the pool, in order, rather than from
             // the counter past numbers a refill just pushed. Registered
             // before any refill can start, so the next one sees it.
-            self.add_demand(pool, count - seqs.len());
+            self.refills.add_demand(pool, count - seqs.len());
         }
-        self.refill_if_low(pool, &popped);
+        self.refills.refill_if_low(pool, &popped);
         if seqs.len() < count {
             let deadline = tokio::time::Instant::now() + self.settings.short_wait;
             while seqs.len() < count {
-                let refill = tokio::time::timeout_at(deadline, self.refill_handle(pool)).await;
+                let refill = tokio::time::timeout_at(deadline, self.refills.handle(pool)).await;
                 match refill {
                     Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded) => {}
                     // Another instance is refilling: give it a moment
@@ -249,9 +262,9 @@ impl PoolService {
                 let mut again = self.pop(pool, count - seqs.len()).await?;
                 seqs.extend(self.within_max(pool, std::mem::take(&mut again.seqs)).await);
                 if seqs.len() < count {
-                    self.add_demand(pool, count - seqs.len());
+                    self.refills.add_demand(pool, count - seqs.len());
                 }
-                self.refill_if_low(pool, &again);
+                self.refills.refill_if_low(pool, &again);
             }
         }
         Ok(seqs)
@@ -269,7 +282,7 @@ impl PoolService {
     ) -> Result<Vec<i64>, RedisFailure> {
         let popped = self.pop(pool, count).await?;
         if popped.seqs.len() == count {
-            self.refill_if_low(pool, &popped);
+            self.refills.refill_if_low(pool, &popped);
         }
         Ok(self.within_max(pool, popped.seqs).await)
     }
@@ -284,14 +297,30 @@ impl PoolService {
         let above: Vec<i64> = seqs.iter().copied().filter(|s| *s > max).collect();
         seqs.retain(|s| *s <= max);
         let ranges = crate::numbers::runs(&above);
-        self.record_discard(
-            &pool.sequence,
-            pool.period.key(),
-            &ranges,
-            DiscardCause::AboveMax,
-        )
-        .await;
+        self.discards
+            .record_discard(
+                &pool.sequence,
+                pool.period.key(),
+                &ranges,
+                DiscardCause::AboveMax,
+            )
+            .await;
         seqs
+    }
+
+    /// The lowest number the pool of `sequence` in `period` holds; None
+    /// when it is empty.
+    pub async fn head(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+    ) -> Result<Option<i64>, RedisFailure> {
+        let keys = self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period,
+        );
+        self.redis.head(&keys).await
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {

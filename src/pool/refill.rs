@@ -2,19 +2,81 @@
 //! instances by a Redis lock, capped by a semaphore per instance; the
 //! pool's target depth adapts to how fast it drains.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
-use tokio::sync::oneshot;
+use futures::future::{BoxFuture, Shared};
+use tokio::sync::{Semaphore, oneshot};
+use tokio_util::task::TaskTracker;
 
-use super::{DiscardCause, PoolKeys, PoolRef, PoolService, Popped, Pushed, SharedRefill};
-use crate::counter::{PoolBlock, Reserved};
+use super::{DiscardCause, Discards, PoolKeys, PoolRef, PoolSettings, Popped, Pushed, RedisLink};
+use crate::clock::Clock;
+use crate::counter::{Counter, PoolBlock, Reserved};
+use crate::sequence_store::SequenceStore;
+use crate::stats::Stats;
 
-impl PoolService {
+/// A refill in flight, awaited by everyone who needs it.
+pub type SharedRefill = Shared<BoxFuture<'static, RefillOutcome>>;
+
+/// The refills of this instance's pools.
+pub struct Refills {
+    redis: Arc<RedisLink>,
+    counter: Arc<Counter>,
+    sequences: Arc<SequenceStore>,
+    stats: Arc<Stats>,
+    settings: PoolSettings,
+    clock: Arc<dyn Clock>,
+    discards: Arc<Discards>,
+    refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
+    /// Numbers requests of this instance are waiting for, per pool.
+    demand: Mutex<HashMap<Arc<PoolKeys>, i64>>,
+    refill_slots: Arc<Semaphore>,
+    /// Refills running in the background; awaited (for a while) at shutdown.
+    refills: TaskTracker,
+}
+
+/// What [`Refills`] is made of.
+pub(super) struct RefillParts {
+    pub redis: Arc<RedisLink>,
+    pub counter: Arc<Counter>,
+    pub sequences: Arc<SequenceStore>,
+    pub stats: Arc<Stats>,
+    pub settings: PoolSettings,
+    pub clock: Arc<dyn Clock>,
+    pub discards: Arc<Discards>,
+}
+
+impl Refills {
+    pub(super) fn new(parts: RefillParts) -> Arc<Self> {
+        let RefillParts {
+            redis,
+            counter,
+            sequences,
+            stats,
+            settings,
+            clock,
+            discards,
+        } = parts;
+        Arc::new(Self {
+            refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
+            redis,
+            counter,
+            sequences,
+            stats,
+            settings,
+            clock,
+            discards,
+            refills_in_flight: Mutex::new(HashMap::new()),
+            demand: Mutex::new(HashMap::new()),
+            refills: TaskTracker::new(),
+        })
+    }
+
     /// Waits up to `limit` for the refills in flight, so a stopping
     /// instance does not leave a block reserved but never pushed.
-    pub async fn finish_refills(&self, limit: Duration) {
+    pub async fn finish(&self, limit: Duration) {
         self.refills.close();
         if tokio::time::timeout(limit, self.refills.wait())
             .await
@@ -35,12 +97,12 @@ impl PoolService {
 
     pub(super) fn refill_if_low(self: &Arc<Self>, pool: &PoolRef, popped: &Popped) {
         if popped.depth <= Self::low_water(pool, popped.target) {
-            drop(self.refill_handle(pool));
+            drop(self.handle(pool));
         }
     }
 
     /// The refill of `pool` running in this instance, started if there is none.
-    pub fn refill_handle(self: &Arc<Self>, pool: &PoolRef) -> SharedRefill {
+    pub fn handle(self: &Arc<Self>, pool: &PoolRef) -> SharedRefill {
         let mut running = self
             .refills_in_flight
             .lock()
@@ -198,7 +260,8 @@ impl PoolService {
                 (DiscardCause::PushFailed, rest)
             }
         };
-        self.record_discard(&pool.sequence, pool.period.key(), &[rest], cause)
+        self.discards
+            .record_discard(&pool.sequence, pool.period.key(), &[rest], cause)
             .await;
         RefillOutcome::Failed
     }
@@ -264,7 +327,7 @@ const MAX_TARGET: u32 = 1_000_000;
 
 /// Unmarks a pool as refilling when its refill task ends, however it ends.
 struct InFlightRefill<'a> {
-    service: &'a PoolService,
+    service: &'a Refills,
     keys: &'a Arc<PoolKeys>,
 }
 

@@ -2,15 +2,49 @@
 //! checked (and Postgres fenced past anything Redis has seen) before
 //! requests use them again; a Postgres failover stops them the same way.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{DiscardCause, PoolKeys, PoolService, RedisFailure};
+use super::{DiscardCause, Discards, PoolKeys, PoolSettings, RedisFailure, RedisLink};
+use crate::counter::{Counter, PostgresIdentity};
 use crate::sequence::{ProjectCode, TypeCode};
+use crate::sequence_store::SequenceStore;
+use crate::stats::Stats;
 
-impl PoolService {
+/// The circuit watch of the pools.
+pub struct PoolWatch {
+    redis: Arc<RedisLink>,
+    counter: Arc<Counter>,
+    sequences: Arc<SequenceStore>,
+    stats: Arc<Stats>,
+    settings: PoolSettings,
+    discards: Arc<Discards>,
+    /// Which Postgres the last resync checked the pools against.
+    postgres_seen: Mutex<Option<PostgresIdentity>>,
+}
+
+impl PoolWatch {
+    pub(super) fn new(
+        redis: Arc<RedisLink>,
+        counter: Arc<Counter>,
+        sequences: Arc<SequenceStore>,
+        stats: Arc<Stats>,
+        settings: PoolSettings,
+        discards: Arc<Discards>,
+    ) -> Self {
+        Self {
+            redis,
+            counter,
+            sequences,
+            stats,
+            settings,
+            discards,
+            postgres_seen: Mutex::new(None),
+        }
+    }
+
     /// After any (re)connect, before a single number is popped again: each
     /// pool not filled on the server now holding it (a restarted node, a
     /// promoted replica with a stale list) is emptied and its numbers
@@ -37,7 +71,8 @@ impl PoolService {
             resynced.discarded_pools += 1;
             match self.sequences.get(project, doc_type).await {
                 Ok(Some(sequence)) => {
-                    self.record_discard(&sequence, period, &ranges, DiscardCause::RedisReconnect)
+                    self.discards
+                        .record_discard(&sequence, period, &ranges, DiscardCause::RedisReconnect)
                         .await
                 }
                 _ => tracing::error!(key, "discarded a pool of an unknown sequence"),
@@ -98,13 +133,14 @@ impl PoolService {
                 .redis
                 .keys(project.as_str(), doc_type.as_str(), &period_key);
             let ranges = self.redis.discard(&keys, false).await?;
-            self.record_discard(
-                &sequence,
-                &period_key,
-                &ranges,
-                DiscardCause::PostgresBehindRedis,
-            )
-            .await;
+            self.discards
+                .record_discard(
+                    &sequence,
+                    &period_key,
+                    &ranges,
+                    DiscardCause::PostgresBehindRedis,
+                )
+                .await;
             tracing::error!(
                 project = %project, doc_type = %doc_type, period = period_key,
                 from = skipped.start, to = skipped.last(),
@@ -168,7 +204,7 @@ impl PoolService {
                     if self.redis.mark_up(failures_before) {
                         watch.unreachable_since = None;
                         watch.complained = None;
-                        self.return_held(false).await;
+                        self.discards.return_held(false).await;
                     }
                 }
                 Err(e) => watch.not_in_use(e),
