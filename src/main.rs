@@ -1,3 +1,3 @@
 fn main() -> std::process::ExitCode {
-    idpool::cli::run()
+    idpool::edge::cli::run()
 }

@@ -4,16 +4,16 @@
 
 use std::sync::Arc;
 
-use crate::db::{Db, Tx};
+use crate::infra::db::{Db, Tx};
 
 use super::shared_commit::SharedCommit;
 use super::{IssueError, Placement, demand, transactions};
-use crate::counter::{Counter, Reserved};
-use crate::ledger::{self, Via};
-use crate::numbers;
-use crate::pool::{PoolRef, PoolService};
-use crate::sequence_store::SequenceStore;
-use crate::stats::Stats;
+use crate::domain::numbers;
+use crate::infra::stats::Stats;
+use crate::records::counter::{Counter, Reserved};
+use crate::records::ledger::{self, Via};
+use crate::records::pool::{PoolRef, PoolService};
+use crate::records::sequence_store::SequenceStore;
 
 /// The slower path: the pool after a refill, or the counter of record.
 pub(super) struct CounterPath {
@@ -195,7 +195,7 @@ impl CounterPath {
                 match reserved {
                     // The statement committed by itself: if its answer was
                     // lost, its block is looked up rather than written off.
-                    Err(e) if crate::db::may_have_committed(&e) => {
+                    Err(e) if crate::infra::db::may_have_committed(&e) => {
                         match self.counter.direct_landed(sequence, period, &tag).await {
                             Some(range) => Ok(Reserved::Got(range)),
                             None => Err(e),
@@ -218,7 +218,7 @@ impl CounterPath {
         );
         self.pools
             .discards()
-            .invalidate(pool, crate::pool::DiscardCause::StaleList)
+            .invalidate(pool, crate::records::pool::DiscardCause::StaleList)
             .await;
     }
 

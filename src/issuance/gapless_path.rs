@@ -7,19 +7,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::db::Tx;
+use crate::infra::db::Tx;
 use chrono::{DateTime, SubsecRound, Utc};
 use tokio::time::Instant;
 
 use super::shared_commit::{Demand, Served, SharedCommit};
 use super::{IssueError, Issued, Placement};
-use crate::clock::Clock;
-use crate::counter::{Counter, Reserved};
-use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::reservations::{self, NewReservations};
-use crate::ledger::{LedgerError, Via};
-use crate::sequence_store::SequenceStore;
-use crate::stats::Stats;
+use crate::domain::clock::Clock;
+use crate::infra::stats::Stats;
+use crate::records::counter::{Counter, Reserved};
+use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::reservations::{self, NewReservations};
+use crate::records::ledger::{LedgerError, Via};
+use crate::records::sequence_store::SequenceStore;
 
 /// Most reservations a gapless sequence holds open (neither confirmed nor
 /// voided) at once.

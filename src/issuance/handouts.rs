@@ -13,10 +13,10 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::task::TaskTracker;
 
 use super::shared_commit::SharedCommit;
-use crate::backoff::Backoff;
-use crate::ledger::LeaseReport;
-use crate::log_limit::Repeated;
-use crate::stats::Stats;
+use crate::infra::backoff::Backoff;
+use crate::infra::log_limit::Repeated;
+use crate::infra::stats::Stats;
+use crate::records::ledger::LeaseReport;
 
 /// Shortest time between two writes: everything handed out meanwhile goes
 /// into the next one. An attach through another instance waits about this

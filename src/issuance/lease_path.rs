@@ -15,10 +15,10 @@ use super::handouts::Handouts;
 use super::lease_store::{Holder, Leases, OnItsOwn, Order, Progress};
 use super::shared_commit::{Demand, SharedCommit};
 use super::{IssueError, Placement};
-use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{LEASE_TTL, LeaseReport, LedgerError};
-use crate::numbers::SeqRange;
-use crate::pool::{DiscardCause, PoolService};
+use crate::domain::numbers::SeqRange;
+use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::{LEASE_TTL, LeaseReport, LedgerError};
+use crate::records::pool::{DiscardCause, PoolService};
 
 type LeaseHolder = Holder;
 
@@ -163,7 +163,7 @@ impl LeasePath {
         if seqs.is_empty() {
             return Ok(seqs);
         }
-        if !crate::commitment::Commitment::begin_send_current() {
+        if !crate::infra::commitment::Commitment::begin_send_current() {
             self.leases.put_back(holder, seqs);
             return Err(LedgerError::Withdrawn.into());
         }

@@ -10,13 +10,13 @@ use tokio_util::sync::CancellationToken;
 use super::Placement;
 use super::handouts::Handouts;
 use super::lease_store::{Leases, Returned};
-use crate::backoff::Backoff;
-use crate::db::Db;
-use crate::ledger::{self, LeaseReport};
-use crate::log_limit::Repeated;
-use crate::numbers::runs;
-use crate::pool::{DiscardCause, PoolService};
-use crate::stats::Stats;
+use crate::domain::numbers::runs;
+use crate::infra::backoff::Backoff;
+use crate::infra::db::Db;
+use crate::infra::log_limit::Repeated;
+use crate::infra::stats::Stats;
+use crate::records::ledger::{self, LeaseReport};
+use crate::records::pool::{DiscardCause, PoolService};
 
 /// Longest a clean stop waits for leases being taken to arrive.
 const FETCHES_AT_STOP: Duration = Duration::from_secs(2);
@@ -160,7 +160,7 @@ impl LeaseReturns {
                 }
             },
             Err(e) if !last => {
-                crate::db::distrust_server_after(&e);
+                crate::infra::db::distrust_server_after(&e);
                 return Err(format!("taking them off the ledger: {e}"));
             }
             Err(e) => {

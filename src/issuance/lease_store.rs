@@ -33,8 +33,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, mpsc};
 
 use super::Placement;
-use crate::clock::Clock;
-use crate::stats::Stats;
+use crate::domain::clock::Clock;
+use crate::infra::stats::Stats;
 
 pub use rate::{MIN_LEASE, Rate, lease_size};
 
@@ -523,7 +523,7 @@ impl Leases {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
+    use crate::domain::clock::ManualClock;
 
     fn leases(clock: Arc<ManualClock>) -> Leases {
         Leases::new(clock, LeaseSettings::default(), Arc::new(Stats::default()))
@@ -531,8 +531,8 @@ mod tests {
 
     /// Where numbers of a default sequence issued `at` come from.
     fn placement(at: DateTime<Utc>) -> Arc<Placement> {
-        use crate::pool::{PoolKeys, PoolRef};
-        use crate::sequence::{Definition, ProjectCode, Sequence, TypeCode};
+        use crate::domain::sequence::{Definition, ProjectCode, Sequence, TypeCode};
+        use crate::records::pool::{PoolKeys, PoolRef};
         let (project, doc_type) = (
             ProjectCode::parse("P").unwrap(),
             TypeCode::parse("T").unwrap(),

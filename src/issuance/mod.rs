@@ -39,18 +39,18 @@ pub use transactions::never_reuse;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::db::{Db, Tx};
+use crate::infra::db::{Db, Tx};
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::clock::Clock;
-use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{LedgerError, Via};
-use crate::pool::{PoolRef, PoolService};
-use crate::sequence::{LayoutRangeError, MAX_ID_LEN, Numbering, ProjectCode, TypeCode};
-use crate::sequence_store::{SequenceStore, StoreError};
-use crate::stats::Stats;
+use crate::domain::clock::Clock;
+use crate::domain::sequence::{LayoutRangeError, MAX_ID_LEN, Numbering, ProjectCode, TypeCode};
+use crate::infra::stats::Stats;
+use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::{LedgerError, Via};
+use crate::records::pool::{PoolRef, PoolService};
+use crate::records::sequence_store::{SequenceStore, StoreError};
 
 use counter_path::{CounterPath, LedgerTarget};
 use gapless_path::GaplessPath;
@@ -117,7 +117,7 @@ pub enum IssueError {
     #[error(transparent)]
     Ledger(#[from] LedgerError),
     #[error(transparent)]
-    NotAnswered(#[from] crate::commitment::NotAnswered),
+    NotAnswered(#[from] crate::infra::commitment::NotAnswered),
     #[error("counter: {0}")]
     Counter(#[from] sqlx::Error),
     /// The task that finished the request in the background panicked or
@@ -412,7 +412,7 @@ impl Issuer {
         work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E>
     where
-        E: From<sqlx::Error> + From<crate::commitment::NotAnswered>,
+        E: From<sqlx::Error> + From<crate::infra::commitment::NotAnswered>,
     {
         self.transactions.run(work).await
     }
@@ -420,7 +420,7 @@ impl Issuer {
     /// Runs `work` to its end whether or not its caller still waits: the
     /// one place where the issuing path leaves the client's task. It keeps
     /// the request's commitment: a write it has not sent by the request's
-    /// deadline is withdrawn (`crate::commitment`).
+    /// deadline is withdrawn (`crate::infra::commitment`).
     ///
     /// Spawned at the call, boxed: the caller's own future holds only the
     /// task's handle across its await, not the work's whole state (moved
@@ -431,7 +431,7 @@ impl Issuer {
         work: impl Future<Output = T> + Send + 'static,
     ) -> tokio::task::JoinHandle<T> {
         self.tasks
-            .spawn(Box::pin(crate::commitment::scope_detached(work)))
+            .spawn(Box::pin(crate::infra::commitment::scope_detached(work)))
     }
 
     /// Every `report_every` gives back idle leases and writes the returns;

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
-use crate::pool::PoolRef;
-use crate::sequence::{IdShape, Period, Sequence};
+use crate::domain::sequence::{IdShape, Period, Sequence};
+use crate::records::pool::PoolRef;
 
 /// Where numbers of a sequence issued now come from, and how they read.
 #[derive(Clone)]

@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use chrono::{DateTime, SubsecRound, Utc};
 
-use crate::clock::Clock;
-use crate::db::{Db, Tx};
-use crate::ledger::outbox::carries_id;
-use crate::ledger::reservations::{self, ReservationStatus};
-use crate::sequence::{Numbering, ProjectCode, Sequence, TypeCode};
-use crate::sequence_store::{SequenceStore, StoreError};
-use crate::stats::Stats;
+use crate::domain::clock::Clock;
+use crate::domain::sequence::{Numbering, ProjectCode, Sequence, TypeCode};
+use crate::infra::db::{Db, Tx};
+use crate::infra::stats::Stats;
+use crate::records::ledger::outbox::carries_id;
+use crate::records::ledger::reservations::{self, ReservationStatus};
+use crate::records::sequence_store::{SequenceStore, StoreError};
 
 /// Voids and the expiry sweep.
 pub struct Reservations {
@@ -174,7 +174,8 @@ impl Reservations {
             std::time::Duration::from_millis(50),
             std::time::Duration::from_secs(1),
         );
-        let failures = crate::log_limit::Repeated::new("expired reservations could not be voided");
+        let failures =
+            crate::infra::log_limit::Repeated::new("expired reservations could not be voided");
         loop {
             match reservations::expire_due(&self.background_db, self.clock.now(), SWEEP_BATCH).await
             {

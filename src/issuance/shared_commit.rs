@@ -28,13 +28,13 @@ use tokio_util::task::TaskTracker;
 use super::Placement;
 use super::lease_store::OnItsOwn;
 use super::writer::Writer;
-use crate::batch::Batcher;
-use crate::commitment::Commitment;
-use crate::db::Db;
-use crate::ledger::outbox::{Attachment, OutboxRow};
-use crate::ledger::{LeaseReport, LedgerError};
-use crate::pool::PoolService;
-use crate::stats::Stats;
+use crate::infra::commitment::Commitment;
+use crate::infra::db::Db;
+use crate::infra::stats::Stats;
+use crate::records::batch::Batcher;
+use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::{LeaseReport, LedgerError};
+use crate::records::pool::PoolService;
 
 /// What a request wants from a batch.
 pub enum Demand {

@@ -7,8 +7,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::db::{Answered, Db, Tx};
-use crate::pool::{DiscardCause, PoolRef, PoolService};
+use crate::infra::db::{Answered, Db, Tx};
+use crate::records::pool::{DiscardCause, PoolRef, PoolService};
 
 /// Numbers popped into the current transaction, and those of them that
 /// must never go back: the ID one prints is another document's.
@@ -94,13 +94,13 @@ impl Transactions {
         work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E>
     where
-        E: From<sqlx::Error> + From<crate::commitment::NotAnswered>,
+        E: From<sqlx::Error> + From<crate::infra::commitment::NotAnswered>,
     {
         let popped: Popped = Arc::default();
         let answered = POPPED
             .scope(
                 popped.clone(),
-                crate::db::answer_in_transaction(&self.db, work),
+                crate::infra::db::answer_in_transaction(&self.db, work),
             )
             .await;
         if let Answered::NotWritten(_) = &answered {
@@ -121,7 +121,7 @@ impl Transactions {
                         .record_discard(
                             &pool.sequence,
                             period,
-                            &crate::numbers::runs(&never),
+                            &crate::domain::numbers::runs(&never),
                             DiscardCause::DocumentNotWritten,
                         )
                         .await;

@@ -7,15 +7,15 @@
 use std::sync::Arc;
 
 use super::shared_commit::{Demand, Entry, Popped, Served};
-use crate::counter::Counter;
-use crate::db::{Conn, Db, Session};
-use crate::ledger::outbox::Attachment;
-use crate::ledger::{
+use crate::domain::numbers::without;
+use crate::infra::db::{Conn, Db, Session};
+use crate::infra::stats::Stats;
+use crate::records::counter::Counter;
+use crate::records::ledger::outbox::Attachment;
+use crate::records::ledger::{
     self, LeaseReport, LedgerError, LedgerWrite, Numbering, Recorded, Unnumbered, Via, numbered_in,
 };
-use crate::numbers::without;
-use crate::pool::PoolService;
-use crate::stats::Stats;
+use crate::records::pool::PoolService;
 
 /// A handout write's answer.
 type HandoutsReply = tokio::sync::oneshot::Sender<Result<(), LedgerError>>;
@@ -162,7 +162,7 @@ impl Writer {
         // transactions numbered gapless documents.
         let numberings = std::sync::Mutex::new(Vec::new());
         let outcomes = tokio::time::timeout(
-            crate::db::COMMIT_ANSWER_WAIT,
+            crate::infra::db::COMMIT_ANSWER_WAIT,
             ledger::write_shared(conn, &self.stats, &self.counter, writes, &numberings),
         )
         .await
@@ -203,7 +203,7 @@ impl Writer {
         };
         let outcome = match written {
             Ok((conn, _)) => tokio::time::timeout(
-                crate::db::COMMIT_ANSWER_WAIT,
+                crate::infra::db::COMMIT_ANSWER_WAIT,
                 ledger::record_handouts(conn, &reports),
             )
             .await
@@ -276,7 +276,7 @@ impl Writer {
                 continue;
             };
             if let std::collections::hash_map::Entry::Vacant(slot) = committed.entry(xid) {
-                slot.insert(crate::db::transaction_committed(&self.db, xid, session).await);
+                slot.insert(crate::infra::db::transaction_committed(&self.db, xid, session).await);
             }
             match committed[&xid] {
                 Some(false) => outcomes[i] = Err(LedgerError::NotCommitted(e.clone())),
@@ -310,9 +310,9 @@ impl Writer {
         session: Option<Session>,
     ) -> Option<Vec<ledger::Landed>> {
         let asked = Arc::new(asked);
-        crate::db::once_answering(
+        crate::infra::db::once_answering(
             &self.db,
-            crate::db::IN_DOUBT_PATIENCE,
+            crate::infra::db::IN_DOUBT_PATIENCE,
             session,
             |mut conn| {
                 let asked = asked.clone();

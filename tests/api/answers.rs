@@ -186,7 +186,7 @@ async fn stalled_network(kinds: &[&'static str], in_doubt: bool) {
         )
         .await;
         // Longer than a COMMIT's answer is waited for.
-        idpool::db::COMMIT_ANSWER_WAIT + Duration::from_secs(1)
+        idpool::infra::db::COMMIT_ANSWER_WAIT + Duration::from_secs(1)
     } else {
         proxy.stall();
         Duration::from_secs(6)
@@ -267,7 +267,7 @@ async fn stalled_network(kinds: &[&'static str], in_doubt: bool) {
     let settled_gapless = sent
         .iter()
         .filter(|one| one.kind == "gapless document" && one.status.is_success())
-        .filter(|one| one.took > idpool::db::COMMIT_ANSWER_WAIT)
+        .filter(|one| one.took > idpool::infra::db::COMMIT_ANSWER_WAIT)
         .count();
     assert!(
         !in_doubt || settled_gapless > 0,

@@ -112,7 +112,7 @@ async fn protected_operations(app: &TestApp) -> Vec<(String, bool)> {
             let secured = operation["security"].is_array();
             assert_eq!(
                 secured,
-                idpool::http::auth::is_protected(path),
+                idpool::edge::http::auth::is_protected(path),
                 "{method} {path}: the document and the layer disagree"
             );
             if secured {

@@ -4,10 +4,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idpool::clock::SystemClock;
-use idpool::documents::processor::{Processor, ProcessorSettings};
-use idpool::documents::sink::{Sink, SinkConfig, SinkSettings};
-use idpool::stats::Stats;
+use idpool::domain::clock::SystemClock;
+use idpool::features::documents::processor::{Processor, ProcessorSettings};
+use idpool::features::documents::sink::{Sink, SinkConfig, SinkSettings};
+use idpool::infra::stats::Stats;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
@@ -736,9 +736,10 @@ async fn expired_idempotency_keys_are_pruned() {
         .execute(&app.db)
         .await
         .unwrap();
-    let pruned = idpool::idempotency::prune(&app.state.db, idpool::idempotency::KEY_TTL)
-        .await
-        .unwrap();
+    let pruned =
+        idpool::records::idempotency::prune(&app.state.db, idpool::records::idempotency::KEY_TTL)
+            .await
+            .unwrap();
     assert_eq!(pruned, 1);
     let later = app.post_document(&body, Some("old-key")).await;
     assert!(!later.headers().contains_key("idempotent-replayed"));

@@ -472,7 +472,7 @@ async fn with_redis_gone_gapless_documents_and_reservations_carry_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daily_gapless_sequence_starts_again_at_one_after_midnight_in_its_time_zone() {
     use chrono::TimeZone;
-    use idpool::clock::ManualClock;
+    use idpool::domain::clock::ManualClock;
     // 23:59:59 in Berlin (UTC+1 in November).
     let before = chrono::Utc
         .with_ymd_and_hms(2026, 11, 25, 22, 59, 59)

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use fred::prelude::*;
-use idpool::clock::ManualClock;
-use idpool::documents::sink::SinkConfig;
+use idpool::domain::clock::ManualClock;
+use idpool::features::documents::sink::SinkConfig;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 

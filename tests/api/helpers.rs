@@ -5,12 +5,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idpool::clock::{Clock, ManualClock, SystemClock};
-use idpool::config::{Config, Switch};
-use idpool::documents::sink::SinkConfig;
-use idpool::gaps::reconcile::ReconcileSettings;
-use idpool::pool::PoolSettings;
-use idpool::startup::{Application, Overrides};
+use idpool::domain::clock::{Clock, ManualClock, SystemClock};
+use idpool::edge::config::{Config, Switch};
+use idpool::edge::startup::{Application, Overrides};
+use idpool::features::documents::sink::SinkConfig;
+use idpool::features::gaps::reconcile::ReconcileSettings;
+use idpool::records::pool::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -269,7 +269,7 @@ pub struct TestEnv {
     /// More environment for `ServeProcess` (after the settings above).
     pub extra_env: Vec<(String, String)>,
     /// `IDPOOL_PG_POOLER`, `IDPOOL_PG_LISTEN_URL`.
-    pub pg_pooler: idpool::db::Pooler,
+    pub pg_pooler: idpool::infra::db::Pooler,
     pub pg_listen_url: Option<String>,
     /// The test's own checks connect here when the app's URL leads
     /// through a pooler.
@@ -316,7 +316,7 @@ impl TestEnv {
             leases: true,
             reservation_ttl_s: 300,
             extra_env: Vec::new(),
-            pg_pooler: idpool::db::Pooler::None,
+            pg_pooler: idpool::infra::db::Pooler::None,
             pg_listen_url: None,
             direct_database_url: None,
             db_statement_timeout_ms: 10_000,
@@ -509,25 +509,29 @@ impl TestEnv {
 }
 
 /// Creates an API key the way `idpool keys create` does; its secret.
-pub async fn create_key(state: &idpool::http::AppState, projects: &[&str], admin: bool) -> String {
+pub async fn create_key(
+    state: &idpool::edge::http::AppState,
+    projects: &[&str],
+    admin: bool,
+) -> String {
     create_key_with_id(state, projects, admin).await.1
 }
 
 /// The same; (id, secret).
 pub async fn create_key_with_id(
-    state: &idpool::http::AppState,
+    state: &idpool::edge::http::AppState,
     projects: &[&str],
     admin: bool,
 ) -> (String, String) {
     let created = state
         .auth
         .keys()
-        .create(&idpool::auth::keys::NewKey {
+        .create(&idpool::records::auth::keys::NewKey {
             name: Some("test".into()),
             admin,
             projects: projects
                 .iter()
-                .map(|p| idpool::sequence::ProjectCode::parse(p).expect("project code"))
+                .map(|p| idpool::domain::sequence::ProjectCode::parse(p).expect("project code"))
                 .collect(),
         })
         .await
@@ -580,7 +584,7 @@ pub struct TestApp {
     pub env: TestEnv,
     stop: CancellationToken,
     /// The application's parts, for tests that call them directly.
-    pub state: idpool::http::AppState,
+    pub state: idpool::edge::http::AppState,
 }
 
 impl Drop for TestApp {

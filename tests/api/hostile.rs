@@ -585,9 +585,9 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
             9 => r#"{"a": "\u0000"}"#.to_owned(),
             _ => format!(r#"{{"lib": {i}}}"#),
         };
-        let accepted = issuer.accept(Arc::new(idpool::documents::DocumentInput {
-            project: idpool::sequence::ProjectCode::parse("PO").unwrap(),
-            doc_type: idpool::sequence::TypeCode::parse("1").unwrap(),
+        let accepted = issuer.accept(Arc::new(idpool::features::documents::DocumentInput {
+            project: idpool::domain::sequence::ProjectCode::parse("PO").unwrap(),
+            doc_type: idpool::domain::sequence::TypeCode::parse("1").unwrap(),
             metadata: metadata.into(),
             id: None,
             source_id: None,
@@ -1105,7 +1105,7 @@ async fn receiver() -> (
 /// The final state of one document delivered through the webhook at `door`.
 async fn deliver_through(address: &str, door: &str) -> (String, Value) {
     let mut env = TestEnv::new();
-    env.sink = idpool::documents::sink::SinkConfig::Webhook(format!(
+    env.sink = idpool::features::documents::sink::SinkConfig::Webhook(format!(
         "http://user:pw@{address}/{door}?token=s3cret"
     ));
     env.outbox_max_retries = 1;
@@ -1131,10 +1131,11 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
     assert_eq!(header("webhook-id"), id);
     let timestamp: i64 = header("webhook-timestamp").parse().unwrap();
     assert!((chrono::Utc::now().timestamp() - timestamp).abs() < 60);
-    let key = idpool::documents::sink::signing_key(crate::helpers::TEST_WEBHOOK_SECRET).unwrap();
+    let key = idpool::features::documents::sink::signing_key(crate::helpers::TEST_WEBHOOK_SECRET)
+        .unwrap();
     assert_eq!(
         header("webhook-signature"),
-        idpool::documents::sink::signature(&key, &id, timestamp, &body),
+        idpool::features::documents::sink::signature(&key, &id, timestamp, &body),
         "the signature covers id, timestamp and the exact body"
     );
 
@@ -1160,9 +1161,9 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
-    use idpool::ledger::Via;
-    use idpool::ledger::outbox::OutboxRow;
-    use idpool::ledger::{LedgerWrite, write_shared};
+    use idpool::records::ledger::Via;
+    use idpool::records::ledger::outbox::OutboxRow;
+    use idpool::records::ledger::{LedgerWrite, write_shared};
     let app = TestEnv::new().spawn().await;
     app.issue("LG", "1", 1).await;
     let sequence_id: i64 =

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::{DateTime, Duration, Utc};
-use idpool::clock::{ManualClock, SystemClock};
-use idpool::pool::PoolSettings;
+use idpool::domain::clock::{ManualClock, SystemClock};
+use idpool::records::pool::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::json;
 use tokio::sync::Barrier;

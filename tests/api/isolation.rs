@@ -442,7 +442,9 @@ async fn whatever_a_target_answers_every_due_document_ends_dead_lettered() {
         (&[0xff, 0xfe, 0x00][..], false),
     ] {
         let mut env = TestEnv::new();
-        env.sink = idpool::documents::sink::SinkConfig::Webhook(refusing_target(body, gzip).await);
+        env.sink = idpool::features::documents::sink::SinkConfig::Webhook(
+            refusing_target(body, gzip).await,
+        );
         env.outbox_max_retries = 3;
         env.outbox_backoff_base_ms = 10;
         env.outbox_poll_ms = 50;
@@ -1252,7 +1254,7 @@ async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_
     let webhook = crate::webhook::Webhook::start(crate::webhook::Behaviour::Succeed).await;
     webhook.slow_down(Duration::from_millis(500));
     let mut delivering = env.clone();
-    delivering.sink = idpool::documents::sink::SinkConfig::Webhook(webhook.url.clone());
+    delivering.sink = idpool::features::documents::sink::SinkConfig::Webhook(webhook.url.clone());
     let instance_b = crate::helpers::ServeProcess::start(&delivering).await;
     let base_b = format!("http://127.0.0.1:{}", instance_b.port);
     let client_b = client_with_key(Some(&key_b));

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use idpool::clock::ManualClock;
-use idpool::pool::PoolSettings;
+use idpool::domain::clock::ManualClock;
+use idpool::records::pool::PoolSettings;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -849,7 +849,7 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
     }
     // An attach waits at most for a lease's expiry, and a little more.
     assert!(
-        slowest <= idpool::ledger::LEASE_TTL + Duration::from_secs(2),
+        slowest <= idpool::records::ledger::LEASE_TTL + Duration::from_secs(2),
         "an attach waited {slowest:?}"
     );
     let numbers: Vec<i64> = after_stall

@@ -106,7 +106,7 @@ async fn metrics_time_requests_by_route_and_report_refills_batches_and_outbox_la
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_committed_openapi_document_matches_the_code() {
-    let generated = idpool::http::openapi().to_pretty_json().unwrap();
+    let generated = idpool::edge::http::openapi().to_pretty_json().unwrap();
     let committed =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/openapi.json"))
             .expect("openapi/openapi.json is committed");
@@ -137,7 +137,9 @@ async fn without_redis_at_start_ids_come_from_postgres() {
     let mut app = TestEnv::new().with_redis("redis://127.0.0.1:1");
     app.redis_start_wait_ms = 300;
     let config = app.config();
-    let application = idpool::startup::Application::build(&config).await.unwrap();
+    let application = idpool::edge::startup::Application::build(&config)
+        .await
+        .unwrap();
     let address = format!("http://127.0.0.1:{}", application.port());
     let stop = application.stop_token();
     let key = crate::helpers::create_key(application.state(), &["NOREDIS"], false).await;

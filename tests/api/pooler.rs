@@ -14,7 +14,7 @@ use sqlx::postgres::PgConnectOptions;
 use crate::helpers::{TestApp, TestEnv, base_database_url, client_with_key, create_key_with_id};
 use crate::topology::free_port;
 use crate::webhook::{Behaviour, Webhook};
-use idpool::documents::sink::SinkConfig;
+use idpool::features::documents::sink::SinkConfig;
 
 /// PgBouncer on a free loopback port in front of the server of
 /// `DATABASE_URL`; ended when dropped.
@@ -106,18 +106,18 @@ async fn behind(bouncer: &PgBouncer) -> TestEnv {
     let mut env = TestEnv::new();
     let direct = env.database_url.clone();
     // The database is the operator's to create behind a pooler.
-    idpool::db::connect(
+    idpool::infra::db::connect(
         &direct,
         1,
-        idpool::db::Limits::default(),
-        idpool::db::Pooler::None,
+        idpool::infra::db::Limits::default(),
+        idpool::infra::db::Pooler::None,
     )
     .await
     .expect("the test database")
     .close()
     .await;
     env.database_url = bouncer.url(&database_of(&direct));
-    env.pg_pooler = idpool::db::Pooler::Transaction;
+    env.pg_pooler = idpool::infra::db::Pooler::Transaction;
     env.direct_database_url = Some(direct);
     env
 }
@@ -238,7 +238,7 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
     assert_eq!(first.status(), StatusCode::OK);
     a.state.auth.keys().revoke(&key_id).await.expect("revoked");
     let what = "the revocation seen within the stated staleness";
-    crate::helpers::eventually(idpool::listen::POLL * 3, what, async || {
+    crate::helpers::eventually(idpool::infra::listen::POLL * 3, what, async || {
         let status = user
             .post(b.url("/ids"))
             .json(&json!({"project": "POOL", "type": "1", "count": 1}))
@@ -261,8 +261,8 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
         .await
         .expect_err("cancelled by statement_timeout");
     assert_eq!(
-        idpool::db::sqlstate::of(&slept).as_deref(),
-        Some(idpool::db::sqlstate::QUERY_CANCELED),
+        idpool::infra::db::sqlstate::of(&slept).as_deref(),
+        Some(idpool::infra::db::sqlstate::QUERY_CANCELED),
         "{slept}"
     );
 
@@ -364,7 +364,7 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
     }
     assert!(most_held >= 1, "no delivery was seen holding a connection");
     assert!(
-        most_held <= i64::from(idpool::documents::outbox::DELIVERY_SLOTS),
+        most_held <= i64::from(idpool::features::documents::outbox::DELIVERY_SLOTS),
         "{most_held} deliveries held server connections at once"
     );
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fred::prelude::*;
-use idpool::clock::ManualClock;
-use idpool::pool::PoolSettings;
+use idpool::domain::clock::ManualClock;
+use idpool::records::pool::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::json;
 
@@ -89,15 +89,15 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
 async fn link_to(
     server: &crate::redis_server::RedisServer,
     prefix: &str,
-) -> Arc<idpool::pool::RedisLink> {
-    let link = idpool::pool::RedisLink::connect(
-        &idpool::pool::RedisSettings {
+) -> Arc<idpool::records::pool::RedisLink> {
+    let link = idpool::records::pool::RedisLink::connect(
+        &idpool::records::pool::RedisSettings {
             url: server.url(),
             prefix: prefix.into(),
             clients: 1,
             command_timeout: Duration::from_secs(5),
         },
-        Arc::new(idpool::stats::Stats::default()),
+        Arc::new(idpool::infra::stats::Stats::default()),
     )
     .unwrap();
     // Nothing to check the pools against here: the circuit closes once the
@@ -115,8 +115,8 @@ async fn link_to(
 /// the head to be the lowest, judged the first ones lost (hostile review).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
-    use idpool::numbers::SeqRange;
-    use idpool::pool::Pushed;
+    use idpool::domain::numbers::SeqRange;
+    use idpool::records::pool::Pushed;
 
     let server = crate::redis_server::RedisServer::start();
     let link = link_to(&server, "idpool-back").await;
@@ -154,8 +154,8 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
 /// it long enough to make another pool's pop wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
-    use idpool::numbers::SeqRange;
-    use idpool::pool::Pushed;
+    use idpool::domain::numbers::SeqRange;
+    use idpool::records::pool::Pushed;
 
     let server = crate::redis_server::RedisServer::start();
     // Anything over 50 ms is logged; a part takes about 2 ms.

@@ -1,0 +1,772 @@
+//! Configuration: every option an environment variable (SPEC names) and a
+//! flag of the same name in kebab-case.
+
+use std::time::Duration;
+
+use clap::builder::TypedValueParser;
+use clap::{Args, ValueEnum};
+
+use crate::features::documents::sink::SinkConfig;
+use crate::infra::redact::url_without_password;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+impl Switch {
+    pub fn is_on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+#[derive(Clone, Args)]
+pub struct Config {
+    /// Postgres; the database is created if it does not exist.
+    #[arg(
+        long = "database-url",
+        env = "DATABASE_URL",
+        value_name = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/idpool"
+    )]
+    pub database_url: String,
+
+    /// What sits between idpool and Postgres at `DATABASE_URL`: `none`,
+    /// or a pooler in `session` or `transaction` mode (PgBouncer's
+    /// `pool_mode`). Behind a pooler no statement, setting or lock outlives
+    /// its transaction.
+    #[arg(
+        long = "idpool-pg-pooler",
+        env = "IDPOOL_PG_POOLER",
+        value_name = "IDPOOL_PG_POOLER",
+        value_enum,
+        default_value = "none"
+    )]
+    pub pg_pooler: crate::infra::db::Pooler,
+
+    /// A connection straight to Postgres (not through a pooler) for
+    /// listening to notifications. Without it, behind a pooler in
+    /// transaction mode, idpool polls instead of listening.
+    #[arg(
+        long = "idpool-pg-listen-url",
+        env = "IDPOOL_PG_LISTEN_URL",
+        value_name = "IDPOOL_PG_LISTEN_URL",
+        hide_env_values = true
+    )]
+    pub pg_listen_url: Option<String>,
+
+    /// Redis; `redis-cluster://h1:p1?node=h2:p2` for a Redis Cluster.
+    #[arg(
+        long = "redis-url",
+        env = "REDIS_URL",
+        value_name = "REDIS_URL",
+        hide_env_values = true,
+        default_value = "redis://127.0.0.1:6379"
+    )]
+    pub redis_url: String,
+
+    /// HTTP address to listen on.
+    #[arg(
+        long = "idpool-listen",
+        visible_alias = "listen",
+        env = "IDPOOL_LISTEN",
+        value_name = "IDPOOL_LISTEN",
+        default_value = "127.0.0.1:8080"
+    )]
+    pub listen: String,
+
+    /// Apply migrations when `serve` starts.
+    #[arg(
+        long = "idpool-migrate",
+        env = "IDPOOL_MIGRATE",
+        value_name = "IDPOOL_MIGRATE",
+        value_enum,
+        default_value = "on"
+    )]
+    pub migrate: Switch,
+
+    /// Prefix of every Redis key (several deployments can share one Redis).
+    #[arg(
+        long = "idpool-redis-prefix",
+        env = "IDPOOL_REDIS_PREFIX",
+        value_name = "IDPOOL_REDIS_PREFIX",
+        default_value = "idpool",
+        value_parser = redis_prefix,
+    )]
+    pub redis_prefix: String,
+
+    /// Redis connections (commands on one are pipelined).
+    #[arg(
+        long = "idpool-redis-clients",
+        env = "IDPOOL_REDIS_CLIENTS",
+        value_name = "IDPOOL_REDIS_CLIENTS",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize),
+    )]
+    pub redis_clients: usize,
+
+    /// Redis command timeout; past it the circuit opens and IDs come from Postgres.
+    #[arg(
+        long = "idpool-redis-timeout-ms",
+        env = "IDPOOL_REDIS_TIMEOUT_MS",
+        value_name = "IDPOOL_REDIS_TIMEOUT_MS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000),
+    )]
+    pub redis_timeout_ms: u64,
+
+    /// How long `serve` waits at start for Redis before serving from
+    /// Postgres alone (so the first requests take from the pools, in order).
+    #[arg(
+        long = "idpool-redis-start-wait-ms",
+        env = "IDPOOL_REDIS_START_WAIT_MS",
+        value_name = "IDPOOL_REDIS_START_WAIT_MS",
+        default_value_t = 5000,
+        value_parser = clap::value_parser!(u64).range(0..=600_000),
+    )]
+    pub redis_start_wait_ms: u64,
+
+    /// Postgres connections of this instance, all told, shared out as
+    /// `startup::ConnectionBudget` says (requests, the shared writers,
+    /// outbox loops, other background work, refills, the notification
+    /// listener); at least 10.
+    #[arg(
+        long = "idpool-db-pool-size",
+        env = "IDPOOL_DB_POOL_SIZE",
+        value_name = "IDPOOL_DB_POOL_SIZE",
+        default_value_t = 12,
+        value_parser = clap::value_parser!(u32).range(10..=10_000),
+    )]
+    pub db_pool_size: u32,
+
+    /// Pool refills one instance runs at once.
+    #[arg(
+        long = "idpool-refill-concurrency",
+        env = "IDPOOL_REFILL_CONCURRENCY",
+        value_name = "IDPOOL_REFILL_CONCURRENCY",
+        default_value_t = 8,
+        value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
+    )]
+    pub refill_concurrency: usize,
+
+    /// Longest time a request may take before it is answered 503.
+    #[arg(
+        long = "idpool-request-timeout-s",
+        env = "IDPOOL_REQUEST_TIMEOUT_S",
+        value_name = "IDPOOL_REQUEST_TIMEOUT_S",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=3600),
+    )]
+    pub request_timeout_s: u64,
+
+    /// Target store: `postgres` (documents table), `dir:/path` (a JSON file
+    /// per document) or `webhook:https://...` (POST each document).
+    #[arg(
+        long = "idpool-sink",
+        env = "IDPOOL_SINK",
+        value_name = "IDPOOL_SINK",
+        default_value = "postgres",
+        value_parser = SinkParser,
+    )]
+    pub sink: SinkConfig,
+
+    /// Document batches one instance works on at once; more wait their
+    /// turn before their bodies are read, so memory stays bounded.
+    #[arg(
+        long = "idpool-batch-concurrency",
+        env = "IDPOOL_BATCH_CONCURRENCY",
+        value_name = "IDPOOL_BATCH_CONCURRENCY",
+        default_value_t = 4,
+        value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
+    )]
+    pub batch_concurrency: usize,
+
+    /// Run the outbox processor in this process (`off` to run it elsewhere).
+    #[arg(
+        long = "idpool-outbox-processor",
+        env = "IDPOOL_OUTBOX_PROCESSOR",
+        value_name = "IDPOOL_OUTBOX_PROCESSOR",
+        value_enum,
+        default_value = "on"
+    )]
+    pub outbox_processor: Switch,
+
+    /// Outbox poll interval; new rows also wake the processor at once.
+    #[arg(
+        long = "idpool-outbox-poll-ms",
+        env = "IDPOOL_OUTBOX_POLL_MS",
+        value_name = "IDPOOL_OUTBOX_POLL_MS",
+        default_value_t = 2000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000),
+    )]
+    pub outbox_poll_ms: u64,
+
+    /// Failed delivery attempts before a document is dead-lettered.
+    #[arg(
+        long = "idpool-outbox-max-retries",
+        env = "IDPOOL_OUTBOX_MAX_RETRIES",
+        value_name = "IDPOOL_OUTBOX_MAX_RETRIES",
+        default_value_t = 5,
+        value_parser = clap::value_parser!(i32).range(1..=1000),
+    )]
+    pub outbox_max_retries: i32,
+
+    /// After failure n the next attempt waits base × 2^n (at most
+    /// IDPOOL_OUTBOX_BACKOFF_MAX_MS), plus up to a quarter more at random.
+    #[arg(
+        long = "idpool-outbox-backoff-base-ms",
+        env = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
+        value_name = "IDPOOL_OUTBOX_BACKOFF_BASE_MS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(10..=3_600_000),
+    )]
+    pub outbox_backoff_base_ms: u64,
+
+    /// The longest wait between two delivery attempts, before jitter.
+    #[arg(
+        long = "idpool-outbox-backoff-max-ms",
+        env = "IDPOOL_OUTBOX_BACKOFF_MAX_MS",
+        value_name = "IDPOOL_OUTBOX_BACKOFF_MAX_MS",
+        default_value_t = 3_600_000,
+        value_parser = clap::value_parser!(u64).range(1..=86_400_000),
+    )]
+    pub outbox_backoff_max_ms: u64,
+
+    /// Processor loops this instance runs at once; each claims its own rows.
+    #[arg(
+        long = "idpool-outbox-workers",
+        env = "IDPOOL_OUTBOX_WORKERS",
+        value_name = "IDPOOL_OUTBOX_WORKERS",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize),
+    )]
+    pub outbox_workers: usize,
+
+    /// Rows one processor claims per transaction.
+    #[arg(
+        long = "idpool-outbox-batch",
+        env = "IDPOOL_OUTBOX_BATCH",
+        value_name = "IDPOOL_OUTBOX_BATCH",
+        default_value_t = 500,
+        value_parser = clap::value_parser!(i64).range(1..=10_000),
+    )]
+    pub outbox_batch: i64,
+
+    /// Webhook sink: milliseconds allowed per delivery.
+    #[arg(
+        long = "idpool-webhook-timeout-ms",
+        env = "IDPOOL_WEBHOOK_TIMEOUT_MS",
+        value_name = "IDPOOL_WEBHOOK_TIMEOUT_MS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000),
+    )]
+    pub webhook_timeout_ms: u64,
+
+    /// Webhook sink: deliveries in flight at once, per processor loop.
+    #[arg(
+        long = "idpool-webhook-concurrency",
+        env = "IDPOOL_WEBHOOK_CONCURRENCY",
+        value_name = "IDPOOL_WEBHOOK_CONCURRENCY",
+        default_value_t = 16,
+        value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
+    )]
+    pub webhook_concurrency: usize,
+
+    /// Run the reconciliation job in this process.
+    #[arg(
+        long = "idpool-reconcile",
+        env = "IDPOOL_RECONCILE",
+        value_name = "IDPOOL_RECONCILE",
+        value_enum,
+        default_value = "on"
+    )]
+    pub reconcile: Switch,
+
+    /// Seconds between reconciliation runs.
+    #[arg(
+        long = "idpool-reconcile-interval-s",
+        env = "IDPOOL_RECONCILE_INTERVAL_S",
+        value_name = "IDPOOL_RECONCILE_INTERVAL_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(1..=86_400),
+    )]
+    pub reconcile_interval_s: u64,
+
+    /// Seconds a number must have left its pool before it is judged; never
+    /// less than the request timeout (no request can hold a number longer).
+    #[arg(
+        long = "idpool-reconcile-settle-s",
+        env = "IDPOOL_RECONCILE_SETTLE_S",
+        value_name = "IDPOOL_RECONCILE_SETTLE_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(0..=604_800),
+    )]
+    pub reconcile_settle_s: u64,
+
+    /// Name of this instance in block records and logs (default: host-pid).
+    #[arg(
+        long = "idpool-instance-id",
+        env = "IDPOOL_INSTANCE_ID",
+        value_name = "IDPOOL_INSTANCE_ID",
+        value_parser = instance_id,
+    )]
+    pub instance_id: Option<String>,
+
+    /// Seconds a client connection has to send a request's headers, from
+    /// the connection's start or the request's first byte, before it is
+    /// closed.
+    #[arg(
+        long = "idpool-header-timeout-s",
+        env = "IDPOOL_HEADER_TIMEOUT_S",
+        value_name = "IDPOOL_HEADER_TIMEOUT_S",
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..=3600),
+    )]
+    pub header_timeout_s: u64,
+
+    /// Seconds an answer may make no progress (a client that stops reading)
+    /// before its connection is closed.
+    #[arg(
+        long = "idpool-write-timeout-s",
+        env = "IDPOOL_WRITE_TIMEOUT_S",
+        value_name = "IDPOOL_WRITE_TIMEOUT_S",
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=3600),
+    )]
+    pub write_timeout_s: u64,
+
+    /// Seconds a keep-alive connection may wait idle for its next request.
+    #[arg(
+        long = "idpool-idle-timeout-s",
+        env = "IDPOOL_IDLE_TIMEOUT_S",
+        value_name = "IDPOOL_IDLE_TIMEOUT_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(1..=86_400),
+    )]
+    pub idle_timeout_s: u64,
+
+    /// Open client connections per instance; more wait to be accepted.
+    #[arg(
+        long = "idpool-max-connections",
+        env = "IDPOOL_MAX_CONNECTIONS",
+        value_name = "IDPOOL_MAX_CONNECTIONS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=1_000_000),
+    )]
+    pub max_connections: u64,
+
+    /// Longest a Postgres statement of a request may run (`statement_timeout`).
+    #[arg(
+        long = "idpool-db-statement-timeout-ms",
+        env = "IDPOOL_DB_STATEMENT_TIMEOUT_MS",
+        value_name = "IDPOOL_DB_STATEMENT_TIMEOUT_MS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000),
+    )]
+    pub db_statement_timeout_ms: u64,
+
+    /// How long a request waits for a free Postgres connection before it is
+    /// answered 503 with `Retry-After`.
+    #[arg(
+        long = "idpool-db-acquire-timeout-ms",
+        env = "IDPOOL_DB_ACQUIRE_TIMEOUT_MS",
+        value_name = "IDPOOL_DB_ACQUIRE_TIMEOUT_MS",
+        default_value_t = 2_000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000),
+    )]
+    pub db_acquire_timeout_ms: u64,
+
+    /// Sequences one project may have (created by `PUT` or by first use).
+    #[arg(
+        long = "idpool-max-sequences-per-project",
+        env = "IDPOOL_MAX_SEQUENCES_PER_PROJECT",
+        value_name = "IDPOOL_MAX_SEQUENCES_PER_PROJECT",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..=1_000_000),
+    )]
+    pub max_sequences_per_project: u64,
+
+    /// `off` turns authentication, scopes and rate limits off: local
+    /// development only, and only on a loopback address.
+    #[arg(
+        long = "idpool-auth",
+        env = "IDPOOL_AUTH",
+        value_name = "IDPOOL_AUTH",
+        value_enum,
+        default_value = "on"
+    )]
+    pub auth: Switch,
+
+    /// `off` records every `POST /ids` request's numbers on its own instead
+    /// of serving busy sequences from leases recorded ahead.
+    #[arg(
+        long = "idpool-leases",
+        env = "IDPOOL_LEASES",
+        value_name = "IDPOOL_LEASES",
+        value_enum,
+        default_value = "on"
+    )]
+    pub leases: Switch,
+
+    /// Seconds a number reserved by `POST /ids` on a gapless sequence waits
+    /// for its document before it is voided as `reservation_expired`.
+    #[arg(
+        long = "idpool-reservation-ttl-s",
+        env = "IDPOOL_RESERVATION_TTL_S",
+        value_name = "IDPOOL_RESERVATION_TTL_S",
+        default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=31_536_000),
+    )]
+    pub reservation_ttl_s: u64,
+
+    /// Requests one API key may have in flight at once (answers still being
+    /// sent included); more wait for its own earlier ones to finish.
+    #[arg(
+        long = "idpool-max-in-flight-per-key",
+        env = "IDPOOL_MAX_IN_FLIGHT_PER_KEY",
+        value_name = "IDPOOL_MAX_IN_FLIGHT_PER_KEY",
+        default_value_t = 256,
+        value_parser = clap::value_parser!(u64).range(1..=1_000_000),
+    )]
+    pub max_in_flight_per_key: u64,
+
+    /// Rows of lists (outbox, gaps, sequences) one API key may read per
+    /// second (a second's worth at once); a key past it waits before its
+    /// next list. 0: no limit.
+    #[arg(
+        long = "idpool-list-rows-per-key",
+        env = "IDPOOL_LIST_ROWS_PER_KEY",
+        value_name = "IDPOOL_LIST_ROWS_PER_KEY",
+        default_value_t = 2_000,
+        value_parser = clap::value_parser!(u32),
+    )]
+    pub list_rows_per_key: u32,
+
+    /// Numbers one API key may take per second through `POST /ids` (a
+    /// second's worth at once): each costs Redis, Postgres and formatting work every
+    /// tenant shares, and a `count` of 10,000 is still one request to the
+    /// rate limit. A key past it waits before its next `POST /ids`. (Batches
+    /// are bounded by their turns.) 0: no limit.
+    #[arg(
+        long = "idpool-numbers-per-key",
+        env = "IDPOOL_NUMBERS_PER_KEY",
+        value_name = "IDPOOL_NUMBERS_PER_KEY",
+        default_value_t = 50_000,
+        value_parser = clap::value_parser!(u32),
+    )]
+    pub numbers_per_key: u32,
+
+    /// Requests per second per API key (bursts of twice that).
+    #[arg(
+        long = "idpool-rate-limit",
+        env = "IDPOOL_RATE_LIMIT",
+        value_name = "IDPOOL_RATE_LIMIT",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub rate_limit: u32,
+
+    /// Webhook sink: HMAC key for the Standard Webhooks signature
+    /// (`whsec_<base64>`, or any other string used as it is).
+    #[arg(
+        long = "idpool-webhook-secret",
+        env = "IDPOOL_WEBHOOK_SECRET",
+        value_name = "IDPOOL_WEBHOOK_SECRET",
+        hide_env_values = true
+    )]
+    pub webhook_secret: Option<String>,
+}
+
+/// Without the URLs' credentials or the webhook secret.
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("database_url", &url_without_password(&self.database_url))
+            .field("pg_pooler", &self.pg_pooler)
+            .field(
+                "pg_listen_url",
+                &self.pg_listen_url.as_deref().map(url_without_password),
+            )
+            .field("redis_url", &url_without_password(&self.redis_url))
+            .field("listen", &self.listen)
+            .field("auth", &self.auth)
+            .field(
+                "webhook_secret",
+                &self.webhook_secret.as_ref().map(|_| "<hidden>"),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Redis key prefix: no braces, which would make the prefix every key's
+/// Redis Cluster hash tag and put all pools on one node.
+fn redis_prefix(value: &str) -> Result<String, String> {
+    if value.is_empty() || value.len() > 64 {
+        return Err("1 to 64 characters".into());
+    }
+    if value.contains(['{', '}']) || value.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err("no braces (Redis Cluster hash tags), spaces or control characters".into());
+    }
+    Ok(value.to_owned())
+}
+
+/// An instance id: it is sent in a webhook header and written in block
+/// records, so visible ASCII only.
+fn instance_id(value: &str) -> Result<String, String> {
+    if (1..=128).contains(&value.len()) && value.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(value.to_owned())
+    } else {
+        Err("1 to 128 visible ASCII characters (it is sent in an HTTP header)".into())
+    }
+}
+
+/// Parses `IDPOOL_SINK` with an error of its own: clap's would repeat the
+/// value, and a webhook URL may hold a password or a token.
+#[derive(Clone)]
+struct SinkParser;
+
+impl TypedValueParser for SinkParser {
+    type Value = SinkConfig;
+
+    fn parse_ref(
+        &self,
+        _: &clap::Command,
+        _: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<SinkConfig, clap::Error> {
+        let refused = |reason: &str| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid IDPOOL_SINK (value not shown): {reason}\n"),
+            )
+        };
+        value
+            .to_str()
+            .ok_or_else(|| refused("it is not UTF-8"))?
+            .parse()
+            .map_err(|reason: String| refused(&reason))
+    }
+}
+
+/// A Postgres URL sqlx can connect with. The error names the variable and
+/// never the value (it may hold a password).
+pub fn check_database_url(url: &str) -> anyhow::Result<()> {
+    let form = "DATABASE_URL must be postgres://[user[:password]@]host[:port]/database[?options]";
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        anyhow::bail!("{form}");
+    }
+    if let Err(e) = url.parse::<sqlx::postgres::PgConnectOptions>() {
+        anyhow::bail!("{form} ({})", e.to_string().replace(url, "<the URL>"));
+    }
+    Ok(())
+}
+
+impl Config {
+    pub fn processor_settings(&self) -> crate::features::documents::processor::ProcessorSettings {
+        crate::features::documents::processor::ProcessorSettings {
+            poll: Duration::from_millis(self.outbox_poll_ms),
+            max_retries: self.outbox_max_retries,
+            backoff_base: Duration::from_millis(self.outbox_backoff_base_ms),
+            backoff_max: Duration::from_millis(self.outbox_backoff_max_ms),
+            batch_size: self.outbox_batch,
+            ..Default::default()
+        }
+    }
+
+    pub fn reconcile_settings(&self) -> crate::features::gaps::reconcile::ReconcileSettings {
+        crate::features::gaps::reconcile::ReconcileSettings {
+            interval: Duration::from_secs(self.reconcile_interval_s),
+            settle: Duration::from_secs(
+                self.reconcile_settle_s
+                    .max(self.request_timeout().as_secs()),
+            ),
+            ..Default::default()
+        }
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_s)
+    }
+
+    /// Refuses URLs that cannot work, naming the variable and the accepted
+    /// forms (never the value: it may hold a password).
+    pub fn check_urls(&self) -> anyhow::Result<()> {
+        check_database_url(&self.database_url)?;
+        crate::records::pool::url::parse(&self.redis_url)?;
+        if let Some(listen) = &self.pg_listen_url {
+            check_database_url(listen).map_err(|e| {
+                anyhow::anyhow!(
+                    "IDPOOL_PG_LISTEN_URL: {}",
+                    e.to_string().replace("DATABASE_URL", "it")
+                )
+            })?;
+            // A listener through the pooler would leave LISTEN on a server
+            // connection other clients get: their statements then fail on
+            // notifications they never asked for.
+            let address = |url: &str| {
+                url.parse::<sqlx::postgres::PgConnectOptions>()
+                    .map(|o| (o.get_host().to_owned(), o.get_port()))
+                    .ok()
+            };
+            if self.pg_pooler != crate::infra::db::Pooler::None
+                && address(listen) == address(&self.database_url)
+            {
+                anyhow::bail!(
+                    "IDPOOL_PG_LISTEN_URL must lead straight to Postgres, not to the pooler of DATABASE_URL"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a redelivery schedule whose base is above its cap. Every
+    /// other combination the ranges allow is storable: at most 1,000 waits
+    /// of at most 1.25 days each.
+    pub fn check_outbox_backoff(&self) -> anyhow::Result<()> {
+        if self.outbox_backoff_base_ms > self.outbox_backoff_max_ms {
+            anyhow::bail!(
+                "IDPOOL_OUTBOX_BACKOFF_BASE_MS ({}) must not exceed IDPOOL_OUTBOX_BACKOFF_MAX_MS ({}): \
+                 the cap is the longest wait between two delivery attempts",
+                self.outbox_backoff_base_ms,
+                self.outbox_backoff_max_ms
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses to serve without authentication anywhere but a loopback
+    /// address.
+    pub fn check_auth_off_is_local(&self) -> anyhow::Result<()> {
+        if self.auth.is_on() {
+            return Ok(());
+        }
+        let host = match self.listen.rsplit_once(':') {
+            Some((host, _port)) => host.trim_start_matches('[').trim_end_matches(']'),
+            None => self.listen.as_str(),
+        };
+        let loopback = host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        if loopback {
+            Ok(())
+        } else {
+            anyhow::bail!(
+                "IDPOOL_AUTH=off is for local development: IDPOOL_LISTEN must be a loopback \
+                 address (127.0.0.1, [::1] or localhost), not {:?}",
+                self.listen
+            )
+        }
+    }
+
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_secs(self.header_timeout_s)
+    }
+
+    /// Bounds on every connection of the request pool. A transaction may
+    /// sit idle no longer than a request may last.
+    pub fn db_limits(&self) -> crate::infra::db::Limits {
+        crate::infra::db::Limits {
+            statement: Duration::from_millis(self.db_statement_timeout_ms),
+            acquire: Duration::from_millis(self.db_acquire_timeout_ms),
+            idle_in_transaction: self.request_timeout() + Duration::from_secs(5),
+            ..Default::default()
+        }
+    }
+
+    pub fn instance_id(&self) -> String {
+        self.instance_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/etc/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_else(|_| "localhost".into());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Config;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Command {
+        #[command(flatten)]
+        config: Config,
+    }
+
+    fn parsed(args: &[&str]) -> Config {
+        let args = std::iter::once("idpool").chain(args.iter().copied());
+        Command::try_parse_from(args).expect("parses").config
+    }
+
+    #[test]
+    fn a_redelivery_base_above_its_cap_is_refused_and_the_ranges_bound_the_rest() {
+        let refused = parsed(&[
+            "--idpool-outbox-backoff-base-ms=5000",
+            "--idpool-outbox-backoff-max-ms=1000",
+        ])
+        .check_outbox_backoff()
+        .expect_err("base above the cap");
+        let said = refused.to_string();
+        assert!(
+            said.contains("IDPOOL_OUTBOX_BACKOFF_BASE_MS (5000)")
+                && said.contains("IDPOOL_OUTBOX_BACKOFF_MAX_MS (1000)"),
+            "{said}"
+        );
+        assert!(parsed(&[]).check_outbox_backoff().is_ok(), "the defaults");
+        let over_a_day = ["idpool", "--idpool-outbox-backoff-max-ms=86400001"];
+        assert!(Command::try_parse_from(over_a_day).is_err());
+        let over_1000 = ["idpool", "--idpool-outbox-max-retries=1001"];
+        assert!(Command::try_parse_from(over_1000).is_err());
+        // A base of 0 would be no backoff at all: a failing target met in
+        // a tight loop.
+        let no_backoff = ["idpool", "--idpool-outbox-backoff-base-ms=0"];
+        assert!(Command::try_parse_from(no_backoff).is_err());
+        assert_eq!(
+            parsed(&["--idpool-outbox-backoff-base-ms=10"]).outbox_backoff_base_ms,
+            10
+        );
+    }
+
+    #[test]
+    fn prefixes_and_instance_ids_that_would_break_later_are_refused() {
+        for refused in [
+            ["idpool", "--idpool-redis-prefix", "{x}"],
+            ["idpool", "--idpool-redis-prefix", "a b"],
+            ["idpool", "--idpool-redis-prefix", ""],
+            ["idpool", "--idpool-instance-id", "inst\r\nX-Injected: yes"],
+            ["idpool", "--idpool-instance-id", "a b"],
+            ["idpool", "--idpool-instance-id", ""],
+        ] {
+            assert!(Command::try_parse_from(refused).is_err(), "{refused:?}");
+        }
+        let kept = parsed(&[
+            "--idpool-redis-prefix=tenant-a:idpool",
+            "--idpool-instance-id=web-7.eu-1",
+        ]);
+        assert_eq!(kept.redis_prefix, "tenant-a:idpool");
+        assert_eq!(kept.instance_id(), "web-7.eu-1");
+    }
+
+    #[test]
+    fn a_refused_sink_is_not_repeated_in_the_error() {
+        for value in [
+            "webhook:ftp://u:Secret@hooks.example/in?token=Token",
+            "webhook:https://u:12#Secret@hooks.example/in",
+            "webhook:https://u:Secret@hooks.example:999999/in?token=Token",
+            "https://u:Secret@hooks.example/in?token=Token",
+        ] {
+            let Err(refused) = Command::try_parse_from(["idpool", "--idpool-sink", value]) else {
+                panic!("{value} was accepted");
+            };
+            let said = refused.to_string();
+            assert!(said.contains("IDPOOL_SINK"), "{said}");
+            for secret in ["Secret", "Token", "hooks.example"] {
+                assert!(!said.contains(secret), "{value}: {said}");
+            }
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The statements of reconciliation put together at run time (one per
+//! table of runs of numbers), run against a real database: the query
+//! macros check the others at compile time.
+
+use super::*;
+use crate::features::gaps::evidence::{RunsTable, overlapping_runs};
+
+/// Numbers 10..20 of sequence 1, period "", in the ledger, the discards
+/// and the handouts; open gaps: 12-13 untracked loss, 15-16 lease lost,
+/// 18 pool discarded.
+async fn seeded() -> Db {
+    let db = crate::infra::db::scratch().await;
+    sqlx::raw_sql(
+        "INSERT INTO sequences (id, project, doc_type, format, layout, start_seq, reset, timezone, \
+           pool_size, refill_at) VALUES (1, 'A', 'T', '{PROJECT}-{SEQ}', 'text', 1, 'never', 'UTC', 100, 0.2); \
+         INSERT INTO issuance_ledger (sequence_id, period, seqs, via) VALUES (1, '', '[10,20)', 'ids'); \
+         INSERT INTO pool_discards (sequence_id, period, seqs, cause) VALUES (1, '', '[10,20)', 'test'); \
+         INSERT INTO lease_handouts (sequence_id, period, seqs) VALUES (1, '', '[10,20)'); \
+         INSERT INTO id_gaps (sequence_id, period, from_seq, to_seq, from_id, to_id, reason, detected_at) VALUES \
+           (1, '', 12, 13, 'A-12', 'A-13', 'untracked_loss', now()), \
+           (1, '', 15, 16, 'A-15', 'A-16', 'lease_lost', now()), \
+           (1, '', 18, 18, 'A-18', 'A-18', 'pool_discarded', now())",
+    )
+    .execute(&db)
+    .await
+    .expect("seed runs and gaps");
+    db
+}
+
+#[tokio::test]
+async fn late_runs_of_each_table_are_the_parts_inside_gaps_of_the_reasons_asked() {
+    let db = seeded().await;
+    let mut conn = db.acquire().await.expect("connection");
+    let long_ago = DateTime::<Utc>::UNIX_EPOCH;
+    // (table, reasons asked, the parts found as [start, end))
+    type Case = (LateRuns, &'static [Reason], &'static [(i64, i64)]);
+    let cases: [Case; 3] = [
+        (
+            LateRuns::Ledger,
+            &[Reason::UntrackedLoss, Reason::PoolDiscarded],
+            &[(12, 14), (18, 19)],
+        ),
+        (
+            LateRuns::Discards,
+            &[Reason::UntrackedLoss, Reason::LeaseLost],
+            &[(12, 14), (15, 17)],
+        ),
+        (LateRuns::Handouts, &[Reason::LeaseLost], &[(15, 17)]),
+    ];
+    for (table, reasons, want) in cases {
+        let mut found: Vec<(i64, i64)> = late_runs(&mut conn, table, long_ago, reasons)
+            .await
+            .expect("late runs")
+            .into_iter()
+            .map(|(sequence, period, start, end)| {
+                assert_eq!((sequence, period.as_str()), (1, ""));
+                (start, end)
+            })
+            .collect();
+        found.sort_unstable();
+        assert_eq!(found, want, "{:?}", table.source());
+        // Runs written before `since` are not late.
+        let later = Utc::now() + chrono::Duration::hours(1);
+        let none = late_runs(&mut conn, table, later, reasons)
+            .await
+            .expect("late runs");
+        assert!(none.is_empty(), "{:?}", table.source());
+    }
+}
+
+#[tokio::test]
+async fn overlapping_runs_of_each_table_are_those_the_windows_touch() {
+    let db = seeded().await;
+    let mut conn = db.acquire().await.expect("connection");
+    for table in [RunsTable::LeaseHandouts, RunsTable::PoolDiscards] {
+        let touched = overlapping_runs(&mut conn, table, 1, "", &[0, 15], &[11, 16])
+            .await
+            .expect("runs");
+        assert_eq!(touched, [(10, 20)]);
+        let apart = overlapping_runs(&mut conn, table, 1, "", &[20], &[30])
+            .await
+            .expect("runs");
+        assert!(apart.is_empty());
+        let other_period = overlapping_runs(&mut conn, table, 1, "2026", &[0], &[100])
+            .await
+            .expect("runs");
+        assert!(other_period.is_empty());
+    }
+}

@@ -1,0 +1,360 @@
+//! Pools: pre-reserved numbers of one sequence period, waiting in a Redis
+//! list, popped in ascending order and refilled in the background.
+//!
+//! Refills are single-flight per pool inside an instance, serialised across
+//! instances by a Redis lock (`SET NX PX` + compare-and-delete), and capped by
+//! a semaphore per instance, so thousands of pools draining at once cost at
+//! most `refill_concurrency` refills, each holding nothing but two integers:
+//! the numbers themselves are generated inside Redis by the push script.
+
+mod discard;
+mod lists;
+mod redis;
+mod refill;
+mod scripts;
+mod shared_pop;
+mod watch;
+use self::shared_pop::pop_shared;
+pub mod url;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::domain::clock::Clock;
+use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
+
+pub use self::discard::{DiscardCause, Discards};
+pub use self::lists::{Popped, Pushed};
+pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
+use self::refill::RefillParts;
+pub use self::refill::{RefillOutcome, Refills};
+pub use self::watch::{PoolWatch, ResyncError, Resynced};
+use crate::domain::sequence::{Period, Sequence};
+use crate::infra::stats::Stats;
+use crate::records::batch::Batcher;
+use crate::records::counter::Counter;
+use crate::records::sequence_store::SequenceStore;
+
+/// One sequence period's pool.
+#[derive(Clone)]
+pub struct PoolRef {
+    pub sequence: Arc<Sequence>,
+    pub period: Period,
+    pub keys: Arc<PoolKeys>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    /// Refills running at once in this instance.
+    pub refill_concurrency: usize,
+    /// How long a refill lock lives if its holder dies.
+    pub lock_ttl: Duration,
+    /// How long a request the pool could not serve waits for the refill it
+    /// needs before taking the rest from Postgres.
+    pub short_wait: Duration,
+    /// A pool refilled again within this time doubles its target depth...
+    pub grow_within: Duration,
+    /// ...and one idle longer than this halves it, never below `pool_size`.
+    pub shrink_after: Duration,
+    /// Largest target depth as a multiple of `pool_size`.
+    pub max_growth: u32,
+    /// This database's installation id; the Redis key prefix must be its own.
+    pub installation: String,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self {
+            refill_concurrency: 8,
+            lock_ttl: Duration::from_secs(10),
+            short_wait: Duration::from_millis(250),
+            grow_within: Duration::from_secs(2),
+            shrink_after: Duration::from_secs(60),
+            max_growth: 64,
+            installation: String::new(),
+        }
+    }
+}
+
+/// How long a request the pool could not serve waits before looking again
+/// while another instance holds the refill lock.
+const BUSY_POLL: Duration = Duration::from_millis(3);
+
+struct PopRequest {
+    keys: Arc<PoolKeys>,
+    count: usize,
+    reply: oneshot::Sender<Result<Popped, RedisFailure>>,
+}
+
+/// The pools: pops (joined per pool), and the parts that refill, empty
+/// and watch them.
+pub struct PoolService {
+    redis: Arc<RedisLink>,
+    counter: Arc<Counter>,
+    stats: Arc<Stats>,
+    settings: PoolSettings,
+    pops: Batcher<PopRequest>,
+    /// The current pool of each sequence seen, by sequence id and period.
+    pool_refs: Mutex<HashMap<i64, HashMap<String, PoolRef>>>,
+    discards: Arc<Discards>,
+    refills: Arc<Refills>,
+    watch: Arc<PoolWatch>,
+}
+
+/// Most sequences whose current pool one instance remembers.
+const MAX_POOL_REFS: usize = 10_000;
+
+impl PoolService {
+    pub fn new(
+        redis: Arc<RedisLink>,
+        counter: Arc<Counter>,
+        sequences: Arc<SequenceStore>,
+        stats: Arc<Stats>,
+        settings: PoolSettings,
+        clock: Arc<dyn Clock>,
+        tasks: &TaskTracker,
+    ) -> Arc<Self> {
+        let (pop_link, pop_stats) = (redis.clone(), stats.clone());
+        let pops = Batcher::spawn(tasks, "pool pops", 4096, move |batch| {
+            pop_batch(pop_link.clone(), pop_stats.clone(), batch)
+        });
+        let discards = Arc::new(Discards::new(redis.clone(), counter.clone(), stats.clone()));
+        let refills = Refills::new(RefillParts {
+            redis: redis.clone(),
+            counter: counter.clone(),
+            sequences: sequences.clone(),
+            stats: stats.clone(),
+            settings: settings.clone(),
+            clock,
+            discards: discards.clone(),
+        });
+        let watch = Arc::new(PoolWatch::new(
+            redis.clone(),
+            counter.clone(),
+            sequences,
+            stats.clone(),
+            settings.clone(),
+            discards.clone(),
+        ));
+        Arc::new(Self {
+            redis,
+            counter,
+            stats,
+            settings,
+            pops,
+            pool_refs: Mutex::new(HashMap::new()),
+            discards,
+            refills,
+            watch,
+        })
+    }
+
+    /// Numbers going back to their pools, and pools emptied.
+    pub fn discards(&self) -> &Discards {
+        &self.discards
+    }
+
+    /// The refills of this instance.
+    pub fn refills(&self) -> &Arc<Refills> {
+        &self.refills
+    }
+
+    /// The circuit watch.
+    pub fn watch(&self) -> &Arc<PoolWatch> {
+        &self.watch
+    }
+
+    pub fn counter(&self) -> &Arc<Counter> {
+        &self.counter
+    }
+
+    pub fn redis(&self) -> &Arc<RedisLink> {
+        &self.redis
+    }
+
+    /// Whether requests take numbers from the pools now (Redis up and
+    /// checked since its last failure).
+    pub fn in_use(&self) -> bool {
+        self.redis.is_up()
+    }
+
+    /// Whether Redis answers at all (pools in use or not).
+    pub async fn redis_answers(&self) -> bool {
+        self.redis.is_up() || self.redis.ping().await.is_ok()
+    }
+
+    /// How many numbers `pool` holds; None while the pools are not in use.
+    pub async fn depth(&self, pool: &PoolRef) -> Option<i64> {
+        if !self.redis.is_up() {
+            return None;
+        }
+        self.redis.depth(&pool.keys).await.ok()
+    }
+
+    /// The pool of `sequence` in `period`; kept between requests, since
+    /// building its keys is most of the work.
+    pub fn pool_ref(&self, sequence: Arc<Sequence>, period: Period) -> PoolRef {
+        let mut known = self.pool_refs.lock().unwrap_or_else(|e| e.into_inner());
+        if known.len() >= MAX_POOL_REFS && !known.contains_key(&sequence.id) {
+            known.clear();
+        }
+        let periods = known.entry(sequence.id).or_default();
+        if let Some(pool) = periods.get(period.key())
+            && Arc::ptr_eq(&pool.sequence, &sequence)
+        {
+            return pool.clone();
+        }
+        let keys = Arc::new(self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period.key(),
+        ));
+        let pool = PoolRef {
+            sequence,
+            period,
+            keys,
+        };
+        // One period at a time is current; older ones are not needed here.
+        periods.clear();
+        periods.insert(pool.period.key().to_owned(), pool.clone());
+        pool
+    }
+
+    /// Pops up to `count` numbers. A pool that runs short gets the refill it
+    /// needs (waited for up to `short_wait`) and one more pop; what is still
+    /// missing is the caller's to take from Postgres.
+    pub async fn take(
+        self: &Arc<Self>,
+        pool: &PoolRef,
+        count: usize,
+    ) -> Result<Vec<i64>, RedisFailure> {
+        let mut popped = self.pop(pool, count).await?;
+        let mut seqs = self
+            .within_max(pool, std::mem::take(&mut popped.seqs))
+            .await;
+        if seqs.len() < count {
+            self.stats.pool_short.inc();
+            // The refill also brings what waiting requests lack, so a big
+            // request is served from the pool, in order, rather than from
+            // the counter past numbers a refill just pushed. Registered
+            // before any refill can start, so the next one sees it.
+            self.refills.add_demand(pool, count - seqs.len());
+        }
+        self.refills.refill_if_low(pool, &popped);
+        if seqs.len() < count {
+            let deadline = tokio::time::Instant::now() + self.settings.short_wait;
+            while seqs.len() < count {
+                let refill = tokio::time::timeout_at(deadline, self.refills.handle(pool)).await;
+                match refill {
+                    Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded) => {}
+                    // Another instance is refilling: give it a moment
+                    // rather than queueing lock attempts behind the cap.
+                    Ok(RefillOutcome::Busy) => {
+                        if tokio::time::Instant::now() + BUSY_POLL >= deadline {
+                            break;
+                        }
+                        tokio::time::sleep(BUSY_POLL).await;
+                    }
+                    Ok(RefillOutcome::Exhausted | RefillOutcome::Failed) | Err(_) => break,
+                }
+                let mut again = self.pop(pool, count - seqs.len()).await?;
+                seqs.extend(self.within_max(pool, std::mem::take(&mut again.seqs)).await);
+                if seqs.len() < count {
+                    self.refills.add_demand(pool, count - seqs.len());
+                }
+                self.refills.refill_if_low(pool, &again);
+            }
+        }
+        Ok(seqs)
+    }
+
+    /// One pop, shared with every request waiting for one (a Redis call
+    /// per pool for all of them). A pool that runs low is refilled in the
+    /// background; one that came up short is left to the callers' `take`
+    /// for the rest, whose refill brings what they lack along with the
+    /// pool's own depth.
+    pub async fn pop_once(
+        self: &Arc<Self>,
+        pool: &PoolRef,
+        count: usize,
+    ) -> Result<Vec<i64>, RedisFailure> {
+        let popped = self.pop(pool, count).await?;
+        if popped.seqs.len() == count {
+            self.refills.refill_if_low(pool, &popped);
+        }
+        Ok(self.within_max(pool, popped.seqs).await)
+    }
+
+    /// Numbers above the sequence's `max` (a pool filled before `max` was
+    /// lowered) are never issued: they are recorded as discarded.
+    async fn within_max(&self, pool: &PoolRef, mut seqs: Vec<i64>) -> Vec<i64> {
+        let max = pool.sequence.definition.max_seq();
+        if seqs.iter().all(|s| *s <= max) {
+            return seqs;
+        }
+        let above: Vec<i64> = seqs.iter().copied().filter(|s| *s > max).collect();
+        seqs.retain(|s| *s <= max);
+        let ranges = crate::domain::numbers::runs(&above);
+        self.discards
+            .record_discard(
+                &pool.sequence,
+                pool.period.key(),
+                &ranges,
+                DiscardCause::AboveMax,
+            )
+            .await;
+        seqs
+    }
+
+    /// The lowest number the pool of `sequence` in `period` holds; None
+    /// when it is empty.
+    pub async fn head(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+    ) -> Result<Option<i64>, RedisFailure> {
+        let keys = self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period,
+        );
+        self.redis.head(&keys).await
+    }
+
+    async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {
+        if !self.redis.is_up() {
+            return Err(RedisFailure::Open);
+        }
+        let (reply, answer) = oneshot::channel();
+        let request = PopRequest {
+            keys: pool.keys.clone(),
+            count,
+            reply,
+        };
+        if self.pops.submit(request).await.is_err() {
+            return Err(RedisFailure::Open);
+        }
+        answer.await.unwrap_or(Err(RedisFailure::Open))
+    }
+}
+
+/// One pop per pool for the whole batch, answers in arrival order: the
+/// one place where concurrent requests' pops are joined.
+async fn pop_batch(redis: Arc<RedisLink>, stats: Arc<Stats>, batch: Vec<PopRequest>) {
+    stats.pipeline_pop_batch.observe(batch.len() as f64);
+    let popped = pop_shared(
+        batch,
+        |request| &request.keys,
+        |request| request.count,
+        |request, total| {
+            let (redis, keys) = (redis.clone(), request.keys.clone());
+            async move { redis.pop(&keys, total).await }
+        },
+    )
+    .await;
+    for (request, outcome) in popped {
+        let _ = request.reply.send(outcome);
+    }
+}
