@@ -76,7 +76,7 @@ enum Entry {
 }
 
 /// What became of a line.
-enum Fate {
+enum LineFate {
     Mapped(Mapped),
     Reject(Reject),
 }
@@ -107,7 +107,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     let total_bytes = (settings.file != "-")
         .then(|| std::fs::metadata(&settings.file).map(|m| m.len()).ok())
         .flatten();
-    let progress = Progress::new(total_bytes);
+    let progress = ImportProgress::new(total_bytes);
     let read_progress = progress.bytes_handle();
     let reader_settings = settings.clone();
     let reader = tokio::task::spawn_blocking(move || {
@@ -132,13 +132,13 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     while let Some(fates) = results.next().await {
         for fate in fates? {
             match fate {
-                Fate::Mapped(mapped) => {
+                LineFate::Mapped(mapped) => {
                     report.imported += 1;
                     report.replayed += u64::from(mapped.replayed);
                     serde_json::to_writer(&mut out, &mapped)?;
                     out.write_all(b"\n")?;
                 }
-                Fate::Reject(reject) => {
+                LineFate::Reject(reject) => {
                     report.rejected += 1;
                     let file = match &mut rejects {
                         Some(file) => file,
@@ -366,7 +366,7 @@ fn document_body(settings: &Settings, source_id: &str, metadata: &str) -> String
 }
 
 #[derive(Deserialize)]
-struct Accepted {
+struct Imported {
     documents: Vec<AcceptedItem>,
 }
 
@@ -378,7 +378,7 @@ struct AcceptedItem {
 }
 
 #[derive(Deserialize)]
-struct Problem {
+struct LineProblem {
     code: Option<String>,
     detail: Option<String>,
     index: Option<usize>,
@@ -389,7 +389,7 @@ async fn send_chunk(
     client: &reqwest::Client,
     settings: &Settings,
     chunk: Vec<(u64, Entry)>,
-) -> anyhow::Result<Vec<Fate>> {
+) -> anyhow::Result<Vec<LineFate>> {
     let (mut fates, mut pending) = split_chunk(chunk);
     let url = format!(
         "{}/api/v1/documents/batch",
@@ -403,11 +403,11 @@ async fn send_chunk(
         match status {
             Some(s) if s.as_u16() == 202 => map_accepted(&text, &mut pending, &mut fates)?,
             Some(s) if let Some(index) = item_at_fault(s, &text, pending.len()) => {
-                let problem: Option<Problem> = serde_json::from_str(&text).ok();
+                let problem: Option<LineProblem> = serde_json::from_str(&text).ok();
                 // One document is at fault: it is rejected, the rest go again.
                 let (slot, line, source_id, _) = pending.remove(index);
                 let reason = problem.map_or_else(|| s.to_string(), rejection_reason);
-                fates[slot] = Some(Fate::Reject(Reject {
+                fates[slot] = Some(LineFate::Reject(Reject {
                     line,
                     source_id: Some(source_id),
                     reason,
@@ -415,7 +415,7 @@ async fn send_chunk(
                 attempt = 0;
             }
             Some(s) if s.is_client_error() && !matches!(s.as_u16(), 408 | 409 | 429) => {
-                let problem: Option<Problem> = serde_json::from_str(&text).ok();
+                let problem: Option<LineProblem> = serde_json::from_str(&text).ok();
                 let detail = problem.and_then(|p| p.detail.or(p.code)).unwrap_or(text);
                 bail!("the server refused a batch: {s} {detail}");
             }
@@ -440,12 +440,12 @@ async fn send_chunk(
 type Pending = (usize, u64, String, String);
 
 /// The chunk's rejects, in place, and the documents still to send.
-fn split_chunk(chunk: Vec<(u64, Entry)>) -> (Vec<Option<Fate>>, Vec<Pending>) {
-    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(chunk.len());
+fn split_chunk(chunk: Vec<(u64, Entry)>) -> (Vec<Option<LineFate>>, Vec<Pending>) {
+    let mut fates: Vec<Option<LineFate>> = Vec::with_capacity(chunk.len());
     let mut pending = Vec::new();
     for (line, entry) in chunk {
         match entry {
-            Entry::Reject(reject) => fates.push(Some(Fate::Reject(reject))),
+            Entry::Reject(reject) => fates.push(Some(LineFate::Reject(reject))),
             Entry::Document { source_id, body } => {
                 pending.push((fates.len(), line, source_id, body));
                 fates.push(None);
@@ -459,9 +459,9 @@ fn split_chunk(chunk: Vec<(u64, Entry)>) -> (Vec<Option<Fate>>, Vec<Pending>) {
 fn map_accepted(
     text: &str,
     pending: &mut Vec<Pending>,
-    fates: &mut [Option<Fate>],
+    fates: &mut [Option<LineFate>],
 ) -> anyhow::Result<()> {
-    let accepted: Accepted = serde_json::from_str(text).context("reading the batch answer")?;
+    let accepted: Imported = serde_json::from_str(text).context("reading the batch answer")?;
     if accepted.documents.len() != pending.len() {
         bail!(
             "the server answered {} results for {} documents",
@@ -470,7 +470,7 @@ fn map_accepted(
         );
     }
     for ((slot, _, source_id, _), item) in pending.drain(..).zip(accepted.documents) {
-        fates[slot] = Some(Fate::Mapped(Mapped {
+        fates[slot] = Some(LineFate::Mapped(Mapped {
             source_id,
             id: item.id,
             replayed: item.replayed,
@@ -485,7 +485,7 @@ fn item_at_fault(status: reqwest::StatusCode, text: &str, items: usize) -> Optio
     if !status.is_client_error() || matches!(status.as_u16(), 408 | 429) {
         return None;
     }
-    let problem: Problem = serde_json::from_str(text).ok()?;
+    let problem: LineProblem = serde_json::from_str(text).ok()?;
     problem.index.filter(|i| *i < items)
 }
 
@@ -536,7 +536,7 @@ async fn post_batch(
 
 /// `code: detail` of a problem about one document, without the
 /// `documents[i]: ` the server puts before the detail.
-fn rejection_reason(problem: Problem) -> String {
+fn rejection_reason(problem: LineProblem) -> String {
     let code = problem.code.unwrap_or_default();
     let detail = problem.detail.unwrap_or_default();
     let detail = detail
@@ -612,7 +612,7 @@ fn backoff(attempt: u32) -> Duration {
 }
 
 mod progress;
-use progress::Progress;
+use progress::ImportProgress;
 
 #[cfg(test)]
 mod tests;

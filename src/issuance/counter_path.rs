@@ -116,7 +116,7 @@ impl CounterPath {
         &self,
         pool: &PoolRef,
         count: usize,
-        mut db: Link<'_, '_>,
+        mut db: Through<'_, '_>,
     ) -> Result<Obtained, IssueError> {
         let mut seqs = match self.pools.take(pool, count).await {
             Ok(seqs) => seqs,
@@ -172,19 +172,19 @@ impl CounterPath {
 
     async fn reserve_direct(
         &self,
-        db: &mut Link<'_, '_>,
+        db: &mut Through<'_, '_>,
         pool: &PoolRef,
         n: i64,
     ) -> Result<Reserved<numbers::SeqRange>, sqlx::Error> {
         let (sequence, period) = (&pool.sequence, &pool.period);
         let tag = self.counter.direct_tag();
         match db {
-            Link::Transaction(conn) => {
+            Through::Transaction(conn) => {
                 self.counter
                     .reserve_direct(conn, sequence, period, n, &tag)
                     .await
             }
-            Link::Pool(pool) => {
+            Through::Pool(pool) => {
                 // No connection: nothing was sent, nothing is in doubt.
                 let mut conn = pool.acquire().await?;
                 let reserved = self
@@ -248,16 +248,16 @@ pub(super) enum LedgerTarget<'a, 't> {
 impl<'t> LedgerTarget<'_, 't> {
     /// Where numbers straight from the counter are reserved: inside the
     /// caller's transaction if it has one (never a second connection).
-    fn db<'s>(&'s mut self, pool: &'s Db) -> Link<'s, 't> {
+    fn db<'s>(&'s mut self, pool: &'s Db) -> Through<'s, 't> {
         match self {
-            LedgerTarget::Shared(_) => Link::Pool(pool),
-            LedgerTarget::Transaction(conn, _) => Link::Transaction(conn),
+            LedgerTarget::Shared(_) => Through::Pool(pool),
+            LedgerTarget::Transaction(conn, _) => Through::Transaction(conn),
         }
     }
 }
 
 /// The connection a request works through.
-pub(super) enum Link<'a, 't> {
+pub(super) enum Through<'a, 't> {
     /// Takes a connection for each statement.
     Pool(&'a Db),
     /// The request's own transaction.

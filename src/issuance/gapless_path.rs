@@ -16,7 +16,7 @@ use super::{IssueError, Issued, Placement};
 use crate::domain::clock::Clock;
 use crate::infra::stats::Stats;
 use crate::records::counter::{Counter, Reserved};
-use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::outbox_rows::{Attachment, OutboxRow};
 use crate::records::ledger::reservations::{self, NewReservations};
 use crate::records::ledger::{LedgerError, Via};
 use crate::records::sequence_store::SequenceStore;

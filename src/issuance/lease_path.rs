@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 
 use super::handouts::Handouts;
-use super::lease_store::{Holder, Leases, OnItsOwn, Order, Progress};
+use super::lease_store::{Holder, LeaseProgress, Leases, OnItsOwn, Order};
 use super::shared_commit::{Demand, SharedCommit};
 use super::{IssueError, Placement};
 use crate::domain::numbers::SeqRange;
-use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::outbox_rows::{Attachment, OutboxRow};
 use crate::records::ledger::{LEASE_TTL, LeaseReport, LedgerError};
 use crate::records::pool::{DiscardCause, PoolService};
 
@@ -111,9 +111,9 @@ impl LeasePath {
             order(next);
         }
         match progress {
-            Progress::Complete => Begun::Complete(holder, got),
-            Progress::Waiting => Begun::Waiting(holder, got),
-            Progress::Alone(on_its_own) => Begun::Alone(Some(holder), got, Some(on_its_own)),
+            LeaseProgress::Complete => Begun::Complete(holder, got),
+            LeaseProgress::Waiting => Begun::Waiting(holder, got),
+            LeaseProgress::Alone(on_its_own) => Begun::Alone(Some(holder), got, Some(on_its_own)),
         }
     }
 

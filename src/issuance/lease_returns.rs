@@ -138,7 +138,7 @@ impl LeaseReturns {
         placement: &Placement,
         unused: &LeaseReport,
         last: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), ReturnFailed> {
         let released = match self.background_db.acquire().await {
             Ok(mut conn) => ledger::release_lease(&mut conn, unused).await,
             Err(e) => Err(e),
@@ -153,7 +153,7 @@ impl LeaseReturns {
                 .await
             {
                 Ok(()) => return Ok(()),
-                Err(e) if !last => return Err(format!("pushing them back to the pool: {e}")),
+                Err(e) if !last => return Err(ReturnFailed::Pool(e)),
                 Err(e) => {
                     tracing::warn!(error = %e, "unused lease numbers not pushed back to the pool");
                     (DiscardCause::GiveBackFailed, free)
@@ -161,7 +161,7 @@ impl LeaseReturns {
             },
             Err(e) if !last => {
                 crate::infra::db::distrust_server_after(&e);
-                return Err(format!("taking them off the ledger: {e}"));
+                return Err(ReturnFailed::Ledger(e));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "unused lease numbers stay recorded as leased");
@@ -174,6 +174,15 @@ impl LeaseReturns {
             .await;
         Ok(())
     }
+}
+
+/// Why a lease return is tried again.
+#[derive(Debug, thiserror::Error)]
+enum ReturnFailed {
+    #[error("taking them off the ledger: {0}")]
+    Ledger(#[from] sqlx::Error),
+    #[error("pushing them back to the pool: {0}")]
+    Pool(#[from] crate::records::pool::RedisFailure),
 }
 
 /// Lease returns Postgres did not take: said once, then with a count.

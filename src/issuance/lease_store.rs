@@ -150,7 +150,7 @@ impl State {
 pub type HolderKey = (i64, i32, String);
 
 /// Where a request stands after taking what a lease had.
-pub enum Progress {
+pub enum LeaseProgress {
     Complete,
     /// A lease is on its way.
     Waiting,
@@ -263,7 +263,7 @@ impl Leases {
         pool_size: usize,
         got: &mut Vec<i64>,
         first_visit: bool,
-    ) -> (Progress, Option<Order>) {
+    ) -> (LeaseProgress, Option<Order>) {
         let now = self.clock.now();
         let mut state = holder.state();
         if first_visit {
@@ -294,17 +294,17 @@ impl Leases {
                     size,
                 };
                 let progress = if missing == 0 {
-                    Progress::Complete
+                    LeaseProgress::Complete
                 } else {
-                    Progress::Waiting
+                    LeaseProgress::Waiting
                 };
                 return (progress, Some(order));
             }
         }
         let progress = if missing == 0 {
-            Progress::Complete
+            LeaseProgress::Complete
         } else if state.fetching {
-            Progress::Waiting
+            LeaseProgress::Waiting
         } else {
             return (Self::on_its_own(holder, state), None);
         };
@@ -313,9 +313,9 @@ impl Leases {
 
     /// Counted under the same lock that decided it, so no lease ordered
     /// after the decision can miss it.
-    fn on_its_own(holder: &Arc<Holder>, mut state: MutexGuard<'_, State>) -> Progress {
+    fn on_its_own(holder: &Arc<Holder>, mut state: MutexGuard<'_, State>) -> LeaseProgress {
         state.on_their_own += 1;
-        Progress::Alone(OnItsOwn {
+        LeaseProgress::Alone(OnItsOwn {
             holder: holder.clone(),
         })
     }
@@ -358,9 +358,9 @@ impl Leases {
                 order(next);
             }
             match progress {
-                Progress::Complete => return Ok(()),
-                Progress::Alone(on_its_own) => return Err(Some(on_its_own)),
-                Progress::Waiting => {}
+                LeaseProgress::Complete => return Ok(()),
+                LeaseProgress::Alone(on_its_own) => return Err(Some(on_its_own)),
+                LeaseProgress::Waiting => {}
             }
             changed.await;
             if holder.state().failures != failures {
@@ -577,7 +577,7 @@ mod tests {
         let mut got = Vec::new();
         let (progress, order) = leases.take(&holder, 1, 1000, &mut got, true);
         assert!(order.is_none(), "one request orders no lease");
-        let Progress::Alone(on_its_own) = progress else {
+        let LeaseProgress::Alone(on_its_own) = progress else {
             panic!("a quiet sequence's request goes on its own");
         };
         // A burst: 1,000 requests within a millisecond ask for a lease.

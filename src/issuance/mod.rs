@@ -47,7 +47,7 @@ use tokio_util::task::TaskTracker;
 use crate::domain::clock::Clock;
 use crate::domain::sequence::{LayoutRangeError, MAX_ID_LEN, Numbering, ProjectCode, TypeCode};
 use crate::infra::stats::Stats;
-use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::outbox_rows::{Attachment, OutboxRow};
 use crate::records::ledger::{LedgerError, Via};
 use crate::records::pool::{PoolRef, PoolService};
 use crate::records::sequence_store::{SequenceStore, StoreError};
@@ -535,7 +535,7 @@ impl Issuer {
         }
         loop {
             let seqs = (self.counter_path)
-                .obtain(&placement.pool, 1, counter_path::Link::Pool(&self.db))
+                .obtain(&placement.pool, 1, counter_path::Through::Pool(&self.db))
                 .await?
                 .seqs;
             let demand = Demand::Document {

@@ -9,7 +9,7 @@ use crate::domain::clock::Clock;
 use crate::domain::sequence::{Numbering, ProjectCode, Sequence, TypeCode};
 use crate::infra::db::{Db, Tx};
 use crate::infra::stats::Stats;
-use crate::records::ledger::outbox::carries_id;
+use crate::records::ledger::outbox_rows::carries_id;
 use crate::records::ledger::reservations::{self, ReservationStatus};
 use crate::records::sequence_store::{SequenceStore, StoreError};
 

@@ -32,7 +32,7 @@ use crate::infra::commitment::Commitment;
 use crate::infra::db::Db;
 use crate::infra::stats::Stats;
 use crate::records::batch::Batcher;
-use crate::records::ledger::outbox::{Attachment, OutboxRow};
+use crate::records::ledger::outbox_rows::{Attachment, OutboxRow};
 use crate::records::ledger::{LeaseReport, LedgerError};
 use crate::records::pool::PoolService;
 
@@ -91,15 +91,15 @@ pub(super) struct Job {
 }
 
 /// A job whose numbers were popped, on its way to the write stage.
-pub(super) struct Popped {
+pub(super) struct PoppedJob {
     pub job: Job,
     pub seqs: Vec<i64>,
 }
 
 /// What the writer is handed.
-pub(super) enum Entry {
+pub(super) enum ToWrite {
     /// A request's numbers and documents, answered once committed.
-    Job(Popped),
+    Job(PoppedJob),
     /// Which leased numbers went to callers (the handout reporter's).
     Handouts(Vec<LeaseReport>, oneshot::Sender<Result<(), LedgerError>>),
 }
@@ -110,11 +110,11 @@ pub(super) enum Entry {
 pub struct SharedCommit {
     pools: Arc<PoolService>,
     stats: Arc<Stats>,
-    writes: Batcher<Vec<Entry>>,
+    writes: Batcher<Vec<ToWrite>>,
     /// Documents of gapless sequences commit in a write stage of their
     /// own: their counter rows may be held by another transaction (a batch,
     /// another instance), and a pooled request must never wait for that.
-    gapless_writes: Batcher<Vec<Entry>>,
+    gapless_writes: Batcher<Vec<ToWrite>>,
 }
 
 impl SharedCommit {
@@ -125,7 +125,7 @@ impl SharedCommit {
             // the rows it carries, so everything popped while one runs
             // waits for the next (two at a time measured slower: smaller
             // commits).
-            Batcher::spawn(tasks, name, 4096, move |batches: Vec<Vec<Entry>>| {
+            Batcher::spawn(tasks, name, 4096, move |batches: Vec<Vec<ToWrite>>| {
                 writer.clone().write(batches)
             })
         };
@@ -182,7 +182,7 @@ impl SharedCommit {
             commitment: Commitment::current(),
         };
         stage
-            .submit(vec![Entry::Job(Popped { job, seqs })])
+            .submit(vec![ToWrite::Job(PoppedJob { job, seqs })])
             .await
             .map_err(|_| LedgerError::Closed)?;
         answer.await.map_err(|_| LedgerError::Closed)?
@@ -194,7 +194,7 @@ impl SharedCommit {
     pub async fn record_handouts(&self, reports: Vec<LeaseReport>) -> Result<(), LedgerError> {
         let (reply, answer) = oneshot::channel();
         self.writes
-            .submit(vec![Entry::Handouts(reports, reply)])
+            .submit(vec![ToWrite::Handouts(reports, reply)])
             .await
             .map_err(|_| LedgerError::Closed)?;
         answer.await.map_err(|_| LedgerError::Closed)?

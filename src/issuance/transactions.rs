@@ -19,10 +19,10 @@ struct Taken {
     all_never_again: bool,
 }
 
-type Popped = Arc<Mutex<Taken>>;
+type PoppedNote = Arc<Mutex<Taken>>;
 
 tokio::task_local! {
-    static POPPED: Popped;
+    static POPPED: PoppedNote;
 }
 
 /// Notes `seqs`, popped from `pool` and recorded in the transaction the
@@ -96,7 +96,7 @@ impl Transactions {
     where
         E: From<sqlx::Error> + From<crate::infra::commitment::NotAnswered>,
     {
-        let popped: Popped = Arc::default();
+        let popped: PoppedNote = Arc::default();
         let answered = POPPED
             .scope(
                 popped.clone(),

@@ -6,14 +6,15 @@
 
 use std::sync::Arc;
 
-use super::shared_commit::{Demand, Entry, Popped, Served};
+use super::shared_commit::{Demand, PoppedJob, Served, ToWrite};
 use crate::domain::numbers::without;
 use crate::infra::db::{Conn, Db, Session};
 use crate::infra::stats::Stats;
 use crate::records::counter::Counter;
-use crate::records::ledger::outbox::Attachment;
+use crate::records::ledger::outbox_rows::Attachment;
 use crate::records::ledger::{
-    self, LeaseReport, LedgerError, LedgerWrite, Numbering, Recorded, Unnumbered, Via, numbered_in,
+    self, GaplessTake, LeaseReport, LedgerError, LedgerWrite, Recorded, Unnumbered, Via,
+    numbered_in,
 };
 use crate::records::pool::PoolService;
 
@@ -45,13 +46,13 @@ impl Writer {
 
     /// Everything handed in since the last write: the requests' records in
     /// one statement and commit, answered; then the handouts.
-    pub(super) async fn write(self: Arc<Self>, batches: Vec<Vec<Entry>>) {
+    pub(super) async fn write(self: Arc<Self>, batches: Vec<Vec<ToWrite>>) {
         let mut jobs = Vec::new();
         let mut handouts = Vec::new();
         for entry in batches.into_iter().flatten() {
             match entry {
-                Entry::Job(popped) => jobs.push(popped),
-                Entry::Handouts(reports, reply) => handouts.push((reports, reply)),
+                ToWrite::Job(popped) => jobs.push(popped),
+                ToWrite::Handouts(reports, reply) => handouts.push((reports, reply)),
             }
         }
         self.write_jobs(jobs).await;
@@ -61,10 +62,10 @@ impl Writer {
     }
 
     /// Requests' records in one statement and commit, then answered.
-    async fn write_jobs(&self, jobs: Vec<Popped>) {
+    async fn write_jobs(&self, jobs: Vec<PoppedJob>) {
         // A request withdrawn at its deadline sends nothing: its numbers
         // go back, and it was answered already.
-        let (popped, withdrawn): (Vec<Popped>, Vec<Popped>) = jobs
+        let (popped, withdrawn): (Vec<PoppedJob>, Vec<PoppedJob>) = jobs
             .into_iter()
             .partition(|p| p.job.commitment.as_ref().is_none_or(|c| c.begin_send()));
         if !withdrawn.is_empty() {
@@ -83,7 +84,7 @@ impl Writer {
         self.stats.pipeline_write_batch.observe(popped.len() as f64);
         let writes: Vec<LedgerWrite> = popped
             .iter()
-            .map(|Popped { job, seqs }| {
+            .map(|PoppedJob { job, seqs }| {
                 let placement = &job.placement;
                 let row = |attachment: &Attachment| vec![attachment.row(&placement.shape, seqs[0])];
                 let mut unnumbered = Vec::new();
@@ -116,12 +117,12 @@ impl Writer {
                 }
             })
             .collect();
-        let (mut outcomes, session, numberings) = self.record(&writes).await;
+        let (mut outcomes, session, gapless_takes) = self.record(&writes).await;
         if outcomes
             .iter()
             .any(|o| o.as_ref().is_err_and(LedgerError::in_doubt))
         {
-            self.settle_in_doubt(&writes, &mut outcomes, session, &numberings)
+            self.settle_in_doubt(&writes, &mut outcomes, session, &gapless_takes)
                 .await;
         }
         self.give_back_unwritten(&popped, &outcomes).await;
@@ -141,7 +142,7 @@ impl Writer {
     ) -> (
         Vec<Result<Recorded, LedgerError>>,
         Option<Session>,
-        Vec<Numbering>,
+        Vec<GaplessTake>,
     ) {
         let mut held = self.conn.lock().await;
         let (conn, session) = match held.as_mut() {
@@ -160,10 +161,10 @@ impl Writer {
         // wait it is taken for broken and the writes are looked up.
         // Kept outside the write: a write given up on still says which
         // transactions numbered gapless documents.
-        let numberings = std::sync::Mutex::new(Vec::new());
+        let gapless_takes = std::sync::Mutex::new(Vec::new());
         let outcomes = tokio::time::timeout(
             crate::infra::db::COMMIT_ANSWER_WAIT,
-            ledger::write_shared(conn, &self.stats, &self.counter, writes, &numberings),
+            ledger::write_shared(conn, &self.stats, &self.counter, writes, &gapless_takes),
         )
         .await
         .unwrap_or_else(|_| {
@@ -181,8 +182,10 @@ impl Writer {
                 conn.discard();
             }
         }
-        let numberings = numberings.into_inner().unwrap_or_else(|e| e.into_inner());
-        (outcomes, session, numberings)
+        let gapless_takes = gapless_takes
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        (outcomes, session, gapless_takes)
     }
 
     /// Which leased numbers went to callers, for every report handed in,
@@ -236,10 +239,10 @@ impl Writer {
         writes: &[LedgerWrite],
         outcomes: &mut [Result<Recorded, LedgerError>],
         session: Option<Session>,
-        numberings: &[Numbering],
+        gapless_takes: &[GaplessTake],
     ) {
         self.settle_by_content(writes, outcomes, session).await;
-        self.settle_gapless(writes, outcomes, session, numberings)
+        self.settle_gapless(writes, outcomes, session, gapless_takes)
             .await;
         for outcome in outcomes.iter_mut() {
             if let Err(LedgerError::Db(e)) = outcome {
@@ -257,7 +260,7 @@ impl Writer {
         writes: &[LedgerWrite],
         outcomes: &mut [Result<Recorded, LedgerError>],
         session: Option<Session>,
-        numberings: &[Numbering],
+        gapless_takes: &[GaplessTake],
     ) {
         // Each write in doubt as its transaction numbered it; each
         // transaction asked about once, however many writes it numbered.
@@ -271,7 +274,7 @@ impl Writer {
             if writes[i].unnumbered.is_empty() {
                 continue;
             }
-            let Some((xid, numbered)) = numbered_in(numberings, writes, i) else {
+            let Some((xid, numbered)) = numbered_in(gapless_takes, writes, i) else {
                 outcomes[i] = Err(LedgerError::NotCommitted(e.clone()));
                 continue;
             };
@@ -362,7 +365,7 @@ impl Writer {
     /// its caller).
     async fn give_back_unwritten(
         &self,
-        popped: &[Popped],
+        popped: &[PoppedJob],
         outcomes: &[Result<Recorded, LedgerError>],
     ) {
         for (popped, outcome) in popped.iter().zip(outcomes) {
@@ -397,7 +400,7 @@ async fn writer_connection(db: &Db) -> Result<(Conn, Option<Session>), sqlx::Err
 
 /// Each job's answer: what of its numbers the ledger took, its document.
 fn answer(
-    popped: Vec<Popped>,
+    popped: Vec<PoppedJob>,
     writes: Vec<LedgerWrite>,
     outcomes: Vec<Result<Recorded, LedgerError>>,
 ) {

@@ -35,17 +35,17 @@ impl Owner {
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum KeyError {
+pub enum IdempotencyKeyError {
     #[error("Idempotency-Key must be 1 to 255 printable ASCII characters")]
     Malformed,
 }
 
 /// 1–255 printable ASCII characters (SPEC).
-pub fn validate_key(key: &str) -> Result<(), KeyError> {
+pub fn validate_key(key: &str) -> Result<(), IdempotencyKeyError> {
     if (1..=255).contains(&key.len()) && key.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
         Ok(())
     } else {
-        Err(KeyError::Malformed)
+        Err(IdempotencyKeyError::Malformed)
     }
 }
 
@@ -286,10 +286,16 @@ mod tests {
     fn keys_are_printable_ascii_up_to_255() {
         assert!(validate_key("order-42").is_ok());
         assert!(validate_key(&"k".repeat(255)).is_ok());
-        assert_eq!(validate_key(""), Err(KeyError::Malformed));
-        assert_eq!(validate_key(&"k".repeat(256)), Err(KeyError::Malformed));
-        assert_eq!(validate_key("tab\there"), Err(KeyError::Malformed));
-        assert_eq!(validate_key("ключ"), Err(KeyError::Malformed));
+        assert_eq!(validate_key(""), Err(IdempotencyKeyError::Malformed));
+        assert_eq!(
+            validate_key(&"k".repeat(256)),
+            Err(IdempotencyKeyError::Malformed)
+        );
+        assert_eq!(
+            validate_key("tab\there"),
+            Err(IdempotencyKeyError::Malformed)
+        );
+        assert_eq!(validate_key("ключ"), Err(IdempotencyKeyError::Malformed));
     }
 
     #[test]

@@ -1162,7 +1162,7 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
     use idpool::records::ledger::Via;
-    use idpool::records::ledger::outbox::OutboxRow;
+    use idpool::records::ledger::outbox_rows::OutboxRow;
     use idpool::records::ledger::{LedgerWrite, write_shared};
     let app = TestEnv::new().spawn().await;
     app.issue("LG", "1", 1).await;

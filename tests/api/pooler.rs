@@ -364,7 +364,7 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
     }
     assert!(most_held >= 1, "no delivery was seen holding a connection");
     assert!(
-        most_held <= i64::from(idpool::features::documents::outbox::DELIVERY_SLOTS),
+        most_held <= i64::from(idpool::features::documents::delivery_queue::DELIVERY_SLOTS),
         "{most_held} deliveries held server connections at once"
     );
 }

@@ -122,23 +122,29 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     let link = link_to(&server, "idpool-back").await;
     let keys = link.keys("BACK", "1", "");
     let locked = link
+        .lists()
         .acquire(&keys, "refill", Duration::from_secs(30))
         .await
         .unwrap();
     assert!(locked.is_some());
     assert!(matches!(
-        link.push(&keys, "refill", SeqRange::new(1, 101), 100, 0)
+        link.lists()
+            .push(&keys, "refill", SeqRange::new(1, 101), 100, 0)
             .await,
         Pushed::All(100)
     ));
     // Two leases take 1-10 and 11-20; their unused numbers come back, the
     // lower lease's first, then once more (a retried give-back).
     server.cli(&["LPOP", &keys.pool, "20"]);
-    link.give_back(&keys, &[5, 6, 7, 8, 9, 10]).await.unwrap();
-    link.give_back(&keys, &[15, 16, 17, 18, 19, 20])
+    link.lists()
+        .give_back(&keys, &[5, 6, 7, 8, 9, 10])
         .await
         .unwrap();
-    link.give_back(&keys, &[20, 5]).await.unwrap();
+    link.lists()
+        .give_back(&keys, &[15, 16, 17, 18, 19, 20])
+        .await
+        .unwrap();
+    link.lists().give_back(&keys, &[20, 5]).await.unwrap();
     let pool: Vec<i64> = server
         .cli(&["LRANGE", &keys.pool, "0", "-1"])
         .lines()
@@ -146,7 +152,7 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
         .collect();
     let expected: Vec<i64> = (5..=10).chain(15..=100).collect();
     assert_eq!(pool, expected);
-    assert_eq!(link.head(&keys).await.unwrap(), Some(5));
+    assert_eq!(link.lists().head(&keys).await.unwrap(), Some(5));
 }
 
 /// Redis runs one script at a time for every tenant: a pool of a million
@@ -165,11 +171,13 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
     let keys = link.keys("BIG", "1", "");
     let token = "refill-token";
     let locked = link
+        .lists()
         .acquire(&keys, token, Duration::from_secs(30))
         .await
         .unwrap();
     assert!(locked.is_some(), "the refill lock was free");
     match link
+        .lists()
         .push(&keys, token, SeqRange::new(1, 1_000_001), 1_000_000, 0)
         .await
     {
@@ -177,20 +185,21 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
         _ => panic!("the block did not go in whole"),
     }
     assert_eq!(
-        link.acquire(&keys, "next", Duration::from_secs(30))
+        link.lists()
+            .acquire(&keys, "next", Duration::from_secs(30))
             .await
             .unwrap()
             .map(|l| l.depth),
         Some(1_000_000),
         "the last part released the lock"
     );
-    link.release(&keys, "next").await.unwrap();
-    let trimmed = link.trim_above(&keys, 900_000).await.unwrap();
+    link.lists().release(&keys, "next").await.unwrap();
+    let trimmed = link.lists().trim_above(&keys, 900_000).await.unwrap();
     assert_eq!(trimmed, vec![SeqRange::new(900_001, 1_000_001)]);
-    assert_eq!(link.head(&keys).await.unwrap(), Some(1));
-    let discarded = link.discard(&keys, false).await.unwrap();
+    assert_eq!(link.lists().head(&keys).await.unwrap(), Some(1));
+    let discarded = link.lists().discard(&keys, false).await.unwrap();
     assert_eq!(discarded, vec![SeqRange::new(1, 900_001)]);
-    assert_eq!(link.depth(&keys).await.unwrap(), 0);
+    assert_eq!(link.lists().depth(&keys).await.unwrap(), 0);
     assert_eq!(
         server.cli(&["--scan", "--pattern", "*drain*"]).trim(),
         "",

@@ -19,14 +19,14 @@ use super::extract::{Json, Path};
 use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
 use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error};
-use crate::features::documents::outbox::{self, DocumentView};
+use crate::features::documents::delivery_queue::{self, DocumentView};
 use crate::features::documents::{
     Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, NumbersRefused,
     Placements, nesting_depth, unstorable_numbers,
 };
 use crate::records::auth::Caller;
 use crate::records::idempotency;
-use crate::records::ledger::outbox::DocumentStatus;
+use crate::records::ledger::outbox_rows::DocumentStatus;
 use chrono::{DateTime, Utc};
 
 /// Largest single-document body: the metadata limit plus room for the rest.
@@ -592,7 +592,7 @@ pub async fn get_document(
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
     let _turn = state.db_turn(&caller).await;
-    outbox::find(&state.db, &id, caller.projects())
+    delivery_queue::find(&state.db, &id, caller.projects())
         .await
         .map_err(db_error)?
         .map(axum::Json)

@@ -283,8 +283,8 @@ pub struct Summary {
     pub duration_ms: u64,
 }
 
-impl From<reconcile::Summary> for Summary {
-    fn from(run: reconcile::Summary) -> Self {
+impl From<reconcile::RunSummary> for Summary {
+    fn from(run: reconcile::RunSummary) -> Self {
         let words = |counts: BTreeMap<Reason, i64>| {
             counts
                 .into_iter()

@@ -37,7 +37,7 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
         }
         let key = value
             .to_str()
-            .map_err(|_| idempotency::KeyError::Malformed)?;
+            .map_err(|_| idempotency::IdempotencyKeyError::Malformed)?;
         idempotency::validate_key(key)?;
         Ok(Self(Some(key.to_owned())))
     }

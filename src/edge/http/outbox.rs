@@ -11,7 +11,7 @@ use super::extract::{Path, Query};
 use super::ids::{parse_project, parse_type};
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
-use crate::features::documents::outbox::{
+use crate::features::documents::delivery_queue::{
     self, DocumentStatus, DocumentView, ListError, ListFilter, TransitionError,
 };
 use crate::records::auth::Caller;
@@ -126,7 +126,7 @@ pub async fn list_outbox(
         .rows()
         .charged(&caller, page.limit as usize, async {
             let _turn = state.db_turn(&caller).await;
-            outbox::list(
+            delivery_queue::list(
                 &state.db,
                 &ListFilter {
                     status: query.status,
@@ -188,7 +188,7 @@ pub async fn retry_document(
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
     let _turn = state.db_turn(&caller).await;
-    outbox::retry(&state.db, &id, caller.projects())
+    delivery_queue::retry(&state.db, &id, caller.projects())
         .await
         .map(axum::Json)
         .map_err(transition_error)
@@ -213,7 +213,7 @@ pub async fn abandon_document(
     Path(id): Path<String>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
     let _turn = state.db_turn(&caller).await;
-    outbox::abandon(&state.db, &id, caller.projects())
+    delivery_queue::abandon(&state.db, &id, caller.projects())
         .await
         .map(axum::Json)
         .map_err(transition_error)

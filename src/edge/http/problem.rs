@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::features::documents::{BatchError, DocumentError};
 use crate::infra::log_limit::{Repeated, Say};
 use crate::issuance::IssueError;
-use crate::records::idempotency::{ClaimError, KeyError};
+use crate::records::idempotency::{ClaimError, IdempotencyKeyError};
 use crate::records::ledger::LedgerError;
 use crate::records::sequence_store::{PutError, StoreError};
 
@@ -389,8 +389,8 @@ impl From<BatchError> for ApiError {
     }
 }
 
-impl From<KeyError> for ApiError {
-    fn from(e: KeyError) -> Self {
+impl From<IdempotencyKeyError> for ApiError {
+    fn from(e: IdempotencyKeyError) -> Self {
         Self::bad_request("invalid_idempotency_key", e.to_string())
     }
 }

@@ -5,14 +5,14 @@ use std::time::{Duration, Instant};
 use super::Report;
 
 /// A progress bar on a terminal; a line every few seconds otherwise.
-pub(super) struct Progress {
+pub(super) struct ImportProgress {
     bar: Option<indicatif::ProgressBar>,
     bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
     started: Instant,
     last_line: std::sync::Mutex<Instant>,
 }
 
-impl Progress {
+impl ImportProgress {
     pub(super) fn new(total_bytes: Option<u64>) -> Self {
         use std::io::IsTerminal;
         let bar = std::io::stderr().is_terminal().then(|| {

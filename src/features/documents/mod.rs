@@ -2,8 +2,8 @@
 //! transactional outbox), then delivered to the target store by the outbox
 //! processor.
 
+pub mod delivery_queue;
 mod handout_waits;
-pub mod outbox;
 pub mod processor;
 pub mod sink;
 
@@ -18,7 +18,7 @@ use chrono::{DateTime, Utc};
 use crate::domain::sequence::{IdShape, Numbering, ProjectCode, TypeCode};
 use crate::issuance::Placement;
 use crate::issuance::{IssueError, Issuer, Want};
-use crate::records::ledger::outbox::{Attachment, DocumentStatus, OutboxRow};
+use crate::records::ledger::outbox_rows::{Attachment, DocumentStatus, OutboxRow};
 use crate::records::ledger::reservations::{self, ReservationStatus};
 use crate::records::ledger::{self, LedgerError, Via};
 
@@ -426,7 +426,7 @@ async fn known_sources(
         return Ok(Vec::new());
     }
     let keys: Vec<(&str, &str, &str)> = first_of.keys().copied().collect();
-    let found = outbox::by_source_ids(conn, &keys)
+    let found = delivery_queue::by_source_ids(conn, &keys)
         .await
         .map_err(BatchError::whole)?;
     Ok(found
@@ -450,7 +450,7 @@ async fn write_rows(conn: &mut Tx<'_>, rows: &[PlacedRow]) -> Result<Vec<Accepte
         .iter()
         .map(|(_, _, r)| r.document_id.as_str())
         .collect();
-    if let Some(index) = outbox::first_taken(conn, &ids)
+    if let Some(index) = delivery_queue::first_taken(conn, &ids)
         .await
         .map_err(BatchError::whole)?
     {
@@ -462,19 +462,21 @@ async fn write_rows(conn: &mut Tx<'_>, rows: &[PlacedRow]) -> Result<Vec<Accepte
     }
     let refs: Vec<(i64, &str, &OutboxRow)> =
         rows.iter().map(|(s, p, r)| (*s, p.as_str(), r)).collect();
-    let created = ledger::outbox::insert(conn, &refs).await.map_err(|e| {
-        let e: LedgerError = e.into();
-        match e {
-            LedgerError::SourceIdTaken => BatchError::whole(DocumentError::SourceIdInUse),
-            LedgerError::DocumentIdTaken => {
-                // Taken meanwhile by a concurrent write: which row's ID,
-                // the constraint does not say.
-                crate::issuance::never_reuse(None);
-                BatchError::whole(LedgerError::DocumentIdTaken)
+    let created = ledger::outbox_rows::insert(conn, &refs)
+        .await
+        .map_err(|e| {
+            let e: LedgerError = e.into();
+            match e {
+                LedgerError::SourceIdTaken => BatchError::whole(DocumentError::SourceIdInUse),
+                LedgerError::DocumentIdTaken => {
+                    // Taken meanwhile by a concurrent write: which row's ID,
+                    // the constraint does not say.
+                    crate::issuance::never_reuse(None);
+                    BatchError::whole(LedgerError::DocumentIdTaken)
+                }
+                e => BatchError::whole(e),
             }
-            e => BatchError::whole(e),
-        }
-    })?;
+        })?;
     Ok(rows
         .iter()
         .zip(created)
@@ -525,7 +527,8 @@ async fn attachable(
             if shape.id(seq) != id {
                 continue;
             }
-            let attached = outbox::carries_document(conn, sequence.id, &period_key, seq).await?;
+            let attached =
+                delivery_queue::carries_document(conn, sequence.id, &period_key, seq).await?;
             if attached {
                 return Err(not_attachable("it carries a document already"));
             }

@@ -12,7 +12,7 @@ use crate::infra::db::Db;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::outbox;
+use super::delivery_queue;
 use super::sink::Sink;
 use crate::infra::stats::Stats;
 
@@ -26,7 +26,7 @@ pub struct ProcessorSettings {
     /// Failed attempts after which a document is dead-lettered.
     pub max_retries: i32,
     /// Retry n waits base × 2^n, at most `backoff_max`, plus up to a
-    /// quarter more at random (see [`outbox::Retry`]).
+    /// quarter more at random (see [`delivery_queue::Retry`]).
     pub backoff_base: Duration,
     pub backoff_max: Duration,
     pub batch_size: i64,
@@ -103,7 +103,7 @@ impl PendingTenants {
             .is_none_or(|at| at.elapsed() >= TENANT_SCAN_EVERY);
         if due {
             let scanned_at = std::time::Instant::now();
-            let found = outbox::tenants_with_pending_rows(conn).await?;
+            let found = delivery_queue::tenants_with_pending_rows(conn).await?;
             let mut known = self.known();
             known.tenants.extend(found);
             known.scanned = Some(scanned_at);
@@ -207,7 +207,7 @@ impl Processor {
     pub async fn step(&self) -> Result<Step, sqlx::Error> {
         let mut tx = self.db.begin().await?;
         if self.db.pooler() != crate::infra::db::Pooler::None
-            && !outbox::take_delivery_slot(&mut tx).await?
+            && !delivery_queue::take_delivery_slot(&mut tx).await?
         {
             // Every slot is another delivery's: try again soon.
             return Ok(Step {
@@ -216,7 +216,7 @@ impl Processor {
             });
         }
         let tenants = self.tenants.current(&mut tx).await?;
-        let claimed = outbox::claim_due(
+        let claimed = delivery_queue::claim_due(
             &mut tx,
             self.settings.batch_size,
             self.sink.needs_payload(),
@@ -246,12 +246,13 @@ impl Processor {
                 }
             }
         }
-        let retry = outbox::Retry {
+        let retry = delivery_queue::Retry {
             max_retries: self.settings.max_retries,
             backoff_base: self.settings.backoff_base,
             backoff_max: self.settings.backoff_max,
         };
-        let recorded = outbox::record_outcomes(&mut tx, &delivered, &failed, &retry).await?;
+        let recorded =
+            delivery_queue::record_outcomes(&mut tx, &delivered, &failed, &retry).await?;
         let next_due = if full {
             None
         } else {
@@ -293,7 +294,7 @@ impl Processor {
     ) -> Result<Option<Duration>, sqlx::Error> {
         let mut soonest: Option<Duration> = None;
         for tenant in tenants {
-            match outbox::next_due_of(conn, tenant).await? {
+            match delivery_queue::next_due_of(conn, tenant).await? {
                 Some(due) => soonest = Some(soonest.map_or(due, |s| s.min(due))),
                 None => self.tenants.idle(tenant),
             }
@@ -315,7 +316,7 @@ impl Processor {
             }
             if looked_at_oldest.is_none_or(|at| at.elapsed() >= OLDEST_PENDING_EVERY) {
                 looked_at_oldest = Some(tokio::time::Instant::now());
-                if let Ok(age) = outbox::oldest_pending_age(&self.db).await {
+                if let Ok(age) = delivery_queue::oldest_pending_age(&self.db).await {
                     self.stats.outbox_oldest_pending_seconds.set(age as i64);
                 }
             }

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::domain::numbers::{SeqRange, subtract};
-use crate::records::ledger::outbox::DocumentStatus;
+use crate::records::ledger::outbox_rows::DocumentStatus;
 
 #[derive(
     Debug,

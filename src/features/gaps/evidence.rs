@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use super::classify::{Evidence, OpenGap, Reason};
 use crate::domain::numbers::{SeqRange, merge};
 use crate::records::ledger::Via;
-use crate::records::ledger::outbox::DocumentStatus;
+use crate::records::ledger::outbox_rows::DocumentStatus;
 
 /// Evidence for some windows, plus what is needed to print IDs.
 pub(super) struct FetchedEvidence {
@@ -76,7 +76,7 @@ struct Windows<'a> {
 type Blocks = Vec<(i64, i64, DateTime<Utc>)>;
 /// (start, end, issued_at, leased).
 type LedgerRows = Vec<(i64, i64, DateTime<Utc>, bool)>;
-type Documents = Vec<(i64, DocumentStatus, String)>;
+type DocumentsSeen = Vec<(i64, DocumentStatus, String)>;
 
 /// Every statement of `Windows` binds the same four: `$1` sequence, `$2`
 /// period, `$3` and `$4` the windows' starts and ends.
@@ -121,7 +121,7 @@ impl Windows<'_> {
             .collect())
     }
 
-    async fn documents(&self, conn: &mut impl Link) -> Result<Documents, sqlx::Error> {
+    async fn documents(&self, conn: &mut impl Link) -> Result<DocumentsSeen, sqlx::Error> {
         let rows = sqlx::query!(
             "SELECT DISTINCT o.seq, o.status::text AS \"status!: DocumentStatus\", o.document_id \
              FROM UNNEST($3::bigint[], $4::bigint[]) AS w(lo, hi) \
@@ -185,7 +185,7 @@ impl FetchedEvidence {
         blocks: Blocks,
         ledger: LedgerRows,
         handouts: Vec<(i64, i64)>,
-        documents: Documents,
+        documents: DocumentsSeen,
         discards: Vec<(i64, i64)>,
     ) -> Self {
         let rows_read =

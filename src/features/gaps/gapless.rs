@@ -24,7 +24,7 @@ pub(super) async fn check_gapless(
     reconciler: &Reconciler,
     conn: &mut impl Link,
     sequences: &mut HashMap<i64, Arc<Sequence>>,
-    summary: &mut super::reconcile::Summary,
+    summary: &mut super::reconcile::RunSummary,
 ) -> Result<i64, ReconcileError> {
     let mut violations = 0;
     for period in store::gapless_periods(conn).await? {

@@ -59,7 +59,7 @@ const RUN_HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// What one run did.
 #[derive(Debug, Default, Clone, Serialize)]
-pub struct Summary {
+pub struct RunSummary {
     /// Another instance was running reconciliation; this run did nothing.
     pub skipped: bool,
     /// False when Redis could not be read: pools were not observed, so no
@@ -146,14 +146,14 @@ impl Reconciler {
     }
 
     /// One run, unless another is under way.
-    pub async fn run_once(&self) -> Result<Summary, ReconcileError> {
+    pub async fn run_once(&self) -> Result<RunSummary, ReconcileError> {
         let started = Instant::now();
         let mut conn = self.db.acquire().await?;
         let Some(run) = store::start_run(&mut conn, &self.instance_id, RUN_LEASE).await? else {
             // The instance that runs reconciliation says how many; a stale
             // figure here would keep an alert firing.
             self.stats.sequences_near_max.set(0);
-            return Ok(Summary {
+            return Ok(RunSummary {
                 skipped: true,
                 ..Default::default()
             });
@@ -248,8 +248,8 @@ impl Reconciler {
         &self,
         conn: &mut impl Link,
         run: &store::Run,
-    ) -> Result<Summary, ReconcileError> {
-        let mut summary = Summary {
+    ) -> Result<RunSummary, ReconcileError> {
+        let mut summary = RunSummary {
             redis_available: self.pools.in_use(),
             ..Default::default()
         };
@@ -304,7 +304,7 @@ impl Reconciler {
         sequence: &Arc<Sequence>,
         period: &ActivePeriod,
         now: DateTime<Utc>,
-        summary: &mut Summary,
+        summary: &mut RunSummary,
     ) -> Result<(), ReconcileError> {
         let settled_before =
             now - chrono::Duration::from_std(self.settings.settle).unwrap_or_default();
@@ -420,7 +420,7 @@ impl Reconciler {
         period: &str,
         windows: &[SeqRange],
         now: DateTime<Utc>,
-        summary: &mut Summary,
+        summary: &mut RunSummary,
     ) -> Result<(), sqlx::Error> {
         if windows.is_empty() {
             return Ok(());

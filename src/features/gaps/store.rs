@@ -6,7 +6,7 @@ use crate::infra::db::{Db, Link};
 use chrono::{DateTime, Utc};
 
 use super::classify::{GapPiece, Reason};
-use crate::records::ledger::outbox::DocumentStatus;
+use crate::records::ledger::outbox_rows::DocumentStatus;
 
 pub(super) struct ActivePeriod {
     pub(super) sequence_id: i64,

@@ -260,7 +260,7 @@ impl<'q, E: Execute<'q, Postgres>> Execute<'q, Postgres> for Shaped<E> {
     }
 }
 
-type Step = Either<PgQueryResult, PgRow>;
+type StepOutput = Either<PgQueryResult, PgRow>;
 
 /// Something statements run on: a checked-out connection (`Conn`) or a
 /// transaction (`Tx`). Code that works on either takes `&mut impl Link`
@@ -344,7 +344,7 @@ async fn alone<'q, E: 'q + Execute<'q, Postgres>>(
     conn: &mut sqlx::PgConnection,
     shape: &Shape,
     statement: E,
-) -> Result<Vec<Step>, sqlx::Error> {
+) -> Result<Vec<StepOutput>, sqlx::Error> {
     let begin = sqlx::AssertSqlSafe(shape.begin());
     let mut tx = Connection::begin_with(conn, begin).await?;
     let steps = (&mut *tx)
@@ -370,8 +370,8 @@ async fn alone<'q, E: 'q + Execute<'q, Postgres>>(
 }
 
 fn replay<'e>(
-    steps: impl std::future::Future<Output = Result<Vec<Step>, sqlx::Error>> + Send + 'e,
-) -> BoxStream<'e, Result<Step, sqlx::Error>> {
+    steps: impl std::future::Future<Output = Result<Vec<StepOutput>, sqlx::Error>> + Send + 'e,
+) -> BoxStream<'e, Result<StepOutput, sqlx::Error>> {
     futures::stream::once(steps)
         .flat_map(|steps| match steps {
             Ok(steps) => futures::stream::iter(steps.into_iter().map(Ok)).left_stream(),
@@ -380,14 +380,14 @@ fn replay<'e>(
         .boxed()
 }
 
-fn first_row(steps: Vec<Step>) -> Option<PgRow> {
+fn first_row(steps: Vec<StepOutput>) -> Option<PgRow> {
     steps.into_iter().find_map(|step| step.right())
 }
 
 impl<'c> Executor<'c> for &'c Db {
     type Database = Postgres;
 
-    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<Step, sqlx::Error>>
+    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<StepOutput, sqlx::Error>>
     where
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
@@ -443,7 +443,7 @@ impl<'c> Executor<'c> for &'c Db {
 impl<'c> Executor<'c> for Statements<'c> {
     type Database = Postgres;
 
-    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<Step, sqlx::Error>>
+    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<StepOutput, sqlx::Error>>
     where
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
@@ -505,7 +505,7 @@ macro_rules! executes_as_statements {
         impl<'c> Executor<'c> for &'c mut $target {
             type Database = Postgres;
 
-            fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<Step, sqlx::Error>>
+            fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<StepOutput, sqlx::Error>>
             where
                 'c: 'e,
                 E: 'q + Execute<'q, Postgres>,

@@ -11,7 +11,7 @@
 mod grouped;
 mod leases;
 mod numbering;
-pub mod outbox;
+pub mod outbox_rows;
 pub mod reservations;
 
 use crate::infra::db::{Db, Link};
@@ -25,14 +25,14 @@ use crate::infra::db::sqlstate;
 use crate::infra::log_limit::Repeated;
 use crate::infra::stats::Stats;
 use crate::records::counter::Counter;
-use outbox::OutboxRow;
+use outbox_rows::OutboxRow;
 
 use grouped::Grouped;
 pub use leases::{
     LeaseReport, LeaseWait, end_expired_leases, lease_waits, record_handouts, release_lease,
 };
 use numbering::number;
-pub use numbering::{Numbering, Unnumbered, numbered_in};
+pub use numbering::{GaplessTake, Unnumbered, numbered_in};
 
 /// How long after it is recorded a lease may hand out its numbers, on
 /// Postgres' clock (`lease_expires_at`). Its holder stops earlier by its
@@ -157,9 +157,9 @@ impl From<sqlx::Error> for LedgerError {
             };
         }
         match db.constraint() {
-            Some(outbox::DOCUMENT_ID_TAKEN) => return LedgerError::DocumentIdTaken,
-            Some(outbox::NUMBER_ATTACHED) => return LedgerError::AlreadyAttached,
-            Some(outbox::SOURCE_ID_TAKEN) => return LedgerError::SourceIdTaken,
+            Some(outbox_rows::DOCUMENT_ID_TAKEN) => return LedgerError::DocumentIdTaken,
+            Some(outbox_rows::NUMBER_ATTACHED) => return LedgerError::AlreadyAttached,
+            Some(outbox_rows::SOURCE_ID_TAKEN) => return LedgerError::SourceIdTaken,
             _ => {}
         }
         match db.code().as_deref() {
@@ -309,7 +309,7 @@ pub fn failed_all(
 /// Writes all `writes` on `conn` with one statement and one commit (a
 /// transaction when documents are among them). One outcome per write, in
 /// order. How `counter` numbered the writes' unnumbered documents (gapless
-/// ones) inside each attempt's transaction is pushed to `numberings` as it
+/// ones) inside each attempt's transaction is pushed to `gapless_takes` as it
 /// happens, so a caller that stops waiting for the answer still knows
 /// which transaction to ask about; when a shared write must be split to
 /// find the request at fault, what commits is numbered again.
@@ -319,7 +319,7 @@ pub async fn write_shared(
     stats: &Stats,
     counter: &Counter,
     writes: &[LedgerWrite],
-    numberings: &std::sync::Mutex<Vec<Numbering>>,
+    gapless_takes: &std::sync::Mutex<Vec<GaplessTake>>,
 ) -> Vec<Result<Recorded, LedgerError>> {
     let mut outcomes: Vec<Option<Result<Recorded, LedgerError>>> =
         writes.iter().map(|_| None).collect();
@@ -336,7 +336,7 @@ pub async fn write_shared(
     let mut split = false;
     while let Some(range) = pending.pop() {
         let part = &writes[range.clone()];
-        match write_part(conn, stats, part, range.start, counter, numberings).await {
+        match write_part(conn, stats, part, range.start, counter, gapless_takes).await {
             Ok(recorded) => {
                 for (slot, recorded) in outcomes[range].iter_mut().zip(recorded) {
                     *slot = Some(match recorded.held {
@@ -387,7 +387,7 @@ async fn write_part(
     writes: &[LedgerWrite],
     offset: usize,
     counter: &Counter,
-    numberings: &std::sync::Mutex<Vec<Numbering>>,
+    gapless_takes: &std::sync::Mutex<Vec<GaplessTake>>,
 ) -> Result<Vec<Recorded>, LedgerError> {
     let unnumbered = writes.iter().any(|w| !w.unnumbered.is_empty());
     let documents = writes.iter().any(|w| !w.documents.is_empty());
@@ -403,7 +403,7 @@ async fn write_part(
         if !unnumbered {
             return write_together(tx, stats, writes).await;
         }
-        let (numbered, held) = number(&mut *tx, writes, offset, counter, numberings).await?;
+        let (numbered, held) = number(&mut *tx, writes, offset, counter, gapless_takes).await?;
         let mut recorded = write_together(tx, stats, &numbered).await?;
         for ((recorded, write), given) in recorded.iter_mut().zip(&numbered).zip(writes) {
             if !given.unnumbered.is_empty() {
@@ -458,7 +458,7 @@ async fn write_together(
             .iter()
             .map(|(n, d)| (batch[*n].sequence_id, batch[*n].period.as_str(), *d))
             .collect();
-        let created = outbox::insert(conn, &rows).await?;
+        let created = outbox_rows::insert(conn, &rows).await?;
         for ((n, document), created_at) in documents.iter().zip(created) {
             answers[*n]
                 .documents

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::infra::db::Link;
 
-use super::outbox::Attachment;
+use super::outbox_rows::Attachment;
 use super::{LedgerError, LedgerWrite};
 use crate::domain::sequence::{IdShape, Period, Sequence};
 use crate::records::counter::{Counter, Reserved};
@@ -26,7 +26,7 @@ pub struct Unnumbered {
 /// into it), in order from `first`, inside transaction `xid`: what a
 /// commit in doubt is settled by.
 #[derive(Debug, Clone)]
-pub struct Numbering {
+pub struct GaplessTake {
     pub xid: i64,
     pub first: i64,
     pub writes: Vec<usize>,
@@ -42,7 +42,7 @@ async fn take(
     document: &Unnumbered,
     writes: &[usize],
     n: i64,
-    numberings: &Mutex<Vec<Numbering>>,
+    gapless_takes: &Mutex<Vec<GaplessTake>>,
 ) -> Result<i64, LedgerError> {
     let (taken, xid) = counter
         .take_gapless_unless_held(conn, &document.sequence, &document.period, n)
@@ -50,10 +50,10 @@ async fn take(
         .ok_or(LedgerError::CounterHeld)?;
     match taken {
         Reserved::Got(range) => {
-            numberings
+            gapless_takes
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(Numbering {
+                .push(GaplessTake {
                     xid,
                     first: range.start,
                     writes: writes.to_vec(),
@@ -68,11 +68,11 @@ async fn take(
 /// Write `index` of `writes` as the last numbering that included it
 /// numbered it, and that numbering's transaction; None when none did.
 pub fn numbered_in(
-    numberings: &[Numbering],
+    gapless_takes: &[GaplessTake],
     writes: &[LedgerWrite],
     index: usize,
 ) -> Option<(i64, LedgerWrite)> {
-    let numbering = numberings
+    let numbering = gapless_takes
         .iter()
         .rev()
         .find(|n| n.writes.contains(&index))?;
@@ -100,7 +100,7 @@ pub(super) async fn number(
     writes: &[LedgerWrite],
     offset: usize,
     counter: &Counter,
-    numberings: &Mutex<Vec<Numbering>>,
+    gapless_takes: &Mutex<Vec<GaplessTake>>,
 ) -> Result<(Vec<LedgerWrite>, Vec<usize>), LedgerError> {
     let mut groups: BTreeMap<(i64, &str), Vec<usize>> = BTreeMap::new();
     for (index, write) in writes.iter().enumerate() {
@@ -117,7 +117,15 @@ pub(super) async fn number(
         let n: usize = indexes.iter().map(|i| writes[*i].unnumbered.len()).sum();
         let shared: Vec<usize> = indexes.iter().map(|index| offset + index).collect();
         let document = &writes[indexes[0]].unnumbered[0];
-        let taken = take(&mut *conn, counter, document, &shared, n as i64, numberings).await;
+        let taken = take(
+            &mut *conn,
+            counter,
+            document,
+            &shared,
+            n as i64,
+            gapless_takes,
+        )
+        .await;
         let mut next = match taken {
             Err(LedgerError::CounterHeld) => {
                 for index in indexes {

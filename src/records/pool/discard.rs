@@ -84,7 +84,7 @@ impl Discards {
     pub async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) -> Result<(), RedisFailure> {
         let mut sorted = seqs.to_vec();
         sorted.sort_unstable();
-        self.redis.give_back(&pool.keys, &sorted).await
+        self.redis.lists().give_back(&pool.keys, &sorted).await
     }
 
     /// Numbers taken from the pool (or the counter) but surely not issued:
@@ -146,7 +146,7 @@ impl Discards {
 
     /// Empties a pool whose list cannot be trusted and records its numbers.
     pub async fn invalidate(&self, pool: &PoolRef, cause: DiscardCause) {
-        match self.redis.discard(&pool.keys, false).await {
+        match self.redis.lists().discard(&pool.keys, false).await {
             Ok(ranges) => {
                 self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
                     .await
@@ -195,7 +195,7 @@ impl Discards {
             }
         };
         for (keys, period) in pools {
-            match self.redis.discard(&keys, false).await {
+            match self.redis.lists().discard(&keys, false).await {
                 Ok(ranges) => self.record_discard(sequence, &period, &ranges, cause).await,
                 Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not discard pool"),
             }
@@ -214,7 +214,7 @@ impl Discards {
             }
         };
         for (keys, period) in pools {
-            match self.redis.trim_above(&keys, max).await {
+            match self.redis.lists().trim_above(&keys, max).await {
                 Ok(ranges) => {
                     self.record_discard(sequence, &period, &ranges, DiscardCause::AboveMax)
                         .await
@@ -236,7 +236,7 @@ impl Discards {
             sequence.doc_type.as_str(),
             period,
         );
-        let ranges = self.redis.discard(&keys, false).await?;
+        let ranges = self.redis.lists().discard(&keys, false).await?;
         self.record_discard(sequence, period, &ranges, DiscardCause::PeriodEnded)
             .await;
         Ok(())

@@ -9,12 +9,22 @@ use fred::prelude::*;
 use super::redis::{PoolKeys, RedisFailure, RedisLink};
 use crate::domain::numbers::SeqRange;
 
-impl RedisLink {
+/// The pools' lists, through the link (`RedisLink::lists`): borrowed,
+/// so a call costs nothing to set up.
+pub struct PoolLists<'a> {
+    link: &'a RedisLink,
+}
+
+impl<'a> PoolLists<'a> {
+    pub(super) fn new(link: &'a RedisLink) -> Self {
+        Self { link }
+    }
+
     pub async fn pop(&self, keys: &PoolKeys, count: usize) -> Result<Popped, RedisFailure> {
-        if !self.is_up() {
+        if !self.link.is_up() {
             return Err(RedisFailure::Open);
         }
-        self.stats.pool_pops.inc();
+        self.link.stats.pool_pops.inc();
         let token = format!("{:016x}", rand::random::<u64>());
         let forget = self
             .pop_book()
@@ -24,13 +34,14 @@ impl RedisLink {
         // Past our command timeout, on the server's clock, the pop takes
         // nothing: a pop queued in a hung server runs when it wakes.
         let deadline = self.server_clock_offset().map_or(0, |offset| {
-            now_ms() + offset + self.command_timeout.as_millis() as i64
+            now_ms() + offset + self.link.command_timeout.as_millis() as i64
         });
         let mut args = vec![count.to_string(), token.clone(), deadline.to_string()];
         args.extend(forget.iter().cloned());
         let reply = self
-            .guarded(self.eval(
-                &self.scripts.pop,
+            .link
+            .guarded(self.link.eval(
+                &self.link.scripts.pop,
                 vec![keys.pool.clone(), keys.meta.clone(), keys.inflight.clone()],
                 args,
             ))
@@ -81,11 +92,12 @@ impl RedisLink {
     }
 
     pub(super) fn pop_book(&self) -> std::sync::MutexGuard<'_, super::redis::PopBook> {
-        self.pops.lock().unwrap_or_else(|e| e.into_inner())
+        self.link.pops.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn server_clock_offset(&self) -> Option<i64> {
         *self
+            .link
             .clock_offset_ms
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -96,6 +108,7 @@ impl RedisLink {
     fn saw_server_clock(&self, server_ms: i64) {
         if server_ms > 0 {
             *self
+                .link
                 .clock_offset_ms
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = Some(server_ms - now_ms());
@@ -104,7 +117,10 @@ impl RedisLink {
 
     /// Reads the server's clock (before pops are allowed again).
     pub async fn read_server_clock(&self) -> Result<(), RedisFailure> {
-        let reply = self.eval(&self.scripts.clock, vec![], vec![]).await?;
+        let reply = self
+            .link
+            .eval(&self.link.scripts.clock, vec![], vec![])
+            .await?;
         self.saw_server_clock(integer(&reply).unwrap_or(0));
         Ok(())
     }
@@ -117,8 +133,9 @@ impl RedisLink {
         let mut returned = 0;
         for (n, (keys, token)) in in_doubt.iter().enumerate() {
             let settled = self
+                .link
                 .eval(
-                    &self.scripts.resolve_pop,
+                    &self.link.scripts.resolve_pop,
                     vec![keys.pool.clone(), keys.inflight.clone()],
                     vec![token.clone()],
                 )
@@ -149,26 +166,28 @@ impl RedisLink {
         token: &str,
         ttl: Duration,
     ) -> Result<Option<LockedPool>, RedisFailure> {
-        self.guarded(async {
-            let reply = self
-                .eval(
-                    &self.scripts.acquire,
-                    vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
-                    vec![token.to_owned(), ttl.as_millis().to_string()],
-                )
-                .await?;
-            if matches!(reply, Value::Null | Value::Boolean(false)) {
-                return Ok(None);
-            }
-            let parts = array(reply)?;
-            let get = |i: usize| parts.get(i).and_then(integer).unwrap_or(0);
-            Ok(Some(LockedPool {
-                depth: get(0),
-                target: get(1),
-                refilled_at_ms: get(2),
-            }))
-        })
-        .await
+        self.link
+            .guarded(async {
+                let reply = self
+                    .link
+                    .eval(
+                        &self.link.scripts.acquire,
+                        vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
+                        vec![token.to_owned(), ttl.as_millis().to_string()],
+                    )
+                    .await?;
+                if matches!(reply, Value::Null | Value::Boolean(false)) {
+                    return Ok(None);
+                }
+                let parts = array(reply)?;
+                let get = |i: usize| parts.get(i).and_then(integer).unwrap_or(0);
+                Ok(Some(LockedPool {
+                    depth: get(0),
+                    target: get(1),
+                    refilled_at_ms: get(2),
+                }))
+            })
+            .await
     }
 
     /// Appends `block` and releases the lock. The block goes in parts of at
@@ -187,10 +206,12 @@ impl RedisLink {
             let end = start.saturating_add(PUSH_PART).min(block.end);
             let last = end >= block.end;
             let part = self
+                .link
                 .guarded(async {
                     let reply = self
+                        .link
                         .eval(
-                            &self.scripts.push,
+                            &self.link.scripts.push,
                             vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
                             vec![
                                 token.to_owned(),
@@ -219,16 +240,18 @@ impl RedisLink {
     }
 
     pub async fn release(&self, keys: &PoolKeys, token: &str) -> Result<(), RedisFailure> {
-        self.guarded(async {
-            self.eval(
-                &self.scripts.release,
-                vec![keys.lock.clone()],
-                vec![token.to_owned()],
-            )
+        self.link
+            .guarded(async {
+                self.link
+                    .eval(
+                        &self.link.scripts.release,
+                        vec![keys.lock.clone()],
+                        vec![token.to_owned()],
+                    )
+                    .await
+                    .map(|_| ())
+            })
             .await
-            .map(|_| ())
-        })
-        .await
     }
 
     /// Empties the pool (with `keep_if_filled_here`, only if the server
@@ -248,10 +271,12 @@ impl RedisLink {
         };
         let drain = keys.drain_key();
         let moved = self
+            .link
             .guarded(async {
                 let reply = self
+                    .link
                     .eval(
-                        &self.scripts.discard,
+                        &self.link.scripts.discard,
                         vec![keys.pool.clone(), keys.meta.clone(), drain.clone()],
                         vec![mode.to_owned()],
                     )
@@ -265,10 +290,12 @@ impl RedisLink {
         }
         loop {
             let part = self
+                .link
                 .guarded(async {
                     let reply = self
+                        .link
                         .eval(
-                            &self.scripts.drain,
+                            &self.link.scripts.drain,
                             vec![drain.clone()],
                             vec![PUSH_PART.to_string()],
                         )
@@ -303,10 +330,12 @@ impl RedisLink {
         let mut ranges: Vec<SeqRange> = Vec::new();
         loop {
             let (more, runs) = self
+                .link
                 .guarded(async {
                     let reply = self
+                        .link
                         .eval(
-                            &self.scripts.trim_above,
+                            &self.link.scripts.trim_above,
                             vec![keys.pool.clone()],
                             vec![max.to_string(), PUSH_PART.to_string()],
                         )
@@ -328,7 +357,7 @@ impl RedisLink {
     /// out of order, and the lower ones judged lost by reconciliation,
     /// which trusts the head to be the pool's lowest number.
     pub async fn give_back(&self, keys: &PoolKeys, seqs: &[i64]) -> Result<(), RedisFailure> {
-        if !self.is_up() {
+        if !self.link.is_up() {
             return Err(RedisFailure::Open);
         }
         if seqs.is_empty() {
@@ -336,44 +365,53 @@ impl RedisLink {
         }
         for part in seqs.chunks(PUSH_PART as usize) {
             let numbers: Vec<String> = part.iter().map(i64::to_string).collect();
-            self.guarded(async {
-                let _: i64 = self
-                    .eval(&self.scripts.give_back, vec![keys.pool.clone()], numbers)
-                    .await?
-                    .convert()?;
-                Ok(())
-            })
-            .await?;
+            self.link
+                .guarded(async {
+                    let _: i64 = self
+                        .link
+                        .eval(
+                            &self.link.scripts.give_back,
+                            vec![keys.pool.clone()],
+                            numbers,
+                        )
+                        .await?
+                        .convert()?;
+                    Ok(())
+                })
+                .await?;
         }
         Ok(())
     }
 
     /// The lowest number waiting in the pool, if any.
     pub async fn head(&self, keys: &PoolKeys) -> Result<Option<i64>, RedisFailure> {
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            let head: Option<String> = client.lindex(keys.pool.as_str(), 0).await?;
-            Ok(head.and_then(|h| h.parse().ok()))
-        })
-        .await
+        self.link
+            .guarded(async {
+                let client = self.link.clients.next().with_options(&self.link.options);
+                let head: Option<String> = client.lindex(keys.pool.as_str(), 0).await?;
+                Ok(head.and_then(|h| h.parse().ok()))
+            })
+            .await
     }
 
     pub async fn depth(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            Ok(client.llen(keys.pool.as_str()).await?)
-        })
-        .await
+        self.link
+            .guarded(async {
+                let client = self.link.clients.next().with_options(&self.link.options);
+                Ok(client.llen(keys.pool.as_str()).await?)
+            })
+            .await
     }
 
     /// The highest block end ever pushed into the pool; 0 when none.
     pub async fn max_end(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
-        self.guarded(async {
-            let client = self.clients.next().with_options(&self.options);
-            let value: Option<String> = client.hget(keys.meta.as_str(), "max_end").await?;
-            Ok(value.and_then(|v| v.parse().ok()).unwrap_or(0))
-        })
-        .await
+        self.link
+            .guarded(async {
+                let client = self.link.clients.next().with_options(&self.link.options);
+                let value: Option<String> = client.hget(keys.meta.as_str(), "max_end").await?;
+                Ok(value.and_then(|v| v.parse().ok()).unwrap_or(0))
+            })
+            .await
     }
 }
 

@@ -12,10 +12,8 @@ mod lists;
 mod redis;
 mod refill;
 mod scripts;
-mod shared_pop;
-mod watch;
-use self::shared_pop::pop_shared;
 pub mod url;
+mod watch;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -190,7 +188,7 @@ impl PoolService {
         if !self.redis.is_up() {
             return None;
         }
-        self.redis.depth(&pool.keys).await.ok()
+        self.redis.lists().depth(&pool.keys).await.ok()
     }
 
     /// The pool of `sequence` in `period`; kept between requests, since
@@ -320,7 +318,7 @@ impl PoolService {
             sequence.doc_type.as_str(),
             period,
         );
-        self.redis.head(&keys).await
+        self.redis.lists().head(&keys).await
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {
@@ -341,20 +339,42 @@ impl PoolService {
 }
 
 /// One pop per pool for the whole batch, answers in arrival order: the
-/// one place where concurrent requests' pops are joined.
+/// one place where concurrent requests' pops are joined. Each pool is
+/// popped once for its requests' total and each request gets its share,
+/// in the order the requests came; a failed pop fails every request of its
+/// pool alike.
 async fn pop_batch(redis: Arc<RedisLink>, stats: Arc<Stats>, batch: Vec<PopRequest>) {
     stats.pipeline_pop_batch.observe(batch.len() as f64);
-    let popped = pop_shared(
-        batch,
-        |request| &request.keys,
-        |request| request.count,
-        |request, total| {
-            let (redis, keys) = (redis.clone(), request.keys.clone());
-            async move { redis.pop(&keys, total).await }
-        },
-    )
-    .await;
-    for (request, outcome) in popped {
-        let _ = request.reply.send(outcome);
+    let mut groups: HashMap<Arc<PoolKeys>, Vec<PopRequest>> = HashMap::new();
+    for request in batch {
+        groups
+            .entry(request.keys.clone())
+            .or_default()
+            .push(request);
+    }
+    let pops = groups.into_iter().map(|(keys, group)| {
+        let total: usize = group.iter().map(|request| request.count).sum();
+        let redis = redis.clone();
+        async move { (group, redis.lists().pop(&keys, total).await) }
+    });
+    for (group, popped) in futures::future::join_all(pops).await {
+        match popped {
+            Ok(popped) => {
+                let mut seqs = popped.seqs.into_iter();
+                for request in group {
+                    let share = Popped {
+                        seqs: seqs.by_ref().take(request.count).collect(),
+                        depth: popped.depth,
+                        target: popped.target,
+                    };
+                    let _ = request.reply.send(Ok(share));
+                }
+            }
+            Err(e) => {
+                for request in group {
+                    let _ = request.reply.send(Err(e.clone()));
+                }
+            }
+        }
     }
 }

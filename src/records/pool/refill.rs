@@ -166,6 +166,7 @@ impl Refills {
         let token = uuid::Uuid::new_v4().simple().to_string();
         let locked = match self
             .redis
+            .lists()
             .acquire(&pool.keys, &token, self.settings.lock_ttl)
             .await
         {
@@ -183,14 +184,14 @@ impl Refills {
         // Double check under the lock: another instance may have refilled
         // between our pop and our lock.
         if locked.depth > Self::low_water(pool, target) && locked.depth >= demand {
-            let _ = self.redis.release(&pool.keys, &token).await;
+            let _ = self.redis.lists().release(&pool.keys, &token).await;
             return RefillOutcome::NotNeeded;
         }
         let want = (target - locked.depth).max(0) + demand;
         let block = match self.reserve_block(pool, want, lock_acquired_at).await {
             Ok(block) => block,
             Err(outcome) => {
-                let _ = self.redis.release(&pool.keys, &token).await;
+                let _ = self.redis.lists().release(&pool.keys, &token).await;
                 return outcome;
             }
         };
@@ -242,6 +243,7 @@ impl Refills {
     ) -> RefillOutcome {
         let pushed = self
             .redis
+            .lists()
             .push(&pool.keys, token, block.range, target, now_ms)
             .await;
         let (cause, rest) = match pushed {

@@ -52,10 +52,10 @@ impl PoolWatch {
     pub async fn resync(&self) -> Result<Resynced, ResyncError> {
         self.stats.redis_resyncs.inc();
         self.redis.claim_prefix(&self.settings.installation).await?;
-        self.redis.read_server_clock().await?;
+        self.redis.lists().read_server_clock().await?;
         // Numbers of pops whose answers were lost go back before any pool
         // is judged or used.
-        self.redis.resolve_pops_in_doubt().await?;
+        self.redis.lists().resolve_pops_in_doubt().await?;
         let mut resynced = Resynced::default();
         for key in self.redis.pool_keys(None).await? {
             let Some((project, doc_type, period)) =
@@ -64,7 +64,7 @@ impl PoolWatch {
                 continue;
             };
             let keys = self.redis.keys(project, doc_type, period);
-            let ranges = self.redis.discard(&keys, true).await?;
+            let ranges = self.redis.lists().discard(&keys, true).await?;
             if ranges.is_empty() {
                 continue;
             }
@@ -101,7 +101,7 @@ impl PoolWatch {
                 continue;
             };
             let keys = self.redis.keys(project, doc_type, period);
-            let max_end = self.redis.max_end(&keys).await?;
+            let max_end = self.redis.lists().max_end(&keys).await?;
             if max_end > 0 {
                 seen.push((project.into(), doc_type.into(), period.into(), max_end));
             }
@@ -132,7 +132,7 @@ impl PoolWatch {
             let keys = self
                 .redis
                 .keys(project.as_str(), doc_type.as_str(), &period_key);
-            let ranges = self.redis.discard(&keys, false).await?;
+            let ranges = self.redis.lists().discard(&keys, false).await?;
             self.discards
                 .record_discard(
                     &sequence,

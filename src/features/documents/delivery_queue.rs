@@ -5,7 +5,7 @@ use crate::infra::db::{Db, Link, Tx};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-pub use crate::records::ledger::outbox::DocumentStatus;
+pub use crate::records::ledger::outbox_rows::DocumentStatus;
 use utoipa::ToSchema;
 
 use super::sink::Delivery;
