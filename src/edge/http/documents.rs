@@ -19,6 +19,9 @@ use super::extract::{Json, Path};
 use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
 use super::ids::parse_codes;
 use super::problem::{ApiError, Problem, db_error};
+use super::responses::{
+    IssuingUnavailable, JsonBodyProblems, KeyReused, NoSuchDocument, ProjectNotFound,
+};
 use crate::features::documents::delivery_queue::{self, DocumentView};
 use crate::features::documents::{
     Accepted, DocumentInput, MAX_BATCH, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, NumbersRefused,
@@ -37,22 +40,10 @@ pub const BATCH_BODY_LIMIT: usize = 32 * 1024 * 1024;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateDocument {
-    /// Project code, `[A-Za-z0-9_]{1,32}`.
-    #[schema(
-        example = "PROJ",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
-    /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(
-        example = "9012",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     #[schema(value_type = super::schema::Metadata)]
     pub metadata: Box<RawValue>,
@@ -69,22 +60,10 @@ pub struct CreateDocument {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchItem {
-    /// Project code, `[A-Za-z0-9_]{1,32}`.
-    #[schema(
-        example = "PROJ",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
-    /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(
-        example = "9012",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     #[schema(value_type = super::schema::Metadata)]
     pub metadata: Box<RawValue>,
@@ -286,13 +265,12 @@ fn accepted_response(status: StatusCode, body: Value, replayed: bool) -> Respons
          headers(("Location" = String, description = "/api/v1/documents/{id}"),
                  ("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, metadata, id or key", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        ProjectNotFound,
         (status = 409, description = "id_not_attachable, sequence_exhausted, idempotency_key_in_use, document_id_taken, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or metadata too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
+        JsonBodyProblems,
+        KeyReused,
+        IssuingUnavailable,
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]
@@ -424,10 +402,10 @@ fn to_value(document: &Accepted) -> Result<Value, ApiError> {
 pub struct AcceptedDocument {
     #[schema(example = "PROJ-9012-1001")]
     pub id: String,
-    #[schema(example = "PROJ")]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     #[schema(example = 1001)]
     pub seq: i64,
@@ -461,13 +439,12 @@ impl From<&Accepted> for AcceptedDocument {
     responses(
         (status = 202, description = "All accepted", body = BatchAccepted),
         (status = 400, description = "A bad item (see index) or batch size", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        ProjectNotFound,
         (status = 409, description = "An item's id is not attachable, a sequence is exhausted, a key is in use, or a new sequence cannot be created (format_conflict, sequence_limit_reached, sequence_not_defined)", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body or an item's metadata too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        JsonBodyProblems,
         (status = 422, description = "An item's key was used for another document", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
+        IssuingUnavailable,
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]
@@ -582,7 +559,7 @@ impl axum::extract::FromRequestParts<AppState> for BatchBody {
     params(("id" = String, Path, description = "The document ID, e.g. PROJ-9012-1001 (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
     responses(
         (status = 200, description = "The document and its delivery status", body = DocumentView),
-        (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
+        NoSuchDocument,
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]

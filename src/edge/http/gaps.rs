@@ -64,10 +64,10 @@ pub struct GapsQuery {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct GapList {
-    #[schema(example = "PROJ")]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     /// Contiguous numbers with one reason are one range.
     pub gaps: Vec<Gap>,

@@ -13,6 +13,7 @@ use super::auth::within_scope;
 use super::extract::Json;
 use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
 use super::problem::{ApiError, Problem};
+use super::responses::{IssuingUnavailable, JsonBodyProblems, KeyReused, ProjectNotFound};
 use crate::domain::sequence::{ProjectCode, TypeCode};
 use crate::issuance::{Issued, MAX_COUNT, Want};
 use crate::records::auth::Caller;
@@ -22,22 +23,10 @@ use crate::records::ledger::Via;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct IssueIdsRequest {
-    /// Project code, `[A-Za-z0-9_]{1,32}`.
-    #[schema(
-        example = "PROJ",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
-    /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(
-        example = "9012",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     /// How many IDs, 1 to 10,000 (default 1).
     #[serde(
@@ -54,10 +43,10 @@ fn one() -> i64 {
 
 #[derive(Debug, Serialize, serde::Deserialize, ToSchema)]
 pub struct IssuedIds {
-    #[schema(example = "PROJ")]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     /// Formatted IDs, ascending.
     #[schema(example = json!(["PROJ-9012-1001"]))]
@@ -141,13 +130,12 @@ impl IdsInput {
         (status = 200, description = "IDs issued", body = IssuedIds,
          headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, count or body", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "project_not_found: the project is not one of the key's", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
+        ProjectNotFound,
         (status = 409, description = "sequence_exhausted, idempotency_key_in_use, format_conflict, sequence_limit_reached or sequence_not_defined (a new sequence), id_too_long, too_many_reservations (a gapless sequence holds 1,000 open)", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Postgres unavailable, the request timed out, or the definition changed meanwhile (retry)", body = Problem, content_type = "application/problem+json"),
+        JsonBodyProblems,
+        KeyReused,
+        IssuingUnavailable,
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]

@@ -13,6 +13,7 @@ pub mod ids;
 mod outbox;
 mod page;
 pub mod problem;
+mod responses;
 mod schema;
 mod sequences;
 pub mod server;

@@ -11,6 +11,7 @@ use super::extract::{Path, Query};
 use super::ids::{parse_project, parse_type};
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
+use super::responses::NoSuchDocument;
 use crate::features::documents::delivery_queue::{
     self, DocumentStatus, DocumentView, ListError, ListFilter, TransitionError,
 };
@@ -177,7 +178,7 @@ fn transition_error(e: TransitionError) -> ApiError {
     params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
     responses(
         (status = 200, description = "Back to pending, retry count reset", body = DocumentView),
-        (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
+        NoSuchDocument,
         (status = 409, description = "Not a dead letter (or abandoned)", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -202,7 +203,7 @@ pub async fn retry_document(
     params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
     responses(
         (status = 200, description = "Abandoned: its number is a gap", body = DocumentView),
-        (status = 404, description = "No such document", body = Problem, content_type = "application/problem+json"),
+        NoSuchDocument,
         (status = 409, description = "Already committed", body = Problem, content_type = "application/problem+json"),
     )
 )]

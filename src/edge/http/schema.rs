@@ -69,3 +69,26 @@ impl ToSchema for Metadata {
         Cow::Borrowed("Metadata")
     }
 }
+
+/// A project code, in a request or an answer: `[A-Za-z0-9_]{1,32}`.
+pub fn project_code() -> utoipa::openapi::schema::Object {
+    code("Project code, `[A-Za-z0-9_]{1,32}`.", "PROJ")
+}
+
+/// A document type code, in a request or an answer: `[A-Za-z0-9_]{1,32}`.
+pub fn type_code() -> utoipa::openapi::schema::Object {
+    code("Document type code, `[A-Za-z0-9_]{1,32}`.", "9012")
+}
+
+/// The schema of a code (`ProjectCode`, `TypeCode`): one to 32 letters,
+/// digits or underscores.
+fn code(description: &str, example: &str) -> utoipa::openapi::schema::Object {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some(description))
+        .examples([serde_json::json!(example)])
+        .pattern(Some(r"^[A-Za-z0-9_]{1,32}$"))
+        .min_length(Some(1))
+        .max_length(Some(32))
+        .build()
+}

@@ -14,6 +14,7 @@ use super::extract::{Json, Path, Query};
 use super::ids::parse_codes;
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
+use super::responses::JsonBodyProblems;
 use crate::domain::sequence::{
     Definition, DefinitionInput, LayoutKind, Numbering, Reset, Sequence,
 };
@@ -21,10 +22,10 @@ use crate::records::auth::Caller;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct SequenceView {
-    #[schema(example = "PROJ")]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
     #[serde(rename = "type")]
-    #[schema(example = "9012")]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     #[schema(example = "{project}-{type}-{seq}")]
     pub format: String,
@@ -254,9 +255,8 @@ async fn live_figures(
         (status = 201, description = "Created", body = SequenceView),
         (status = 400, description = "Invalid definition", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "forbidden: defining a sequence needs an admin key", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        JsonBodyProblems,
         (status = 409, description = "sequence_in_use (an identity change without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
     )
 )]

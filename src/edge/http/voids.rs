@@ -15,6 +15,7 @@ use super::extract::Json;
 use super::idempotent::{self, Answer, IdempotencyKey, Keyed};
 use super::ids::parse_codes;
 use super::problem::{ApiError, Problem};
+use super::responses::{JsonBodyProblems, KeyReused};
 use crate::domain::sequence::MAX_ID_LEN;
 use crate::issuance::reservations::{VoidError, Voided};
 use crate::records::auth::Caller;
@@ -26,22 +27,10 @@ const MAX_REASON_CHARS: usize = 200;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VoidRequest {
-    /// Project code, `[A-Za-z0-9_]{1,32}`.
-    #[schema(
-        example = "INV",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::project_code)]
     pub project: String,
-    /// Document type code, `[A-Za-z0-9_]{1,32}`.
     #[serde(rename = "type")]
-    #[schema(
-        example = "2026",
-        pattern = r"^[A-Za-z0-9_]{1,32}$",
-        min_length = 1,
-        max_length = 32
-    )]
+    #[schema(schema_with = super::schema::type_code)]
     pub doc_type: String,
     /// An ID `POST /ids` reserved on this gapless sequence.
     #[schema(
@@ -160,11 +149,10 @@ fn check_id_and_reason(body: &VoidRequest) -> Result<(), ApiError> {
          headers(("Idempotent-Replayed" = String, description = "true when this answers a retry"))),
         (status = 400, description = "Invalid project, type, id, reason or body", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found (not one of the key's) or id_not_found (no reservation of a gapless sequence prints it)", body = Problem, content_type = "application/problem+json"),
-        (status = 408, description = "body_timeout: the body did not arrive within the request timeout", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "id_attached (it carries a document), idempotency_key_in_use", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "idempotency_key_reused", body = Problem, content_type = "application/problem+json"),
+        JsonBodyProblems,
+        KeyReused,
         (status = 503, description = "Postgres unavailable or the request timed out (retry)", body = Problem, content_type = "application/problem+json"),
     )
 )]
