@@ -81,7 +81,7 @@ impl Reservations {
     /// The reservation `id` would be, found before the caller's
     /// transaction: reading a definition may need a connection of its own,
     /// and a request holding one while it waits for another can starve
-    /// them all (hostile review: every void of an instance timing out).
+    /// them all (every void of an instance once timed out so).
     pub async fn void_target(
         &self,
         project: &ProjectCode,

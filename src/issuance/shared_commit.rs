@@ -123,8 +123,8 @@ impl SharedCommit {
             let writer = Arc::new(Writer::new(db.clone(), pools.clone(), stats.clone()));
             // One commit at a time: a commit costs Postgres far more than
             // the rows it carries, so everything popped while one runs
-            // waits for the next (two at a time measured slower: smaller
-            // commits).
+            // waits for the next (two at a time was slower: BENCHMARKS.md,
+            // "Profile findings that changed the code").
             Batcher::spawn(tasks, name, 4096, move |batches: Vec<Vec<ToWrite>>| {
                 writer.clone().write(batches)
             })

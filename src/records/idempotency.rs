@@ -321,7 +321,7 @@ mod tests {
             fingerprint("document", &whole),
             fingerprint("document", &exp)
         );
-        // Integers a double cannot hold stay apart (hostile review:
+        // Integers a double cannot hold stay apart (they once did not:
         // 2^53 + 1 and 2^53 were one request).
         for (a, b) in [
             ("9007199254740993", "9007199254740992"),

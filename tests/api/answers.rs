@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::{TestEnv, expect_postgres_trouble, until};
-use crate::stall::StallingProxy;
+use crate::support::app::{TestEnv, expect_postgres_trouble, until};
+use crate::support::stall::StallingProxy;
 
 /// What one request was and what it was answered.
 #[derive(Debug, Clone)]

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
-use crate::helpers::eventually;
-use crate::helpers::{
+use crate::support::app::eventually;
+use crate::support::app::{
     ServeProcess, TestApp, TestEnv, assert_problem, client_with_key, create_key, create_key_with_id,
 };
 
@@ -135,7 +135,7 @@ async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outs
             .await;
         assert_eq!(response.status(), StatusCode::ACCEPTED);
     }
-    let b_ledger = crate::helpers::ledger_numbers(&app.db, "B", "T", "").await;
+    let b_ledger = crate::support::app::ledger_numbers(&app.db, "B", "T", "").await;
     let key_a = client_with_key(Some(&create_key(&app.state, &["A"], false).await));
     let (revoked_id, revoked) = create_key_with_id(&app.state, &["A", "B"], false).await;
     app.state
@@ -211,12 +211,12 @@ async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outs
     }
     // Nothing of B changed, and lists show only the key's projects.
     assert_eq!(
-        crate::helpers::ledger_numbers(&app.db, "B", "T", "").await,
+        crate::support::app::ledger_numbers(&app.db, "B", "T", "").await,
         b_ledger
     );
-    let listed: Value = crate::helpers::get_ok(&key_a, &app.url("/api/v1/sequences")).await;
+    let listed: Value = crate::support::app::get_ok(&key_a, &app.url("/api/v1/sequences")).await;
     assert_eq!(listed["sequences"], json!([]), "{listed}");
-    let outbox: Value = crate::helpers::get_ok(&key_a, &app.url("/api/v1/outbox")).await;
+    let outbox: Value = crate::support::app::get_ok(&key_a, &app.url("/api/v1/outbox")).await;
     assert_eq!(outbox["documents"], json!([]), "{outbox}");
     // The table of the closing note.
     for (operation, scope) in scopes {
@@ -254,7 +254,7 @@ async fn a_project_key_works_inside_its_projects() {
         .await
         .unwrap();
     assert_eq!(read.status(), StatusCode::OK);
-    let listed: Value = crate::helpers::get_ok(&key, &app.url("/api/v1/sequences")).await;
+    let listed: Value = crate::support::app::get_ok(&key, &app.url("/api/v1/sequences")).await;
     let projects: BTreeSet<&str> = listed["sequences"]
         .as_array()
         .unwrap()
@@ -426,7 +426,7 @@ async fn no_log_line_holds_a_secret_and_every_request_line_names_its_key() {
     let url = |path: &str| format!("http://127.0.0.1:{}{path}", server.port);
     let good = client_with_key(Some(&key));
     let wrong = client_with_key(Some(&format!("{}x", &key[..key.len() - 1])));
-    let basic = crate::helpers::client_with_key(None);
+    let basic = crate::support::app::client_with_key(None);
     // A failure here names what the server logged (it logs to a file).
     let said = || warnings_and_errors(log.path());
     let answered = |sent: reqwest::Result<reqwest::Response>| {
@@ -521,7 +521,7 @@ async fn authentication_is_off_only_when_asked_and_only_on_a_loopback_address() 
     off.auth = false;
     let log = tempfile::NamedTempFile::new().unwrap();
     let mut server = ServeProcess::start_logging(&off, log.path(), "info").await;
-    let open = crate::helpers::client_with_key(None)
+    let open = crate::support::app::client_with_key(None)
         .post(format!("http://127.0.0.1:{}/ids", server.port))
         .json(&json!({"project": "DEV", "type": "1"}))
         .send()
@@ -540,7 +540,7 @@ async fn authentication_is_off_only_when_asked_and_only_on_a_loopback_address() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_in_use_is_never_read_again_from_postgres() {
     let app = TestEnv::new().spawn().await;
-    let (id, secret) = crate::helpers::create_key_with_id(&app.state, &["KEPT"], false).await;
+    let (id, secret) = crate::support::app::create_key_with_id(&app.state, &["KEPT"], false).await;
     let tenant = client_with_key(Some(&secret));
     let issue = async || {
         tenant
@@ -567,14 +567,14 @@ async fn a_key_in_use_is_never_read_again_from_postgres() {
         .record_use()
         .await
         .expect("use recorded");
-    let mark = crate::helpers::postgres_now(&app.db)
+    let mark = crate::support::app::postgres_now(&app.db)
         .await
         .expect("Postgres' clock");
     let mut requests = 0;
     eventually(Duration::from_secs(30), "two seconds of use", async || {
         assert_eq!(issue().await, StatusCode::OK, "the key was read again");
         requests += 1;
-        let now = crate::helpers::postgres_now(&app.db).await?;
+        let now = crate::support::app::postgres_now(&app.db).await?;
         (now - mark > chrono::Duration::seconds(2)).then_some(())
     })
     .await;

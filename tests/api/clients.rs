@@ -10,7 +10,7 @@ use std::process::Command;
 
 use reqwest::StatusCode;
 
-use crate::helpers::{TestApp, TestEnv, create_key};
+use crate::support::app::{TestApp, TestEnv, create_key};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

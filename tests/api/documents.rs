@@ -12,10 +12,10 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
 
-use crate::helpers::{ServeProcess, TestEnv, assert_problem, ledger_numbers};
-use crate::helpers::{eventually, eventually_every};
-use crate::redis_server::RedisServer;
-use crate::webhook::{Behaviour, Webhook};
+use crate::support::app::{ServeProcess, TestEnv, assert_problem, ledger_numbers};
+use crate::support::app::{eventually, eventually_every};
+use crate::support::redis_server::RedisServer;
+use crate::support::webhook::{Behaviour, Webhook};
 
 fn doc(project: &str, doc_type: &str, metadata: Value) -> Value {
     json!({"project": project, "type": doc_type, "metadata": metadata})
@@ -320,8 +320,8 @@ async fn ten_concurrent_requests_with_one_key_make_one_document() {
     assert_eq!(app.outbox_count(None).await, 1);
 
     // Another API key's identical Idempotency-Key is its own.
-    let other_key = crate::helpers::create_key(&app.state, &[], true).await;
-    let other_caller = crate::helpers::client_with_key(Some(&other_key))
+    let other_key = crate::support::app::create_key(&app.state, &[], true).await;
+    let other_caller = crate::support::app::client_with_key(Some(&other_key))
         .post(app.url("/documents"))
         .header("idempotency-key", "order-7")
         .json(&body)
@@ -891,7 +891,11 @@ async fn a_processor_killed_mid_batch_loses_nothing_and_never_writes_other_conte
 
 /// A processor of the test's own, over a directory, driven one step at a
 /// time (the app's own processor is off).
-fn dir_processor(app: &crate::helpers::TestApp, dir: &std::path::Path, batch: i64) -> Processor {
+fn dir_processor(
+    app: &crate::support::app::TestApp,
+    dir: &std::path::Path,
+    batch: i64,
+) -> Processor {
     let sink = Sink::build(
         &SinkConfig::Dir(dir.to_owned()),
         &SinkSettings {
@@ -918,7 +922,7 @@ fn dir_processor(app: &crate::helpers::TestApp, dir: &std::path::Path, batch: i6
     )
 }
 
-async fn accept_batch(app: &crate::helpers::TestApp, project: &str, count: usize) {
+async fn accept_batch(app: &crate::support::app::TestApp, project: &str, count: usize) {
     let documents = (0..count)
         .map(|n| doc(project, "1", json!({"n": n})))
         .collect();

@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::helpers::{
+use crate::support::app::{
     ServeProcess, TestApp, TestEnv, client_with_key, create_key, eventually, seqs_of, until,
 };
-use crate::redis_server::RedisServer;
-use crate::topology::{
+use crate::support::redis_server::RedisServer;
+use crate::support::topology::{
     MovableAddress, Partition, PostgresServer, RedisCluster, RedisSentinel, TlsRedis, postgres_dir,
 };
-use crate::traffic::{Traffic, assert_every_number_explained};
+use crate::support::traffic::{Traffic, assert_every_number_explained};
 
 const TYPES: [&str; 6] = ["A", "B", "C", "D", "E", "F"];
 
@@ -56,9 +56,10 @@ async fn a_rediss_url_takes_the_pools_over_tls() {
         tls.ca().to_string_lossy().into_owned(),
     ));
     let server = ServeProcess::start(&env).await;
-    let client = crate::helpers::client_with_key(None);
+    let client = crate::support::app::client_with_key(None);
     let ready: Value =
-        crate::helpers::get_ok(&client, &format!("http://127.0.0.1:{}/readyz", server.port)).await;
+        crate::support::app::get_ok(&client, &format!("http://127.0.0.1:{}/readyz", server.port))
+            .await;
     assert_eq!(ready["mode"], "pool", "{ready}");
     for expected in 1..=3 {
         let response = client
@@ -293,7 +294,7 @@ async fn postgres_failover(after_failover: AfterFailover) {
     );
     env.auth = false;
     env.request_timeout_s = 2;
-    let client = crate::helpers::client_with_key(None);
+    let client = crate::support::app::client_with_key(None);
     // Numbers of `n` requests of 10; a 503 (Postgres away, or its counters
     // being fenced) is sent again, as a client would.
     let issue = async |port: u16, n: usize| -> Vec<i64> {
@@ -384,7 +385,8 @@ async fn postgres_failover(after_failover: AfterFailover) {
         "the counter was moved past what Redis had seen"
     );
     let metrics =
-        crate::helpers::metrics_at(&client, &format!("http://127.0.0.1:{}", serving.port)).await;
+        crate::support::app::metrics_at(&client, &format!("http://127.0.0.1:{}", serving.port))
+            .await;
     assert!(
         metrics["idpool_fences_total"] >= 1.0,
         "the fence is counted where an operator looks"
@@ -403,7 +405,7 @@ async fn postgres_failover(after_failover: AfterFailover) {
         assert_eq!(response.status(), StatusCode::OK);
     };
     reconcile().await;
-    crate::helpers::wait_on_postgres_clock(&db, env.settle).await;
+    crate::support::app::wait_on_postgres_clock(&db, env.settle).await;
     reconcile().await;
     let issued: Vec<i64> = before.iter().chain(&after).copied().collect();
     // What was issued after the standby stopped, Postgres no longer knows
@@ -604,7 +606,8 @@ async fn a_postgres_restart_is_503_while_it_lasts_and_served_after() {
     )
     .await;
     assert_eq!(refused.headers()["retry-after"], "1");
-    crate::helpers::assert_problem(refused, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    crate::support::app::assert_problem(refused, StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+        .await;
     postgres.start();
     eventually(Duration::from_secs(20), "served again", async || {
         (app.post_ids("PR", "A", 1).await.status() == StatusCode::OK).then_some(())
@@ -670,7 +673,7 @@ async fn a_read_only_primary_is_503_and_not_ready_and_the_next_primary_is_found_
     assert_eq!(ready().await.0, StatusCode::OK);
 
     // The primary is demoted in place: it answers, and takes no writes.
-    crate::helpers::expect_error_lines("read-only transaction");
+    crate::support::app::expect_error_lines("read-only transaction");
     let direct = sqlx::PgPool::connect(&primary.url("postgres"))
         .await
         .unwrap();
@@ -775,7 +778,7 @@ async fn an_instance_pointed_at_a_standby_is_not_ready_and_logs_quietly() {
     }
     drop(instance);
     let text = std::fs::read_to_string(&log).unwrap();
-    let busiest = crate::helpers::busiest_warning_second(&text).map_or(0, |(_, n, _)| n);
+    let busiest = crate::support::app::busiest_warning_second(&text).map_or(0, |(_, n, _)| n);
     assert!(
         busiest <= 20,
         "{busiest} warning lines in one second:\n{text}"
@@ -825,7 +828,8 @@ async fn an_instance_started_on_a_standby_waits_not_ready_then_migrates_and_serv
         .await
         .unwrap();
     assert_eq!(other.headers()["retry-after"], "1");
-    crate::helpers::assert_problem(other, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    crate::support::app::assert_problem(other, StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+        .await;
     let ids = || {
         client
             .post(format!("{base}/ids"))
@@ -1008,7 +1012,7 @@ impl DocumentTraffic {
                                 let body: Value = r.json().await.unwrap_or(Value::Null);
                                 out.ids.push(body["id"].as_str().unwrap_or("?").to_owned());
                             }
-                            Ok(r) => out.failures.push(crate::traffic::failure(r).await),
+                            Ok(r) => out.failures.push(crate::support::traffic::failure(r).await),
                             Err(e) => out.failures.push(e.to_string()),
                         }
                     }
@@ -1078,7 +1082,8 @@ async fn a_redis_turned_replica_is_left_out_of_use_quietly_and_taken_back_once_w
     .await;
     drop(instance);
     let text = std::fs::read_to_string(&log).unwrap();
-    let (second, busiest, said) = crate::helpers::busiest_warning_second(&text).unwrap_or_default();
+    let (second, busiest, said) =
+        crate::support::app::busiest_warning_second(&text).unwrap_or_default();
     println!("{served} served; busiest second {second}: {busiest} lines {said:?}");
     assert!(
         busiest <= 20,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, TestEnv, assert_problem, create_key};
+use crate::support::app::{TestApp, TestEnv, assert_problem, create_key};
 
 async fn gapless(app: &TestApp, project: &str, doc_type: &str, extra: Value) -> Value {
     let mut body = json!({"numbering": "gapless", "format": "{project}-{type}-{seq:4}"});
@@ -274,7 +274,7 @@ async fn a_reservation_past_its_deadline_is_voided_once_and_cannot_be_attached()
     let apps = [env.spawn().await, env.spawn().await];
     gapless(&apps[0], "GE", "1", json!({})).await;
     let (ids, _) = apps[0].issue("GE", "1", 2).await;
-    let gaps = crate::helpers::eventually(
+    let gaps = crate::support::app::eventually(
         Duration::from_secs(10),
         "both reservations expire",
         async || {
@@ -440,7 +440,7 @@ async fn numbering_cannot_change_once_numbers_were_taken() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_redis_gone_gapless_documents_and_reservations_carry_on() {
-    let mut redis = crate::redis_server::RedisServer::start();
+    let mut redis = crate::support::redis_server::RedisServer::start();
     let app = TestEnv::new().with_redis(&redis.url()).spawn().await;
     gapless(&app, "GD", "1", json!({})).await;
     let doc = json!({"project": "GD", "type": "1", "metadata": {}});
@@ -525,14 +525,14 @@ async fn a_daily_gapless_sequence_starts_again_at_one_after_midnight_in_its_time
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_nothing_acknowledged()
  {
-    use crate::helpers::{ServeProcess, client_with_key};
-    use crate::topology::{PostgresServer, postgres_dir};
+    use crate::support::app::{ServeProcess, client_with_key};
+    use crate::support::topology::{PostgresServer, postgres_dir};
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     let dir = postgres_dir();
     let mut postgres = PostgresServer::primary(dir.path());
-    let mut redis = crate::redis_server::RedisServer::start();
+    let mut redis = crate::support::redis_server::RedisServer::start();
     let mut env = TestEnv::new().with_redis(&redis.url());
     env.database_url = postgres.url("idpool_gapless_chaos");
     env.auth = false;
@@ -591,7 +591,7 @@ async fn killed_instance_lost_redis_and_crashed_postgres_leave_no_hole_and_lose_
     let wait_for_more = async |more: usize, what: &str| {
         let target = count() + more;
         let what = format!("{more} documents acknowledged {what}");
-        crate::helpers::eventually(Duration::from_secs(60), &what, async || {
+        crate::support::app::eventually(Duration::from_secs(60), &what, async || {
             (count() >= target).then_some(())
         })
         .await;
@@ -822,7 +822,7 @@ async fn a_number_that_is_neither_a_document_nor_a_void_is_reported_as_a_violati
     // Its gaps are still only voids: the violation is an error, not a reason.
     assert!(app.gaps("GV", "1").await.is_empty());
     assert_eq!(
-        crate::helpers::expect_error_lines("neither a document nor a void"),
+        crate::support::app::expect_error_lines("neither a document nor a void"),
         1,
         "the violation is logged as an error"
     );

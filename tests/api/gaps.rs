@@ -12,10 +12,10 @@ use idpool::features::documents::sink::SinkConfig;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::eventually;
-use crate::helpers::{ServeProcess, TestApp, TestEnv, assert_problem};
-use crate::redis_server::RedisServer;
-use crate::webhook::{Behaviour, Webhook};
+use crate::support::app::eventually;
+use crate::support::app::{ServeProcess, TestApp, TestEnv, assert_problem};
+use crate::support::redis_server::RedisServer;
+use crate::support::webhook::{Behaviour, Webhook};
 
 async fn redis_client(url: &str) -> Client {
     let client = Builder::from_config(Config::from_url(url).unwrap())

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::eventually;
-use crate::helpers::{ServeProcess, TestEnv, client_with_key};
-use crate::patroni::PatroniCluster;
+use crate::support::app::eventually;
+use crate::support::app::{ServeProcess, TestEnv, client_with_key};
+use crate::support::patroni::PatroniCluster;
 
 const PROJECT: &str = "HA";
 const TYPES: [&str; 4] = ["A", "B", "C", "D"];
@@ -268,7 +268,7 @@ async fn lease_returns_written(client: &reqwest::Client, bases: &[String]) {
     for base in bases {
         let what = format!("{base}: lease returns written");
         eventually(Duration::from_secs(30), &what, async || {
-            let metrics = crate::helpers::metrics_at(client, base).await;
+            let metrics = crate::support::app::metrics_at(client, base).await;
             let retrying = metrics.get("idpool_lease_returns_retrying").copied();
             (retrying.unwrap_or_default() == 0.0).then_some(())
         })
@@ -325,7 +325,7 @@ async fn reconcile_until_judged(
     let db = sqlx::PgPool::connect(url).await.expect("the cluster");
     loop {
         // Numbers younger than reconciliation's settle time are not judged.
-        crate::helpers::wait_on_postgres_clock(&db, settle).await;
+        crate::support::app::wait_on_postgres_clock(&db, settle).await;
         reconcile(client, base).await;
         match judged(url, answered).await {
             Ok(()) => return gaps_by_reason(client, base).await,
@@ -656,7 +656,7 @@ async fn patroni_failovers_cost_only_what_the_data_lost() {
     for log in &logs {
         let text = std::fs::read_to_string(log).expect("log");
         let (second, busiest, said) =
-            crate::helpers::busiest_warning_second(&text).unwrap_or_default();
+            crate::support::app::busiest_warning_second(&text).unwrap_or_default();
         println!("{} busiest second {second}: {said:?}", log.display());
         println!(
             "{}: at most {busiest} warning or error lines in one second",
@@ -742,4 +742,76 @@ async fn state_detail(url: &str, answers: &[Answer]) -> String {
         text.push_str(&format!("{doc_type}: {row}\n"));
     }
     text
+}
+
+#[test]
+fn the_tested_patroni_and_haproxy_settings_are_those_of_deploy() {
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/patroni");
+    let operator = std::fs::read_to_string(deploy.join("patroni.yml")).expect("patroni.yml");
+    let operator_haproxy =
+        std::fs::read_to_string(deploy.join("haproxy.cfg")).expect("haproxy.cfg");
+    let dir = tempfile::tempdir().unwrap();
+    let node = crate::support::patroni::PatroniNode {
+        name: "pg1".into(),
+        api_port: 8008,
+        pg_port: 5432,
+        config: dir.path().join("pg1.yml"),
+        data: dir.path().join("pg1"),
+        log: dir.path().join("pg1.log"),
+        patroni: None,
+    };
+    let tested = crate::support::patroni::patroni_config_text(&node, 2379, dir.path());
+    // What decides what a failover costs is the same in both; `loop_wait`
+    // (1 s in the test, to be quick) and `max_connections` (sized for
+    // many instances) are the operator's to tune.
+    for key in [
+        "ttl",
+        "retry_timeout",
+        "maximum_lag_on_failover",
+        "synchronous_mode",
+        "synchronous_mode_strict",
+        "use_pg_rewind",
+        "wal_log_hints",
+        "max_wal_senders",
+        "max_replication_slots",
+    ] {
+        let (theirs, ours) = (
+            crate::support::patroni::setting(&operator, key),
+            crate::support::patroni::setting(&tested, key),
+        );
+        assert!(theirs.is_some(), "deploy/patroni/patroni.yml sets no {key}");
+        assert_eq!(theirs, ours, "{key}: deploy/ and the HA test differ");
+    }
+    assert_eq!(
+        crate::support::patroni::setting(&operator, "synchronous_mode"),
+        Some("true")
+    );
+    let tested_haproxy =
+        crate::support::patroni::haproxy_config_text(5000, std::slice::from_ref(&node));
+    for key in [
+        "mode",
+        "timeout connect",
+        "timeout client",
+        "timeout server",
+        "timeout check",
+        "option httpchk",
+        "http-check expect",
+        "default-server",
+    ] {
+        let (theirs, ours) = (
+            crate::support::patroni::setting(&operator_haproxy, key),
+            crate::support::patroni::setting(&tested_haproxy, key),
+        );
+        assert!(theirs.is_some(), "deploy/patroni/haproxy.cfg sets no {key}");
+        assert_eq!(theirs, ours, "{key}: deploy/ and the HA test differ");
+    }
+    assert_eq!(
+        crate::support::patroni::setting(&operator_haproxy, "option httpchk"),
+        Some("GET /primary")
+    );
+    let servers = operator_haproxy
+        .lines()
+        .filter(|l| l.trim_start().starts_with("server ") && l.contains("check port 8008"))
+        .count();
+    assert_eq!(servers, 3, "three nodes, each checked at Patroni's API");
 }

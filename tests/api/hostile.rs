@@ -12,9 +12,9 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::helpers::eventually;
-use crate::helpers::{TestApp, TestEnv, assert_problem, create_key};
-use crate::redis_server::RedisServer;
+use crate::support::app::eventually;
+use crate::support::app::{TestApp, TestEnv, assert_problem, create_key};
+use crate::support::redis_server::RedisServer;
 
 /// Slowest answer a well-behaved request may get while a hostile one runs
 /// (they take milliseconds; a service frozen by one request takes seconds).
@@ -624,7 +624,7 @@ async fn a_number_locked_by_a_hung_transaction_delays_only_its_own_request() {
     let next: i64 = head.parse().unwrap();
     // Another transaction holds the next number and never finishes: the
     // request that meets it is refused (and says so in the log).
-    crate::helpers::expect_error_lines("canceling statement due to lock timeout");
+    crate::support::app::expect_error_lines("canceling statement due to lock timeout");
     let mut hung = app.db.begin().await.unwrap();
     sqlx::query(
         "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) VALUES ($1, '', int8range($2, $3), 'ids')",
@@ -1131,8 +1131,9 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
     assert_eq!(header("webhook-id"), id);
     let timestamp: i64 = header("webhook-timestamp").parse().unwrap();
     assert!((chrono::Utc::now().timestamp() - timestamp).abs() < 60);
-    let key = idpool::features::documents::sink::signing_key(crate::helpers::TEST_WEBHOOK_SECRET)
-        .unwrap();
+    let key =
+        idpool::features::documents::sink::signing_key(crate::support::app::TEST_WEBHOOK_SECRET)
+            .unwrap();
     assert_eq!(
         header("webhook-signature"),
         idpool::features::documents::sink::signature(&key, &id, timestamp, &body),

@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tokio::sync::Barrier;
 
-use crate::helpers::{TestEnv, assert_distinct, assert_problem, ledger_numbers};
+use crate::support::app::{TestEnv, assert_distinct, assert_problem, ledger_numbers};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_requests_released_at_once_get_hundred_distinct_ids() {

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, TestEnv, create_key};
-use crate::helpers::{eventually, eventually_every};
+use crate::support::app::{TestApp, TestEnv, create_key};
+use crate::support::app::{eventually, eventually_every};
 
 fn import(app: &TestApp, key: &str, file: &Path, out: &Path, extra: &[&str]) -> Command {
     import_as(app, "1", key, file, out, extra)
@@ -41,7 +41,7 @@ fn import_as(
         .arg("--out")
         .arg(out)
         .args(extra)
-        .stdout(crate::helpers::child_output())
+        .stdout(crate::support::app::child_output())
         .stderr(Stdio::piped());
     command
 }

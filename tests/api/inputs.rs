@@ -3,7 +3,7 @@
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, TestEnv, assert_problem};
+use crate::support::app::{TestApp, TestEnv, assert_problem};
 
 async fn post_raw(
     app: &TestApp,

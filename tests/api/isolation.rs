@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
-use crate::helpers::{TestApp, TestEnv, assert_problem, client_with_key, create_key, until};
+use crate::support::app::{TestApp, TestEnv, assert_problem, client_with_key, create_key, until};
 
 /// Slowest answer a well-behaved request may get while a neighbour does
 /// its worst (they take milliseconds; a starved one takes seconds).
@@ -199,7 +199,7 @@ async fn made_up_and_revoked_keys_never_make_a_valid_key_wait_or_fail() {
         let (flooding, refused, address) = (flooding.clone(), refused.clone(), app.address.clone());
         let revoked = revoked.clone();
         flood.push(tokio::spawn(async move {
-            let client = crate::helpers::client_with_key(None);
+            let client = crate::support::app::client_with_key(None);
             let mut other = Vec::new();
             while flooding.load(Ordering::Relaxed) {
                 let key = if n == 0 {
@@ -317,7 +317,7 @@ async fn clients_that_never_read_their_answers_lose_their_connections_after_the_
     // Every connection is taken by a client that does not read; the
     // next one waits to be accepted until the write timeout frees one.
     let started = Instant::now();
-    let health = crate::helpers::client_with_key(None)
+    let health = crate::support::app::client_with_key(None)
         .get(app.url("/healthz"))
         .timeout(Duration::from_secs(20))
         .send()
@@ -756,7 +756,7 @@ async fn a_refused_value_leaves_no_connection_in_a_transaction() {
     .await;
     // Past the idle-in-transaction timeout (request timeout + 5 s), every
     // request is still served.
-    crate::helpers::wait_on_postgres_clock(&app.db, Duration::from_secs(8)).await;
+    crate::support::app::wait_on_postgres_clock(&app.db, Duration::from_secs(8)).await;
     let documents = (0..20).map(|n| {
         let app = &app;
         async move {
@@ -791,7 +791,7 @@ async fn anyone_asking_for_readiness_and_metrics_costs_the_tenants_nothing() {
                         let (flooding, asked, address) =
                             (flooding.clone(), asked.clone(), address.clone());
                         tokio::spawn(async move {
-                            let client = crate::helpers::client_with_key(None);
+                            let client = crate::support::app::client_with_key(None);
                             let path = if n % 2 == 0 { "/readyz" } else { "/metrics" };
                             while flooding.load(Ordering::Relaxed) {
                                 let r =
@@ -1061,7 +1061,7 @@ async fn a_request_that_finds_the_postgres_pool_taken_is_answered_503_at_once() 
     let id = app.accept("TAKEN", "1").await;
     // Every connection of the request pool taken (as requests stuck on a
     // slow Postgres would hold them): the pool answers no more.
-    crate::helpers::expect_error_lines("pool timed out");
+    crate::support::app::expect_error_lines("pool timed out");
     let mut held = Vec::new();
     while let Ok(conn) = app.state.db.acquire().await {
         held.push(conn);
@@ -1250,12 +1250,13 @@ async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_
         .execute(&setup.db)
         .await
         .expect("a table of our own");
-    let instance_a = crate::helpers::ServeProcess::start(&env).await;
-    let webhook = crate::webhook::Webhook::start(crate::webhook::Behaviour::Succeed).await;
+    let instance_a = crate::support::app::ServeProcess::start(&env).await;
+    let webhook =
+        crate::support::webhook::Webhook::start(crate::support::webhook::Behaviour::Succeed).await;
     webhook.slow_down(Duration::from_millis(500));
     let mut delivering = env.clone();
     delivering.sink = idpool::features::documents::sink::SinkConfig::Webhook(webhook.url.clone());
-    let instance_b = crate::helpers::ServeProcess::start(&delivering).await;
+    let instance_b = crate::support::app::ServeProcess::start(&delivering).await;
     let base_b = format!("http://127.0.0.1:{}", instance_b.port);
     let client_b = client_with_key(Some(&key_b));
 
@@ -1285,8 +1286,8 @@ async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_
         .arg("--out")
         .arg(dir.path().join("tena.map.jsonl"))
         .env("IDPOOL_KEY", &key_a)
-        .stdout(crate::helpers::child_output())
-        .stderr(crate::helpers::child_output())
+        .stdout(crate::support::app::child_output())
+        .stderr(crate::support::app::child_output())
         .spawn()
         .expect("idpool import starts");
     let importing = Arc::new(AtomicBool::new(true));

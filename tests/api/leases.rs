@@ -13,9 +13,9 @@ use idpool::records::pool::PoolSettings;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::helpers::{ServeProcess, TestApp, TestEnv, metrics_at, seqs_of};
-use crate::helpers::{eventually, until};
-use crate::redis_server::RedisServer;
+use crate::support::app::{ServeProcess, TestApp, TestEnv, metrics_at, seqs_of};
+use crate::support::app::{eventually, until};
+use crate::support::redis_server::RedisServer;
 
 /// Ledger rows of a sequence recorded `via`, in the order they were written.
 async fn ledger_rows(db: &PgPool, project: &str, via: &str) -> Vec<(i64, i64)> {
@@ -634,7 +634,7 @@ async fn issue_and_attach(
 ) {
     let issuing = (0..16).map(|_| {
         let (stop, attached) = (stop.clone(), attached.clone());
-        let client = crate::helpers::client_with_key(Some(&key));
+        let client = crate::support::app::client_with_key(Some(&key));
         async move {
             while !stop.load(Ordering::Relaxed) {
                 let answer = client
@@ -751,7 +751,7 @@ async fn an_id_answered_is_attachable_at_once_through_any_instance_and_after_its
 async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
     let env = TestEnv::new();
     let attaching = env.spawn().await;
-    let proxy = crate::stall::StallingProxy::start("127.0.0.1:5432").await;
+    let proxy = crate::support::stall::StallingProxy::start("127.0.0.1:5432").await;
     let mut through_proxy = env.clone();
     through_proxy.database_url = proxy.url_for(&env.database_url);
     let mut answering = ServeProcess::start(&through_proxy).await;

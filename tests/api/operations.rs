@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 
-use crate::helpers::{TestEnv, base_database_url, replace_database};
+use crate::support::app::{TestEnv, base_database_url, replace_database};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_readiness_and_metrics_answer() {
@@ -142,16 +142,16 @@ async fn without_redis_at_start_ids_come_from_postgres() {
         .unwrap();
     let address = format!("http://127.0.0.1:{}", application.port());
     let stop = application.stop_token();
-    let key = crate::helpers::create_key(application.state(), &["NOREDIS"], false).await;
+    let key = crate::support::app::create_key(application.state(), &["NOREDIS"], false).await;
     let server = tokio::spawn(application.run_until_stopped());
-    let client = crate::helpers::client_with_key(Some(&key));
+    let client = crate::support::app::client_with_key(Some(&key));
     let ready: serde_json::Value =
-        crate::helpers::get_ok(&client, &format!("{address}/readyz")).await;
+        crate::support::app::get_ok(&client, &format!("{address}/readyz")).await;
     assert_eq!(
         ready,
         serde_json::json!({"postgres": "up", "redis": "down", "mode": "fallback"})
     );
-    let issued: serde_json::Value = crate::helpers::post_ok(
+    let issued: serde_json::Value = crate::support::app::post_ok(
         &client,
         &format!("{address}/ids"),
         &serde_json::json!({"project": "NOREDIS", "type": "1", "count": 3}),
@@ -187,13 +187,13 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         // Local development mode: allowed on a loopback address.
         .env("IDPOOL_AUTH", "off")
         .env("RUST_LOG", "warn")
-        .stdout(crate::helpers::child_output())
-        .stderr(crate::helpers::child_output())
+        .stdout(crate::support::app::child_output())
+        .stderr(crate::support::app::child_output())
         .spawn()
         .unwrap();
-    let client = crate::helpers::client_with_key(None);
+    let client = crate::support::app::client_with_key(None);
     let readyz = format!("http://127.0.0.1:{port}/readyz");
-    crate::helpers::eventually(Duration::from_secs(20), "the binary is ready", async || {
+    crate::support::app::eventually(Duration::from_secs(20), "the binary is ready", async || {
         let r = client.get(&readyz).send().await.ok()?;
         (r.status() == StatusCode::OK).then_some(())
     })
@@ -210,7 +210,7 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    let status = crate::helpers::eventually(
+    let status = crate::support::app::eventually(
         Duration::from_secs(10),
         "the binary stops after SIGTERM",
         async || child.try_wait().unwrap(),
@@ -239,7 +239,8 @@ async fn an_instance_starts_without_an_error_and_logs_each_request_with_its_key_
     let env = TestEnv::new();
     let setup = env.spawn().await;
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut server = crate::helpers::ServeProcess::start_logging(&env, log.path(), "info").await;
+    let mut server =
+        crate::support::app::ServeProcess::start_logging(&env, log.path(), "info").await;
     let base = format!("http://127.0.0.1:{}", server.port);
     let ok = setup
         .client
@@ -250,7 +251,7 @@ async fn an_instance_starts_without_an_error_and_logs_each_request_with_its_key_
         .unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
     // Strangers with made-up keys: answered, and not one log line each.
-    let stranger = crate::helpers::client_with_key(None);
+    let stranger = crate::support::app::client_with_key(None);
     for n in 0..200 {
         let refused = stranger
             .get(format!("{base}/api/v1/sequences"))
@@ -289,11 +290,14 @@ async fn a_redis_prefix_of_another_database_is_named_at_once() {
     let mut second = TestEnv::new();
     second.prefix = first.prefix.clone();
     // Its database made and migrated by a process that is gone again.
-    crate::helpers::ServeProcess::start(&second).await.stop();
+    crate::support::app::ServeProcess::start(&second)
+        .await
+        .stop();
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut server = crate::helpers::ServeProcess::start_logging(&second, log.path(), "info").await;
+    let mut server =
+        crate::support::app::ServeProcess::start_logging(&second, log.path(), "info").await;
     let first_error =
-        crate::helpers::eventually(Duration::from_secs(5), "the cause is named", async || {
+        crate::support::app::eventually(Duration::from_secs(5), "the cause is named", async || {
             lines_at(log.path(), &["ERROR"]).into_iter().next()
         })
         .await;

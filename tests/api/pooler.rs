@@ -11,9 +11,11 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::postgres::PgConnectOptions;
 
-use crate::helpers::{TestApp, TestEnv, base_database_url, client_with_key, create_key_with_id};
-use crate::topology::free_port;
-use crate::webhook::{Behaviour, Webhook};
+use crate::support::app::{
+    TestApp, TestEnv, base_database_url, client_with_key, create_key_with_id,
+};
+use crate::support::topology::free_port;
+use crate::support::webhook::{Behaviour, Webhook};
 use idpool::features::documents::sink::SinkConfig;
 
 /// PgBouncer on a free loopback port in front of the server of
@@ -49,7 +51,7 @@ impl PgBouncer {
         std::fs::write(dir.path().join("pgbouncer.ini"), config).expect("config");
         let mut command = Command::new("pgbouncer");
         // PgBouncer refuses to run as root.
-        if crate::topology::is_root() {
+        if crate::support::topology::is_root() {
             set_owner(dir.path(), "postgres");
             command.args(["-u", "postgres"]);
         }
@@ -59,9 +61,11 @@ impl PgBouncer {
             .stderr(Stdio::null())
             .spawn()
             .expect("pgbouncer (scripts/dev-services.sh ha-tools installs it)");
-        crate::helpers::eventually_blocking(Duration::from_secs(10), "PgBouncer starts", || {
-            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
-        });
+        crate::support::app::eventually_blocking(
+            Duration::from_secs(10),
+            "PgBouncer starts",
+            || std::net::TcpStream::connect(("127.0.0.1", port)).ok(),
+        );
         Self {
             child,
             port,
@@ -184,7 +188,7 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
         }
     }
     let what = format!("all {} documents delivered", accepted.len());
-    crate::helpers::eventually(Duration::from_secs(20), &what, async || {
+    crate::support::app::eventually(Duration::from_secs(20), &what, async || {
         let delivered: i64 =
             sqlx::query_scalar("SELECT count(*) FROM documents WHERE document_id = ANY($1)")
                 .bind(&accepted)
@@ -238,7 +242,7 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
     assert_eq!(first.status(), StatusCode::OK);
     a.state.auth.keys().revoke(&key_id).await.expect("revoked");
     let what = "the revocation seen within the stated staleness";
-    crate::helpers::eventually(idpool::infra::listen::POLL * 3, what, async || {
+    crate::support::app::eventually(idpool::infra::listen::POLL * 3, what, async || {
         let status = user
             .post(b.url("/ids"))
             .json(&json!({"project": "POOL", "type": "1", "count": 1}))
@@ -335,7 +339,7 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
             .await;
         assert_eq!(response.status(), StatusCode::ACCEPTED);
     }
-    crate::helpers::eventually(Duration::from_secs(20), "a delivery begins", async || {
+    crate::support::app::eventually(Duration::from_secs(20), "a delivery begins", async || {
         (!webhook.received().is_empty()).then_some(())
     })
     .await;

@@ -11,7 +11,7 @@ use idpool::records::pool::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::helpers::{TestApp, TestEnv, assert_distinct};
+use crate::support::app::{TestApp, TestEnv, assert_distinct};
 
 async fn pool_target(env: &TestEnv, app: &TestApp) -> i64 {
     let client = Builder::from_config(Config::from_url(&env.redis_url).unwrap())
@@ -77,7 +77,7 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     // The drained pool's refill runs in the background, after the answer
     // (a request never waits on a refill): the target is read once it has
     // landed.
-    crate::helpers::eventually(Duration::from_secs(10), "the pool refilled", async || {
+    crate::support::app::eventually(Duration::from_secs(10), "the pool refilled", async || {
         (pool_refills(&app).await > refills_before).then_some(())
     })
     .await;
@@ -87,7 +87,7 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
 
 /// A link of our own to `server`'s pools under `prefix`, up.
 async fn link_to(
-    server: &crate::redis_server::RedisServer,
+    server: &crate::support::redis_server::RedisServer,
     prefix: &str,
 ) -> Arc<idpool::records::pool::RedisLink> {
     let link = idpool::records::pool::RedisLink::connect(
@@ -102,7 +102,7 @@ async fn link_to(
     .unwrap();
     // Nothing to check the pools against here: the circuit closes once the
     // client is connected and nothing failed since.
-    crate::helpers::eventually(Duration::from_secs(10), "redis is up", async || {
+    crate::support::app::eventually(Duration::from_secs(10), "redis is up", async || {
         (link.all_connected() && link.mark_up(link.failure_count())).then_some(())
     })
     .await;
@@ -118,7 +118,7 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     use idpool::domain::numbers::SeqRange;
     use idpool::records::pool::Pushed;
 
-    let server = crate::redis_server::RedisServer::start();
+    let server = crate::support::redis_server::RedisServer::start();
     let link = link_to(&server, "idpool-back").await;
     let keys = link.keys("BACK", "1", "");
     let locked = link
@@ -163,7 +163,7 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
     use idpool::domain::numbers::SeqRange;
     use idpool::records::pool::Pushed;
 
-    let server = crate::redis_server::RedisServer::start();
+    let server = crate::support::redis_server::RedisServer::start();
     // Anything over 50 ms is logged; a part takes about 2 ms.
     server.cli(&["CONFIG", "SET", "slowlog-log-slower-than", "50000"]);
     server.cli(&["SLOWLOG", "RESET"]);

@@ -9,9 +9,9 @@ use fred::prelude::*;
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::helpers::eventually;
-use crate::helpers::{TestApp, TestEnv, assert_distinct};
-use crate::redis_server::RedisServer;
+use crate::support::app::eventually;
+use crate::support::app::{TestApp, TestEnv, assert_distinct};
+use crate::support::redis_server::RedisServer;
 
 async fn redis_client(url: &str) -> Client {
     let client = Builder::from_config(Config::from_url(url).unwrap())
@@ -105,7 +105,7 @@ async fn redis_killed_under_load_then_restarted_empty_loses_no_request_and_no_un
     // The numbers that were in the lost pools are untracked_loss; nothing
     // else is written off.
     app.settle_and_reconcile().await;
-    crate::traffic::assert_every_number_explained(&app.db, "LOAD", "1", &seqs, &[]).await;
+    crate::support::traffic::assert_every_number_explained(&app.db, "LOAD", "1", &seqs, &[]).await;
     let reasons: std::collections::BTreeSet<String> = app
         .gaps("LOAD", "1")
         .await
@@ -162,7 +162,7 @@ async fn a_pool_filled_on_another_server_is_discarded_after_reconnect() {
     // The pools are checked against the new server (the old pool found
     // and discarded), then used again.
     let what = "the pool filled on the old server is discarded";
-    crate::helpers::eventually(Duration::from_secs(10), what, async || {
+    crate::support::app::eventually(Duration::from_secs(10), what, async || {
         let discards: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pool_discards WHERE cause = 'redis_reconnect'",
         )

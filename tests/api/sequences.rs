@@ -3,7 +3,7 @@
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::helpers::{TestEnv, assert_problem};
+use crate::support::app::{TestEnv, assert_problem};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_used_before_it_is_defined_gets_the_defaults() {

@@ -247,8 +247,8 @@ pub async fn claim_due(
     // The claim walks the index of pending rows in due order and stops
     // after `limit`. Until autovacuum has analyzed a fast-growing outbox
     // (a fresh install taking a migration), the planner believes a few
-    // hundred rows are pending and reads all of them, then sorts: measured
-    // 65 ms a claim at 150,000 pending, and delivery three times slower.
+    // hundred rows are pending and reads all of them, then sorts (the
+    // claim's cost at 150,000 pending is in BENCHMARKS.md, "Leases").
     // Every statement of this transaction finds its rows by an index, in
     // the order it reads them: a tenant's pending rows by due time, never
     // all of them sorted (which the planner thinks cheap for a tenant whose

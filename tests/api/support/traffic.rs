@@ -93,7 +93,7 @@ impl Traffic {
     pub async fn answers(&self, more: usize) {
         let target = self.answered.load(Ordering::Relaxed) + more;
         let what = format!("{more} more answers");
-        crate::helpers::eventually(Duration::from_secs(60), &what, async || {
+        crate::support::app::eventually(Duration::from_secs(60), &what, async || {
             (self.answered.load(Ordering::Relaxed) >= target).then_some(())
         })
         .await

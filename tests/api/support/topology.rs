@@ -3,7 +3,7 @@
 //! Postgres primary with a streaming standby, and a TCP proxy that can cut
 //! idpool off from Redis. Nothing here touches the shared servers.
 
-use crate::helpers::{eventually, eventually_blocking};
+use crate::support::app::{eventually, eventually_blocking};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -79,8 +79,8 @@ impl RedisNode {
             .arg("--dir")
             .arg(&self.dir)
             .args(&self.args)
-            .stdout(crate::helpers::child_output())
-            .stderr(crate::helpers::child_output())
+            .stdout(crate::support::app::child_output())
+            .stderr(crate::support::app::child_output())
             .spawn()
             .expect("redis-server starts");
         self.child = Some(child);
@@ -89,7 +89,7 @@ impl RedisNode {
 
     /// SIGKILL: the node and its data are gone.
     pub fn kill(&mut self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -99,7 +99,7 @@ impl RedisNode {
     /// Writes its data, stops, and starts again on the same port with it:
     /// the same lists, a new run_id (what a stale node looks like).
     pub fn restart_with_data(&mut self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         redis_cli(self.port, &["SAVE"]);
         self.kill();
         let mut args = std::mem::take(&mut self.args);
@@ -109,7 +109,7 @@ impl RedisNode {
     }
 
     pub fn pause(&self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         if let Some(child) = &self.child {
             signal(child, nix::sys::signal::Signal::SIGSTOP);
         }
@@ -183,8 +183,8 @@ impl RedisCluster {
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-yes"])
-            .stdout(crate::helpers::child_output())
-            .stderr(crate::helpers::child_output())
+            .stdout(crate::support::app::child_output())
+            .stderr(crate::support::app::child_output())
             .status()
             .expect("redis-cli --cluster create");
         assert!(status.success(), "cluster create failed");
@@ -244,8 +244,8 @@ impl RedisSentinel {
             .arg(&config)
             .arg("--sentinel")
             .current_dir(dir.path())
-            .stdout(crate::helpers::child_output())
-            .stderr(crate::helpers::child_output())
+            .stdout(crate::support::app::child_output())
+            .stderr(crate::support::app::child_output())
             .spawn()
             .expect("sentinel starts");
         wait_for_port(sentinel_port);
@@ -546,7 +546,7 @@ impl PostgresServer {
 
     /// `fast` lets sessions end cleanly; `immediate` is a crash.
     pub fn stop(&mut self, mode: &str) {
-        crate::helpers::expect_postgres_trouble();
+        crate::support::app::expect_postgres_trouble();
         if self.running {
             let _ = pg_tool("pg_ctl")
                 .arg("-D")
@@ -558,7 +558,7 @@ impl PostgresServer {
     }
 
     pub fn promote(&self) {
-        crate::helpers::expect_postgres_trouble();
+        crate::support::app::expect_postgres_trouble();
         run_pg(
             pg_tool("pg_ctl")
                 .arg("-D")
@@ -644,7 +644,7 @@ impl Partition {
     }
 
     pub fn cut(&self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         self.cut.store(true, Ordering::SeqCst);
     }
 
@@ -691,12 +691,12 @@ impl MovableAddress {
     /// New connections reach `port`; those open stay where they were (a
     /// proxy that does not end sessions on a node marked down).
     pub fn redirect(&self, port: u16) {
-        crate::helpers::expect_postgres_trouble();
+        crate::support::app::expect_postgres_trouble();
         self.target.lock().unwrap().0 = port;
     }
 
     pub fn move_to(&self, port: u16) {
-        crate::helpers::expect_postgres_trouble();
+        crate::support::app::expect_postgres_trouble();
         let mut target = self.target.lock().unwrap();
         target.1.cancel();
         *target = (port, tokio_util::sync::CancellationToken::new());

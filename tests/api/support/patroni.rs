@@ -13,7 +13,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 
-use crate::topology::{free_port, is_root, pg_bindir, postgres_dir};
+use crate::support::topology::{free_port, is_root, pg_bindir, postgres_dir};
 
 const SCOPE: &str = "idpool-ha";
 
@@ -21,10 +21,10 @@ pub struct PatroniNode {
     pub name: String,
     pub api_port: u16,
     pub pg_port: u16,
-    config: PathBuf,
-    data: PathBuf,
-    log: PathBuf,
-    patroni: Option<Child>,
+    pub config: PathBuf,
+    pub data: PathBuf,
+    pub log: PathBuf,
+    pub patroni: Option<Child>,
 }
 
 pub struct PatroniCluster {
@@ -249,7 +249,7 @@ impl PatroniCluster {
 
     async fn until(&self, within: Duration, what: &str, check: impl Fn(&[Value]) -> bool) {
         let mut members = Vec::new();
-        let reached = crate::helpers::within(within, async || {
+        let reached = crate::support::app::within(within, async || {
             members = self.members().await;
             check(&members).then_some(())
         })
@@ -295,7 +295,7 @@ impl PatroniCluster {
     }
 
     async fn wait_primary_through_haproxy(&self) {
-        let writable = crate::helpers::within(Duration::from_secs(30), async || {
+        let writable = crate::support::app::within(Duration::from_secs(30), async || {
             let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url("postgres"))
                 .await
                 .ok()?;
@@ -444,7 +444,7 @@ fn write_config(node: &PatroniNode, etcd_port: u16, dir: &Path) {
 
 /// A node's Patroni configuration: `deploy/patroni/patroni.yml`'s settings
 /// on loopback addresses, with a quicker `loop_wait`.
-fn patroni_config_text(node: &PatroniNode, etcd_port: u16, dir: &Path) -> String {
+pub fn patroni_config_text(node: &PatroniNode, etcd_port: u16, dir: &Path) -> String {
     let bin_dir = pg_bindir();
     format!(
         "scope: {SCOPE}
@@ -500,7 +500,7 @@ postgresql:
     )
 }
 
-fn haproxy_config_text(port: u16, nodes: &[PatroniNode]) -> String {
+pub fn haproxy_config_text(port: u16, nodes: &[PatroniNode]) -> String {
     let mut text = format!(
         "global
     maxconn 1000
@@ -528,7 +528,7 @@ listen primary
 
 /// The value of the first `key: value` line (YAML) or `key value` line
 /// (HAProxy) of `text`, quotes taken off.
-fn setting<'t>(text: &'t str, key: &str) -> Option<&'t str> {
+pub fn setting<'t>(text: &'t str, key: &str) -> Option<&'t str> {
     text.lines().find_map(|line| {
         let line = line.trim();
         let rest = line.strip_prefix(key)?;
@@ -536,69 +536,4 @@ fn setting<'t>(text: &'t str, key: &str) -> Option<&'t str> {
         (value.starts_with(' ') || value.is_empty())
             .then(|| value.trim().trim_matches(|c| c == '\'' || c == '"'))
     })
-}
-
-#[test]
-fn the_tested_patroni_and_haproxy_settings_are_those_of_deploy() {
-    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/patroni");
-    let operator = std::fs::read_to_string(deploy.join("patroni.yml")).expect("patroni.yml");
-    let operator_haproxy =
-        std::fs::read_to_string(deploy.join("haproxy.cfg")).expect("haproxy.cfg");
-    let dir = tempfile::tempdir().unwrap();
-    let node = PatroniNode {
-        name: "pg1".into(),
-        api_port: 8008,
-        pg_port: 5432,
-        config: dir.path().join("pg1.yml"),
-        data: dir.path().join("pg1"),
-        log: dir.path().join("pg1.log"),
-        patroni: None,
-    };
-    let tested = patroni_config_text(&node, 2379, dir.path());
-    // What decides what a failover costs is the same in both; `loop_wait`
-    // (1 s in the test, to be quick) and `max_connections` (sized for
-    // many instances) are the operator's to tune.
-    for key in [
-        "ttl",
-        "retry_timeout",
-        "maximum_lag_on_failover",
-        "synchronous_mode",
-        "synchronous_mode_strict",
-        "use_pg_rewind",
-        "wal_log_hints",
-        "max_wal_senders",
-        "max_replication_slots",
-    ] {
-        let (theirs, ours) = (setting(&operator, key), setting(&tested, key));
-        assert!(theirs.is_some(), "deploy/patroni/patroni.yml sets no {key}");
-        assert_eq!(theirs, ours, "{key}: deploy/ and the HA test differ");
-    }
-    assert_eq!(setting(&operator, "synchronous_mode"), Some("true"));
-    let tested_haproxy = haproxy_config_text(5000, std::slice::from_ref(&node));
-    for key in [
-        "mode",
-        "timeout connect",
-        "timeout client",
-        "timeout server",
-        "timeout check",
-        "option httpchk",
-        "http-check expect",
-        "default-server",
-    ] {
-        let (theirs, ours) = (
-            setting(&operator_haproxy, key),
-            setting(&tested_haproxy, key),
-        );
-        assert!(theirs.is_some(), "deploy/patroni/haproxy.cfg sets no {key}");
-        assert_eq!(theirs, ours, "{key}: deploy/ and the HA test differ");
-    }
-    assert_eq!(
-        setting(&operator_haproxy, "option httpchk"),
-        Some("GET /primary")
-    );
-    let servers = operator_haproxy
-        .lines()
-        .filter(|l| l.trim_start().starts_with("server ") && l.contains("check port 8008"))
-        .count();
-    assert_eq!(servers, 3, "three nodes, each checked at Patroni's API");
 }

@@ -52,8 +52,8 @@ impl RedisServer {
             ])
             .arg("--dir")
             .arg(self.dir.path())
-            .stdout(crate::helpers::child_output())
-            .stderr(crate::helpers::child_output());
+            .stdout(crate::support::app::child_output())
+            .stderr(crate::support::app::child_output());
         if persist {
             command.args(["--dbfilename", "dump.rdb"]);
         } else {
@@ -64,7 +64,7 @@ impl RedisServer {
             .expect("redis-server starts (is it installed?)");
         self.child = Some(child);
         let port = self.port;
-        crate::helpers::eventually_blocking(
+        crate::support::app::eventually_blocking(
             Duration::from_secs(10),
             "redis-server comes up",
             || std::net::TcpStream::connect(("127.0.0.1", port)).ok(),
@@ -73,7 +73,7 @@ impl RedisServer {
 
     /// SIGSTOP: the server hangs, connections stay open.
     pub fn pause(&self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         if let Some(child) = &self.child {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(child.id() as i32),
@@ -93,7 +93,7 @@ impl RedisServer {
 
     /// SIGKILL: the server and everything in it are gone.
     pub fn kill(&mut self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -112,7 +112,7 @@ impl RedisServer {
 
     /// Starts again on the same port, empty.
     pub fn restart_empty(&mut self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         self.kill();
         let _ = std::fs::remove_file(self.dir.path().join("dump.rdb"));
         self.launch(false);
@@ -121,10 +121,10 @@ impl RedisServer {
     /// Saves the data, stops, and starts again on the same port with the
     /// data loaded: same lists, new run_id.
     pub fn restart_with_data(&mut self) {
-        crate::helpers::expect_redis_trouble();
+        crate::support::app::expect_redis_trouble();
         let status = Command::new("redis-cli")
             .args(["-p", &self.port.to_string(), "SAVE"])
-            .stdout(crate::helpers::child_output())
+            .stdout(crate::support::app::child_output())
             .status()
             .expect("redis-cli");
         assert!(status.success(), "SAVE failed");
