@@ -3,6 +3,15 @@
 //! operations need an admin key, Idempotency-Keys and rate limits are per
 //! key, and no log line ever holds a secret.
 
+use crate::support::app::until;
+use crate::support::probes::*;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpSocket;
+
 use std::collections::{BTreeSet, HashMap};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -587,4 +596,212 @@ async fn a_key_in_use_is_never_read_again_from_postgres() {
         async || (issue().await == StatusCode::UNAUTHORIZED).then_some(()),
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_and_revoked_keys_never_make_a_valid_key_wait_or_fail() {
+    let app = TestEnv::new().spawn().await;
+    let neighbour = Neighbour::start(&app, "KEYS").await;
+    let revoked = create_key(&app.state, &["KEYS"], false).await;
+    let revoked_id = revoked.split('_').nth(1).unwrap().to_owned();
+    app.state.auth.keys().revoke(&revoked_id).await.unwrap();
+
+    // A stranger's flood: thousands of made-up keys and a revoked one.
+    let flooding = Arc::new(AtomicBool::new(true));
+    let refused = Arc::new(AtomicU64::new(0));
+    let mut flood = Vec::new();
+    for n in 0..32 {
+        let (flooding, refused, address) = (flooding.clone(), refused.clone(), app.address.clone());
+        let revoked = revoked.clone();
+        flood.push(tokio::spawn(async move {
+            let client = crate::support::app::client_with_key(None);
+            let mut other = Vec::new();
+            while flooding.load(Ordering::Relaxed) {
+                let key = if n == 0 {
+                    revoked.clone()
+                } else {
+                    made_up_key()
+                };
+                match client
+                    .get(format!("{address}/api/v1/sequences"))
+                    .bearer_auth(key)
+                    .send()
+                    .await
+                {
+                    Ok(r) if r.status() == StatusCode::UNAUTHORIZED => {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(r) => other.push(r.status()),
+                    Err(e) => panic!("the flood's request failed: {e}"),
+                }
+            }
+            other
+        }));
+    }
+    // Meanwhile keys are created: by the CLI (another process, as an
+    // operator does), and behind every instance's back (no notification:
+    // found by the first request that brings it). Each works at once.
+    for project in ["NEW1", "NEW2", "NEW3"] {
+        let key = create_key_with_cli(&app, project);
+        let started = Instant::now();
+        let answer = client_with_key(Some(&key))
+            .get(app.url("/api/v1/sequences"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.status(),
+            StatusCode::OK,
+            "a new key beside the flood"
+        );
+        assert!(
+            started.elapsed() < USUAL,
+            "a new key waited {:?}",
+            started.elapsed()
+        );
+    }
+    let unannounced = {
+        let secret = "s".repeat(43);
+        let id = "unannounced0";
+        let hash = <sha2::Sha256 as sha2::Digest>::digest(secret.as_bytes()).to_vec();
+        sqlx::query(
+            "INSERT INTO api_keys (id, name, secret_hash, admin, projects) VALUES ($1, 'quiet', $2, false, '{NEW4}')",
+        )
+        .bind(id)
+        .bind(hash)
+        .execute(&app.db)
+        .await
+        .unwrap();
+        format!("idp_{id}_{secret}")
+    };
+    let started = Instant::now();
+    let answer = client_with_key(Some(&unannounced))
+        .get(app.url("/api/v1/sequences"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert!(
+        started.elapsed() < USUAL,
+        "an unannounced key waited {:?}",
+        started.elapsed()
+    );
+
+    // The second tenant is timed through a flood of thousands.
+    until(
+        Duration::from_secs(30),
+        "two thousand made-up keys",
+        async || refused.load(Ordering::Relaxed) >= 2000,
+    )
+    .await;
+    flooding.store(false, Ordering::Relaxed);
+    for task in flood {
+        let other = task.await.unwrap();
+        assert!(
+            other.is_empty(),
+            "made-up or revoked keys answered {other:?}, not 401"
+        );
+    }
+    neighbour
+        .assert_unharmed("a flood of made-up keys", USUAL)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_hundreds_of_requests_in_flight_holds_up_only_itself() {
+    let app = TestEnv::new().spawn().await;
+    fill_outbox(&app, "GREEDY", 20_000).await;
+    let greedy = client_with_key(Some(&create_key(&app.state, &["GREEDY"], false).await));
+    let neighbour = Neighbour::start(&app, "MODEST").await;
+    // Six hundred listings at once and fifty clients that ask for the
+    // largest and never read it: more rows than its list budget allows in
+    // a second, and more requests than it may have in flight.
+    let readers_stop = Arc::new(AtomicBool::new(false));
+    let key = create_key(&app.state, &["GREEDY"], false).await;
+    let mut stalled = Vec::new();
+    for _ in 0..50 {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut stream = socket
+            .connect(host_of(&app).parse().unwrap())
+            .await
+            .unwrap();
+        let request = format!(
+            "GET /api/v1/outbox?limit=1000 HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        stalled.push(stream);
+    }
+    let listings = (0..600).map(|_| {
+        let greedy = greedy.clone();
+        let url = app.url("/api/v1/outbox?limit=20");
+        async move { greedy.get(&url).send().await.map(|r| r.status()) }
+    });
+    let answered = futures::future::join_all(listings).await;
+    assert!(
+        answered
+            .iter()
+            .all(|a| matches!(a, Ok(s) if s.is_success())),
+        "the greedy key's own requests wait their turn, not fail"
+    );
+    readers_stop.store(true, Ordering::Relaxed);
+    neighbour
+        .assert_unharmed("hundreds of one key's requests in flight", USUAL)
+        .await;
+    drop(stalled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_taking_numbers_ten_thousand_at_a_time_is_held_to_its_budget() {
+    let mut env = TestEnv::new();
+    env.numbers_per_key = 20_000;
+    let app = env.spawn().await;
+    let greedy_key = create_key(&app.state, &["GREEDY"], false).await;
+    let greedy = client_with_key(Some(&greedy_key));
+    let neighbour = Neighbour::start(&app, "MODEST").await;
+    // 160,000 numbers from four loops at once: a second's worth (20,000,
+    // and the requests already let through) goes at once, the rest at
+    // 20,000 a second, so no sooner than in about 6 s.
+    let started = Instant::now();
+    let mut loops = Vec::new();
+    for _ in 0..4 {
+        let greedy = greedy.clone();
+        let url = app.url("/ids");
+        loops.push(tokio::spawn(async move {
+            let mut taken = Vec::new();
+            for _ in 0..4 {
+                let answer = greedy
+                    .post(&url)
+                    .json(&json!({"project": "GREEDY", "type": "1", "count": 10_000}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(answer.status(), StatusCode::OK);
+                let body: Value = answer.json().await.unwrap();
+                taken.extend(
+                    body["seqs"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|n| n.as_i64().unwrap()),
+                );
+            }
+            taken
+        }));
+    }
+    let mut numbers = Vec::new();
+    for taken in loops {
+        numbers.extend(taken.await.unwrap());
+    }
+    let took = started.elapsed();
+    numbers.sort_unstable();
+    numbers.dedup();
+    assert_eq!(numbers.len(), 160_000, "every number asked for, once");
+    assert!(
+        took >= Duration::from_secs(5),
+        "160,000 numbers on a budget of 20,000 a second took only {took:?}"
+    );
+    neighbour
+        .assert_unharmed("a key taking numbers ten thousand at a time", USUAL)
+        .await;
 }

@@ -1,5 +1,15 @@
 //! POST /documents, batches, idempotency, sinks and the outbox processor.
 
+use crate::support::app::client_with_key;
+use crate::support::app::create_key;
+use crate::support::app::until;
+use crate::support::probes::*;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1013,5 +1023,199 @@ async fn a_tenants_backlog_delays_another_tenants_documents_by_one_batch() {
         delivered,
         vec![("BACKLOG".to_owned(), 95), ("SMALL".to_owned(), 5)],
         "the first batch shares itself between the tenants with due rows"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_sending_slow_batch_bodies_holds_up_only_its_own_batches() {
+    let mut env = TestEnv::new();
+    env.request_timeout_s = 20;
+    let app = env.spawn().await;
+    let hostile = create_key(&app.state, &["SLOW"], false).await;
+    let neighbour = Neighbour::start(&app, "FAST").await;
+    let fast_key = create_key(&app.state, &["FAST"], false).await;
+    let fast = client_with_key(Some(&fast_key));
+    // More batch bodies than there are batch turns, a byte at a time.
+    let mut trickles = Vec::new();
+    let trickled = Arc::new(AtomicU64::new(0));
+    for _ in 0..8 {
+        let mut stream = TcpStream::connect(host_of(&app)).await.unwrap();
+        let head = format!(
+            "POST /api/v1/documents/batch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             authorization: Bearer {hostile}\r\ncontent-length: 100000\r\n\r\n"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let trickled = trickled.clone();
+        trickles.push(tokio::spawn(async move {
+            for _ in 0..60 {
+                if stream.write_all(b" ").await.is_err() {
+                    return;
+                }
+                trickled.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100)).await; // the hostile client trickles on purpose
+            }
+        }));
+    }
+    until(Duration::from_secs(10), "every body trickles", async || {
+        trickled.load(Ordering::Relaxed) >= 8 * 3
+    })
+    .await;
+    for n in 0..5 {
+        let started = Instant::now();
+        let answer = fast
+            .post(app.url("/api/v1/documents/batch"))
+            .json(&json!({"documents": [{"project": "FAST", "type": "2", "metadata": {"n": n}}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::ACCEPTED);
+        assert!(
+            started.elapsed() < USUAL,
+            "a one-item batch waited {:?}",
+            started.elapsed()
+        );
+    }
+    neighbour.assert_unharmed("slow batch bodies", USUAL).await;
+    for trickle in trickles {
+        trickle.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_at_full_speed_leaves_batch_turns_for_another_tenant() {
+    let app = TestEnv::new().spawn().await;
+    let migrating_key = create_key(&app.state, &["MIGR"], false).await;
+    let migrating = client_with_key(Some(&migrating_key));
+    let other_key = create_key(&app.state, &["OTHER"], false).await;
+    let other = client_with_key(Some(&other_key));
+    let running = Arc::new(AtomicBool::new(true));
+    // As many batches of a thousand at once as there are batch turns.
+    let mut loops = Vec::new();
+    for _ in 0..4 {
+        let migrating = migrating.clone();
+        let url = app.url("/api/v1/documents/batch");
+        let running = running.clone();
+        loops.push(tokio::spawn(async move {
+            let documents: Vec<Value> = (0..1000)
+                .map(|n| json!({"project": "MIGR", "type": "1", "metadata": {"n": n, "pad": "x".repeat(200)}}))
+                .collect();
+            let mut batches = 0;
+            while running.load(Ordering::Relaxed) {
+                let answer = migrating
+                    .post(&url)
+                    .json(&json!({ "documents": documents }))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(answer.status(), StatusCode::ACCEPTED);
+                batches += 1;
+            }
+            batches
+        }));
+    }
+    let mut slowest = Duration::ZERO;
+    for n in 0..10 {
+        let started = Instant::now();
+        let answer = other
+            .post(app.url("/api/v1/documents/batch"))
+            .json(&json!({"documents": [{"project": "OTHER", "type": "1", "metadata": {"n": n}}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::ACCEPTED);
+        slowest = slowest.max(started.elapsed());
+    }
+    running.store(false, Ordering::Relaxed);
+    let mut batches = 0;
+    for batch_loop in loops {
+        batches += batch_loop.await.unwrap();
+    }
+    assert!(
+        batches >= 4,
+        "the migration went on meanwhile ({batches} batches)"
+    );
+    assert!(
+        slowest < USUAL,
+        "another tenant's one-item batch waited {slowest:?} beside a migration"
+    );
+}
+
+/// A tenant attaching numbers of its busy sequence that its lease has not
+/// handed out yet (each attach waits for a handout that may never come,
+/// at most until the lease's expiry) holds no database turn meanwhile:
+/// another tenant's keyed documents are answered as usual, and every
+/// waiting attach ends 202 or 409, never an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attaches_waiting_for_handouts_hold_up_no_other_tenant() {
+    let app = TestEnv::new().spawn().await;
+    let hostile = client_with_key(Some(&create_key(&app.state, &["HOLD"], false).await));
+    let other = client_with_key(Some(&create_key(&app.state, &["OTHB"], false).await));
+    // HOLD's sequence busy enough to be served from a lease, all along.
+    let issuing = Arc::new(AtomicBool::new(true));
+    let highest = Arc::new(AtomicU64::new(0));
+    let issuers: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url) = (hostile.clone(), app.url("/ids"));
+            let (issuing, highest) = (issuing.clone(), highest.clone());
+            tokio::spawn(async move {
+                while issuing.load(Ordering::Relaxed) {
+                    let body: Value = client
+                        .post(&url)
+                        .json(&json!({"project": "HOLD", "type": "1", "count": 1}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    highest.fetch_max(body["seqs"][0].as_u64().unwrap_or(0), Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    until(Duration::from_secs(10), "HOLD holds a lease", async || {
+        let metrics = app.metrics().await;
+        metrics.get("idpool_leases_total").copied().unwrap_or(0.0) > 0.0
+            && highest.load(Ordering::Relaxed) > 500
+    })
+    .await;
+    let ahead = highest.load(Ordering::Relaxed) + 1;
+    let attaches: Vec<_> = (ahead..ahead + 200)
+        .map(|n| {
+            let (client, url) = (hostile.clone(), app.url("/documents"));
+            tokio::spawn(async move {
+                let body = json!({"project": "HOLD", "type": "1", "id": format!("HOLD-1-{n}"), "metadata": {}});
+                client.post(&url).json(&body).send().await.unwrap().status()
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for n in 0..20 {
+        let started = Instant::now();
+        let answer = other
+            .post(app.url("/documents"))
+            .header("idempotency-key", format!("other-{n}"))
+            .json(&json!({"project": "OTHB", "type": "1", "metadata": {"n": n}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::ACCEPTED);
+        slowest = slowest.max(started.elapsed());
+    }
+    let mut statuses = std::collections::BTreeMap::new();
+    for attach in attaches {
+        *statuses.entry(attach.await.unwrap().as_u16()).or_insert(0) += 1;
+    }
+    issuing.store(false, Ordering::Relaxed);
+    for issuer in issuers {
+        issuer.await.unwrap();
+    }
+    assert!(
+        statuses.keys().all(|s| *s == 202 || *s == 409),
+        "attaches ahead of the lease: {statuses:?}"
+    );
+    assert!(
+        slowest < USUAL,
+        "another tenant's keyed document waited {slowest:?} beside 200 waiting attaches"
     );
 }

@@ -1,5 +1,8 @@
 //! POST /ids: distinct, ascending, formatted, across instances.
 
+use crate::support::probes::*;
+use serde_json::Value;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -251,4 +254,207 @@ async fn the_int64_layout_returns_numbers_and_decimal_strings() {
     assert_eq!(view["reset"], "daily");
     assert_eq!(view["max"], serde_json::Value::Null);
     assert_eq!(view["live"]["last_issued"], (day_seconds << 32) | 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
+    let app = TestEnv::new().spawn().await;
+    // Valid JSON that Postgres' jsonb cannot hold: the edge knows it now,
+    // so over HTTP it is refused before any number is taken.
+    let poisoned = json!({"project": "PO", "type": "1", "metadata": {}})
+        .to_string()
+        .replace("{}", r#"{"n": 1e1000000}"#);
+    let requests = (0..160).map(|i| {
+        let app = &app;
+        let poisoned = poisoned.clone();
+        async move {
+            let request = app
+                .client
+                .post(app.url("/documents"))
+                .header("content-type", "application/json");
+            let request = if i % 32 == 7 {
+                request.body(poisoned)
+            } else {
+                request
+                    .body(json!({"project": "PO", "type": "1", "metadata": {"i": i}}).to_string())
+            };
+            (i % 32 == 7, request.send().await.unwrap())
+        }
+    });
+    let answers = futures::future::join_all(requests).await;
+    let mut accepted = 0;
+    for (poisoned, response) in answers {
+        if poisoned {
+            let problem =
+                assert_problem(response, StatusCode::BAD_REQUEST, "unstorable_value").await;
+            assert!(
+                problem["detail"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("1e1000000")),
+                "{problem}"
+            );
+        } else {
+            assert_eq!(response.status(), StatusCode::ACCEPTED);
+            accepted += 1;
+        }
+    }
+    assert_eq!(accepted, 155);
+    assert_eq!(count(&app, "id_outbox").await, 155);
+    let seqs: i64 = sqlx::query_scalar("SELECT max(seq_number) FROM id_outbox")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(seqs, 155, "the refused requests took no number");
+
+    // Through the library, past the edge: only the database knows, and a
+    // poisoned document sharing a commit fails alone.
+    let issuer = &app.state.documents;
+    let documents = (0..160).map(|i| {
+        let metadata = match i % 32 {
+            7 => r#"{"n": 1e1000000}"#.to_owned(),
+            9 => r#"{"a": "\u0000"}"#.to_owned(),
+            _ => format!(r#"{{"lib": {i}}}"#),
+        };
+        let accepted = issuer.accept(Arc::new(idpool::features::documents::DocumentInput {
+            project: idpool::domain::sequence::ProjectCode::parse("PO").unwrap(),
+            doc_type: idpool::domain::sequence::TypeCode::parse("1").unwrap(),
+            metadata: metadata.into(),
+            id: None,
+            source_id: None,
+        }));
+        async move { (matches!(i % 32, 7 | 9), accepted.await) }
+    });
+    for (poisoned, accepted) in futures::future::join_all(documents).await {
+        assert_eq!(accepted.is_err(), poisoned, "{accepted:?}");
+    }
+    assert_eq!(count(&app, "id_outbox").await, 305);
+    let split = app.metrics().await["idpool_ledger_writes_split_total"];
+    assert!(split >= 1.0, "no poisoned document shared a commit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_number_locked_by_a_hung_transaction_delays_only_its_own_request() {
+    let app = TestEnv::new().spawn().await;
+    app.issue("LK", "1", 1).await;
+    let sequence_id: i64 =
+        sqlx::query_scalar("SELECT id FROM sequences WHERE project = 'LK' AND doc_type = '1'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    let redis = fred::prelude::Builder::from_config(
+        fred::prelude::Config::from_url(&app.env.redis_url).unwrap(),
+    )
+    .build()
+    .unwrap();
+    fred::prelude::ClientLike::init(&redis).await.unwrap();
+    let head: String =
+        fred::prelude::ListInterface::lindex(&redis, app.redis_pool_key("LK", "1", ""), 0)
+            .await
+            .unwrap();
+    let next: i64 = head.parse().unwrap();
+    // Another transaction holds the next number and never finishes: the
+    // request that meets it is refused (and says so in the log).
+    crate::support::app::expect_error_lines("canceling statement due to lock timeout");
+    let mut hung = app.db.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO issuance_ledger (sequence_id, period, seqs, via) VALUES ($1, '', int8range($2, $3), 'ids')",
+    )
+    .bind(sequence_id)
+    .bind(next)
+    .bind(next + 1)
+    .execute(&mut *hung)
+    .await
+    .unwrap();
+    let requests = (0..20).map(|_| async {
+        let started = Instant::now();
+        let response = app.post_ids("LK", "1", 1).await;
+        (started.elapsed(), response)
+    });
+    let answers = futures::future::join_all(requests).await;
+    let mut served = Vec::new();
+    let mut refused = 0;
+    for (took, response) in answers {
+        match response.status() {
+            StatusCode::OK => {
+                assert!(took < USUAL, "a request beside the hung one took {took:?}");
+                let body: Value = response.json().await.unwrap();
+                served.push(body["seqs"][0].as_i64().unwrap());
+            }
+            StatusCode::SERVICE_UNAVAILABLE => refused += 1,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(
+        refused, 1,
+        "only the request holding the locked number fails"
+    );
+    assert_eq!(served.len(), 19);
+    assert!(!served.contains(&next), "the locked number was issued");
+    hung.rollback().await.unwrap();
+    app.issue("LK", "1", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
+    use idpool::records::ledger::Via;
+    use idpool::records::ledger::outbox_rows::OutboxRow;
+    use idpool::records::ledger::{LedgerWrite, write_shared};
+    let app = TestEnv::new().spawn().await;
+    app.issue("LG", "1", 1).await;
+    let sequence_id: i64 =
+        sqlx::query_scalar("SELECT id FROM sequences WHERE project = 'LG' AND doc_type = '1'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    // A stale list handed number 5000 to an ID request and a document at once.
+    let writes = [
+        LedgerWrite {
+            sequence_id,
+            period: String::new(),
+            seqs: vec![5000],
+            via: Via::Ids,
+            documents: vec![],
+            unnumbered: vec![],
+        },
+        LedgerWrite {
+            sequence_id,
+            period: String::new(),
+            seqs: vec![5000],
+            via: Via::Document,
+            documents: vec![OutboxRow {
+                seq: 5000,
+                document_id: "LG-1-5000".into(),
+                project: "LG".into(),
+                doc_type: "1".into(),
+                seq_number: 5000,
+                payload: "{}".into(),
+                source_id: None,
+            }],
+            unnumbered: vec![],
+        },
+    ];
+    let mut conn = app.state.db.acquire().await.unwrap();
+    let numberings = std::sync::Mutex::new(Vec::new());
+    let outcomes = write_shared(
+        &mut conn,
+        &app.state.stats,
+        app.state.pools.counter(),
+        &writes,
+        &numberings,
+    )
+    .await;
+    let first = outcomes[0].as_ref().unwrap();
+    let second = outcomes[1].as_ref().unwrap();
+    assert!(first.refused.is_empty(), "{first:?}");
+    assert_eq!(second.refused, vec![5000], "the second holder is refused");
+    assert!(second.documents.is_empty(), "its document was not written");
+    let holders: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM issuance_ledger WHERE sequence_id = $1 AND seqs @> 5000::bigint",
+    )
+    .bind(sequence_id)
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(holders, 1);
+    assert_eq!(count(&app, "id_outbox").await, 0);
 }

@@ -1,6 +1,15 @@
 //! `idpool import`, the customer migration tool, as a customer runs it: a
 //! child process against a running idpool, killed and run again.
 
+use crate::support::app::client_with_key;
+use crate::support::app::until;
+use crate::support::probes::*;
+use reqwest::StatusCode;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::Path;
@@ -422,4 +431,156 @@ async fn an_import_run_again_days_later_with_another_key_creates_no_document_twi
     );
     let rejects = std::fs::read_to_string(work.path().join("third.rejects.jsonl")).unwrap();
     assert!(rejects.contains("document_id_taken"), "{rejects}");
+}
+
+/// Tenant A migrates 100,000 documents with `idpool import` (8 batches at
+/// once) into one instance while tenant B sends keyed requests one at a
+/// time to another, both on one Postgres and two cores; B's instance
+/// delivers every tenant's documents to a webhook that answers in half a
+/// second (its outbox loops hold their connections through A's backlog)
+/// and reconciles all along.
+/// B gets no error (no connection it needs is held by A's work or by
+/// background work), a key made for B during the import is served at
+/// once, and B's p99 grows by no more than the machine's share of it: what B's
+/// process waits for a core (its `GET /healthz` p99) plus three times what
+/// a bare transaction of B's size on the same Postgres waits more
+/// meanwhile. Every answer of B waits for its transaction, and the import
+/// slows every statement of that Postgres, idpool's or not (BENCHMARKS.md
+/// has the figures of a release build).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_import_fails_no_request_of_another_and_slows_it_no_more_than_postgres() {
+    let env = TestEnv::new();
+    let setup = env.spawn().await;
+    let key_a = create_key(&setup.state, &["TENA"], false).await;
+    let key_b = create_key(&setup.state, &["TENB"], false).await;
+    sqlx::query("CREATE TABLE bare_commits (id bigserial PRIMARY KEY, at timestamptz NOT NULL)")
+        .execute(&setup.db)
+        .await
+        .expect("a table of our own");
+    let instance_a = crate::support::app::ServeProcess::start(&env).await;
+    let webhook =
+        crate::support::webhook::Webhook::start(crate::support::webhook::Behaviour::Succeed).await;
+    webhook.slow_down(Duration::from_millis(500));
+    let mut delivering = env.clone();
+    delivering.sink = idpool::features::documents::sink::SinkConfig::Webhook(webhook.url.clone());
+    let instance_b = crate::support::app::ServeProcess::start(&delivering).await;
+    let base_b = format!("http://127.0.0.1:{}", instance_b.port);
+    let client_b = client_with_key(Some(&key_b));
+
+    let dir = tempfile::tempdir().expect("a directory");
+    let input = dir.path().join("tena.jsonl");
+    let mut lines = String::with_capacity(100_000 * 64);
+    for n in 0..100_000 {
+        lines.push_str(&format!(
+            "{{\"source_id\": \"a-{n}\", \"metadata\": {{\"n\": {n}, \"pad\": \"xxxxxxxxxxxxxxxx\"}}}}\n"
+        ));
+    }
+    std::fs::write(&input, lines).expect("the input");
+
+    // Alone (after a warm-up: first use creates B's sequences).
+    tenant_b_one_at_a_time(&client_b, &base_b, 50, None).await;
+    let mut alone = tenant_b_one_at_a_time(&client_b, &base_b, 400, None).await;
+    assert!(alone.failures.is_empty(), "B alone: {:?}", alone.failures);
+    let alone_p99 = p99(&mut alone.issuing);
+    let healthz_alone = p99(&mut alone.healthz);
+    let floor_alone = p99(&mut bare_commits(&setup.db, 400, None).await);
+
+    let mut import = std::process::Command::new(env!("CARGO_BIN_EXE_idpool"))
+        .arg("import")
+        .arg(&input)
+        .args(["--project", "TENA", "--type", "1", "--concurrency", "8"])
+        .args(["--url", &format!("http://127.0.0.1:{}", instance_a.port)])
+        .arg("--out")
+        .arg(dir.path().join("tena.map.jsonl"))
+        .env("IDPOOL_KEY", &key_a)
+        .stdout(crate::support::app::child_output())
+        .stderr(crate::support::app::child_output())
+        .spawn()
+        .expect("idpool import starts");
+    let importing = Arc::new(AtomicBool::new(true));
+    let beside = {
+        let (client_b, base_b, importing) = (client_b.clone(), base_b.clone(), importing.clone());
+        tokio::spawn(async move {
+            tenant_b_one_at_a_time(&client_b, &base_b, 100, Some(&importing)).await
+        })
+    };
+    let floor = {
+        let (db, importing) = (setup.db.clone(), importing.clone());
+        tokio::spawn(async move { bare_commits(&db, 100, Some(&importing)).await })
+    };
+    // B's instance reconciles meanwhile, as each instance does on its
+    // interval (a run reads what the import writes).
+    let reconciling = {
+        let (client, url, importing) = (
+            setup.client.clone(),
+            format!("{base_b}/api/v1/ids/gaps/reconcile"),
+            importing.clone(),
+        );
+        tokio::spawn(async move {
+            while importing.load(Ordering::Relaxed) {
+                let _ = client.post(&url).send().await;
+            }
+        })
+    };
+    // A key made meanwhile: B's instance looks it up for its first request.
+    until(
+        Duration::from_secs(10),
+        "A's backlog reaches B's outbox",
+        async || webhook.received().len() + webhook.connections() > 0,
+    )
+    .await;
+    let new_key = client_with_key(Some(&create_key(&setup.state, &["TENB"], false).await));
+    let started = Instant::now();
+    let first = new_key
+        .post(format!("{base_b}/ids"))
+        .json(&json!({"project": "TENB", "type": "1", "count": 1}))
+        .send()
+        .await
+        .expect("B's instance answers");
+    let new_key_took = started.elapsed();
+    assert_eq!(first.status(), StatusCode::OK, "a new key's first request");
+    let status = tokio::task::spawn_blocking(move || import.wait())
+        .await
+        .expect("import")
+        .expect("import ran");
+    importing.store(false, Ordering::Relaxed);
+    reconciling.await.expect("reconciliation runs");
+    let mut beside = beside.await.expect("B beside the import");
+    let floor_beside = p99(&mut floor.await.expect("bare commits beside the import"));
+    assert!(status.success(), "the import failed: {status}");
+    let imported: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM id_outbox WHERE tenant_code = 'TENA' AND source_id IS NOT NULL",
+    )
+    .fetch_one(&setup.db)
+    .await
+    .expect("count");
+    assert_eq!(imported, 100_000, "every line imported");
+    let failures = &beside.failures;
+    assert!(
+        failures.is_empty(),
+        "B beside A's import: {} of {} not 2xx, e.g. {:?}",
+        failures.len(),
+        beside.issuing.len() + beside.healthz.len(),
+        &failures[..failures.len().min(3)]
+    );
+    let beside_p99 = p99(&mut beside.issuing);
+    let healthz_beside = p99(&mut beside.healthz);
+    println!(
+        "B's p99 alone {alone_p99:?}, beside the import {beside_p99:?} ({} requests); its \
+         GET /healthz {healthz_alone:?} and {healthz_beside:?}; a bare transaction's \
+         {floor_alone:?} and {floor_beside:?}",
+        beside.issuing.len()
+    );
+    assert!(
+        new_key_took < USUAL,
+        "a key made during the import waited {new_key_took:?} for its first answer"
+    );
+    let grown = beside_p99.saturating_sub(alone_p99);
+    let cores = healthz_beside.saturating_sub(healthz_alone);
+    let commits = floor_beside.saturating_sub(floor_alone);
+    assert!(
+        grown <= cores + commits * 3,
+        "B's p99 grew by {grown:?} ({alone_p99:?} alone, {beside_p99:?} beside A's import); \
+         waiting for a core grew by {cores:?}, a bare transaction by {commits:?}"
+    );
 }

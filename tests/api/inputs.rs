@@ -1,5 +1,8 @@
 //! Bad input gets a clear 4xx problem+json answer and changes nothing.
 
+use crate::support::probes::*;
+use std::time::Duration;
+
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -242,4 +245,191 @@ async fn bad_sequence_definitions_and_queries_get_their_problems() {
     )
     .await;
     nothing_was_created(&app).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
+    let app = TestEnv::new().spawn().await;
+    let probe = Probe::start(&app);
+    let documents = [
+        r#"{"project":"P","type":"T","metadata":{"a":"x\u0000y"}}"#,
+        r#"{"project":"P","type":"T","metadata":{"a":{"b":[1,{"c":"\u0000"}]}}}"#,
+        r#"{"project":"P","type":"T","metadata":{"k\u0000":1}}"#,
+        r#"{"project":"P","type":"T","metadata":{"a":"\ud800"}}"#,
+        r#"{"project":"P","type":"T","metadata":{"a":"\udc00\ud800"}}"#,
+        r#"{"project":"P","type":"T","metadata":{},"id":"P-T-\u0000"}"#,
+        r#"{"project":"P\u0000","type":"T","metadata":{}}"#,
+    ];
+    for body in documents {
+        for path in ["/documents", "/api/v1/documents"] {
+            let response = app
+                .client
+                .post(app.url(path))
+                .header("content-type", "application/json")
+                .header("idempotency-key", "same-key")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
+        }
+    }
+    // A batch names its first bad item, as it does for every other fault.
+    let good = r#"{"project":"P","type":"T","metadata":{}}"#;
+    for (bad, index) in [(documents[0], 0), (documents[3], 2), (documents[2], 1)] {
+        let mut items = vec![good; 3];
+        items.insert(index, bad);
+        let batch = format!(r#"{{"documents":[{}]}}"#, items.join(","));
+        let response = app
+            .client
+            .post(app.url("/api/v1/documents/batch"))
+            .header("content-type", "application/json")
+            .body(batch)
+            .send()
+            .await
+            .unwrap();
+        let problem = assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
+        assert_eq!(problem["index"], index, "{problem}");
+    }
+    let ids = app
+        .client
+        .post(app.url("/ids"))
+        .header("content-type", "application/json")
+        .body(r#"{"project":"P","type":"\u0000"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_problem(ids, StatusCode::BAD_REQUEST, "invalid_character").await;
+    let definition = app
+        .client
+        .put(app.url("/api/v1/sequences/P/T"))
+        .header("content-type", "application/json")
+        .body(r#"{"format":"{seq}\u0000"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_problem(definition, StatusCode::BAD_REQUEST, "invalid_character").await;
+
+    for path in [
+        "/api/v1/documents/%00",
+        "/api/v1/documents/P-T-1%00",
+        "/api/v1/outbox?project=%00",
+        "/api/v1/outbox?status=pending&type=T%00",
+        "/api/v1/ids/gaps?project=P&type=T&period=%00",
+        "/api/v1/sequences?cursor=%00",
+        "/api/v1/sequences/P/T%00",
+    ] {
+        let response = app.client.get(app.url(path)).send().await.unwrap();
+        assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
+    }
+    for path in [
+        "/api/v1/outbox/P-T-1%00/retry",
+        "/api/v1/outbox/%00/abandon",
+    ] {
+        let response = app.client.post(app.url(path)).send().await.unwrap();
+        assert_problem(response, StatusCode::BAD_REQUEST, "invalid_character").await;
+    }
+
+    // Header values: the HTTP parser refuses a NUL byte outright, and a
+    // key that is not printable ASCII is the request's 400.
+    let body = r#"{"project":"P","type":"T"}"#;
+    let with_nul = format!(
+        "POST /ids HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nIdempotency-Key: a\0b\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = raw_exchange(&app, with_nul.as_bytes(), Duration::from_secs(2)).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let mut high = format!(
+        "POST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nIdempotency-Key: a",
+        app.admin_key,
+        body.len()
+    )
+    .into_bytes();
+    high.extend_from_slice(b"\xff\xfeb\r\nConnection: close\r\n\r\n");
+    high.extend_from_slice(body.as_bytes());
+    let answer = raw_exchange(&app, &high, Duration::from_secs(2)).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 400") && answer.contains("invalid_idempotency_key"),
+        "{answer}"
+    );
+    probe.assert_unharmed("unstorable strings").await;
+    nothing_written(&app, 0).await;
+}
+
+/// `jsonb` prints a number in full: `1e131000` is 8 bytes sent and
+/// 131,001 characters in every outbox read and delivery, so a small
+/// document of such numbers stalled every tenant's deliveries (hostile
+/// review). Metadata is bounded as it is printed, and nothing is taken
+/// for a refused one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_printed_past_the_metadata_limit_are_refused_before_a_number_is_taken() {
+    let app = TestEnv::new().spawn().await;
+    let probe = Probe::start(&app);
+    let many: Vec<String> = (0..9000).map(|i| format!(r#""k{i}": 1e131000"#)).collect();
+    let refused = [
+        (
+            format!("{{{}}}", many.join(",")),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "metadata_too_large",
+        ),
+        (
+            r#"{"n": [1e131000, 1e131000, 1e131000]}"#.to_owned(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "metadata_too_large",
+        ),
+        (
+            r#"{"n": 1e200000}"#.to_owned(),
+            StatusCode::BAD_REQUEST,
+            "unstorable_value",
+        ),
+        (
+            r#"{"n": -1e-20000}"#.to_owned(),
+            StatusCode::BAD_REQUEST,
+            "unstorable_value",
+        ),
+        // A zero, but an exponent numeric refuses to read.
+        (
+            r#"{"a": 0e99999999999999999999}"#.to_owned(),
+            StatusCode::BAD_REQUEST,
+            "unstorable_value",
+        ),
+    ];
+    for (metadata, status, code) in &refused {
+        let body = format!(r#"{{"project":"BIG","type":"1","metadata":{metadata}}}"#);
+        let single = app
+            .client
+            .post(app.url("/documents"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_problem(single, *status, code).await;
+        let good = r#"{"project":"BIG","type":"1","metadata":{}}"#;
+        let batch = format!(
+            r#"{{"documents":[{good},{good},{{"project":"BIG","type":"1","metadata":{metadata}}}]}}"#
+        );
+        let batch = app
+            .client
+            .post(app.url("/api/v1/documents/batch"))
+            .header("content-type", "application/json")
+            .body(batch)
+            .send()
+            .await
+            .unwrap();
+        let problem = assert_problem(batch, *status, code).await;
+        assert_eq!(problem["index"], 2, "{problem}");
+    }
+    probe.assert_unharmed("numbers printed in full").await;
+    nothing_written(&app, 0).await;
+    // Within the limit as printed, numbers of any size are kept exactly.
+    let kept = app
+        .client
+        .post(app.url("/documents"))
+        .header("content-type", "application/json")
+        .body(r#"{"project":"BIG","type":"1","metadata":{"n":1e100000,"d":0.10000000000000000000001}}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(kept.status(), StatusCode::ACCEPTED);
 }

@@ -1,6 +1,13 @@
 //! Health, readiness, metrics, the OpenAPI document, start without Redis,
 //! and graceful shutdown of the real binary.
 
+use crate::support::app::until;
+use crate::support::probes::*;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
+
 use std::process::Command;
 use std::time::Duration;
 
@@ -532,4 +539,64 @@ fn the_resource_inventory_gives_every_resource_a_bound_and_a_test() {
             "no row for {resource}: {resources}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anyone_asking_for_readiness_and_metrics_costs_the_tenants_nothing() {
+    let app = TestEnv::new().spawn().await;
+    let neighbour = Neighbour::start(&app, "READY").await;
+    let flooding = Arc::new(AtomicBool::new(true));
+    let asked = Arc::new(AtomicU64::new(0));
+    // The stranger's clients run on a runtime of their own, as they would
+    // on their own machine: only the server's work is shared.
+    let flood = {
+        let (flooding, asked, address) = (flooding.clone(), asked.clone(), app.address.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let clients: Vec<_> = (0..64)
+                    .map(|n| {
+                        let (flooding, asked, address) =
+                            (flooding.clone(), asked.clone(), address.clone());
+                        tokio::spawn(async move {
+                            let client = crate::support::app::client_with_key(None);
+                            let path = if n % 2 == 0 { "/readyz" } else { "/metrics" };
+                            while flooding.load(Ordering::Relaxed) {
+                                let r =
+                                    client.get(format!("{address}{path}")).send().await.unwrap();
+                                assert!(r.status().is_success());
+                                let _ = r.bytes().await;
+                                asked.fetch_add(1, Ordering::Relaxed);
+                            }
+                        })
+                    })
+                    .collect();
+                for client in clients {
+                    client.await.unwrap();
+                }
+            })
+        })
+    };
+    until(
+        Duration::from_secs(60),
+        "a flood of 2000 requests",
+        async || asked.load(Ordering::Relaxed) >= 2000,
+    )
+    .await;
+    flooding.store(false, Ordering::Relaxed);
+    tokio::task::spawn_blocking(move || flood.join())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        asked.load(Ordering::Relaxed) > 200,
+        "the flood was too small to tell"
+    );
+    neighbour
+        .assert_unharmed("a flood of /readyz and /metrics", USUAL)
+        .await;
 }

@@ -1,5 +1,7 @@
 //! Redis failing, coming back empty or stale, and many pools at once.
 
+use serde_json::json;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -285,4 +287,54 @@ async fn a_thousand_pools_drained_at_once_refill_one_at_a_time_each_within_the_c
         "3000 requests over 1000 pools in {elapsed:?}; {} refills, none overlapping per pool",
         refills.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_requests_for_new_sequences_are_served_while_redis_is_down() {
+    let mut redis = RedisServer::start();
+    let app = Arc::new(TestEnv::new().with_redis(&redis.url()).spawn().await);
+    redis.kill();
+    app.wait_for_mode("fallback", Duration::from_secs(5)).await;
+    let started = Instant::now();
+    let clients = (0..32).map(|client| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let mut answers = Vec::new();
+            for request in 0..5 {
+                let response = app
+                    .client
+                    .post(app.url("/ids"))
+                    .header("idempotency-key", format!("k-{client}-{request}"))
+                    .json(&json!({"project": "NEW", "type": format!("t{client}_{request}")}))
+                    .send()
+                    .await
+                    .unwrap();
+                answers.push(response.status());
+            }
+            answers
+        })
+    });
+    let all = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(clients))
+        .await
+        .expect("keyed requests answered within 30 s");
+    let statuses: Vec<StatusCode> = all.into_iter().flat_map(|a| a.unwrap()).collect();
+    assert_eq!(statuses.len(), 160);
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    println!(
+        "160 keyed requests without Redis in {:?}",
+        started.elapsed()
+    );
+    let replay = app
+        .client
+        .post(app.url("/ids"))
+        .header("idempotency-key", "k-3-4")
+        .json(&json!({"project": "NEW", "type": "t3_4"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), StatusCode::OK);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
 }

@@ -5,6 +5,7 @@
 
 pub mod app;
 pub mod patroni;
+pub mod probes;
 pub mod redis_server;
 pub mod stall;
 pub mod topology;
