@@ -62,7 +62,7 @@ def main():
                         f"uses {used} (layer {rank[used]})"
                     )
     if problems:
-        print("layers: arrows that run back up:", file=sys.stderr)
+        print("layers: ARCHITECTURE.md's table and src/ disagree:", file=sys.stderr)
         print("\n".join(f"  {p}" for p in problems), file=sys.stderr)
         sys.exit(1)
 
