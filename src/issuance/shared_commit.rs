@@ -21,88 +21,19 @@
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 use super::Placement;
 use super::lease_store::OnItsOwn;
-use super::writer::Writer;
+pub(super) use super::writer::{Demand, Served};
+use super::writer::{Job, PoppedJob, ToWrite, Writer};
 use crate::infra::commitment::Commitment;
 use crate::infra::db::Db;
 use crate::infra::stats::Stats;
 use crate::records::batch::Batcher;
-use crate::records::ledger::outbox_rows::{Attachment, OutboxRow};
 use crate::records::ledger::{LeaseReport, LedgerError};
 use crate::records::pool::PoolService;
-
-/// What a request wants from a batch.
-pub enum Demand {
-    Ids {
-        count: usize,
-    },
-    /// Numbers leased to this instance, handed out later from memory.
-    Lease {
-        count: usize,
-    },
-    /// One number, carrying a document's outbox row.
-    Document {
-        attachment: Arc<Attachment>,
-    },
-    /// A document's outbox row on a number of this instance's lease: the
-    /// lease's ledger record covers the number, so only the row is written.
-    LeasedDocument {
-        attachment: Arc<Attachment>,
-    },
-    /// A document of a gapless sequence, numbered in the commit that
-    /// writes it.
-    Gapless {
-        attachment: Arc<Attachment>,
-    },
-}
-
-impl Demand {
-    pub(super) fn numbers(&self) -> usize {
-        match self {
-            Demand::Ids { count } | Demand::Lease { count } => *count,
-            Demand::Document { .. } | Demand::LeasedDocument { .. } => 1,
-            Demand::Gapless { .. } => 0,
-        }
-    }
-}
-
-/// What a batch did for one request: numbers recorded as issued to it,
-/// numbers the ledger refused (a stale pool), and the document written.
-#[derive(Debug, Default)]
-pub struct Served {
-    pub issued: Vec<i64>,
-    pub refused: Vec<i64>,
-    pub document: Option<(OutboxRow, DateTime<Utc>)>,
-}
-
-pub(super) type Reply = oneshot::Sender<Result<Served, LedgerError>>;
-
-pub(super) struct Job {
-    pub placement: Arc<Placement>,
-    pub demand: Demand,
-    pub reply: Reply,
-    /// The request's, when one waits: asked before the job's write is sent.
-    pub commitment: Option<Arc<Commitment>>,
-}
-
-/// A job whose numbers were popped, on its way to the write stage.
-pub(super) struct PoppedJob {
-    pub job: Job,
-    pub seqs: Vec<i64>,
-}
-
-/// What the writer is handed.
-pub(super) enum ToWrite {
-    /// A request's numbers and documents, answered once committed.
-    Job(PoppedJob),
-    /// Which leased numbers went to callers (the handout reporter's).
-    Handouts(Vec<LeaseReport>, oneshot::Sender<Result<(), LedgerError>>),
-}
 
 /// The shared commit: requests' pops joined per pool, their records
 /// written together by the writer.

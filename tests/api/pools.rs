@@ -120,15 +120,15 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
 
     let server = crate::support::redis_server::RedisServer::start();
     let link = link_to(&server, "idpool-back").await;
+    let lists = idpool::records::pool::PoolLists::new(link.clone());
     let keys = link.keys("BACK", "1", "");
-    let locked = link
-        .lists()
+    let locked = lists
         .acquire(&keys, "refill", Duration::from_secs(30))
         .await
         .unwrap();
     assert!(locked.is_some());
     assert!(matches!(
-        link.lists()
+        lists
             .push(&keys, "refill", SeqRange::new(1, 101), 100, 0)
             .await,
         Pushed::All(100)
@@ -136,15 +136,12 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     // Two leases take 1-10 and 11-20; their unused numbers come back, the
     // lower lease's first, then once more (a retried give-back).
     server.cli(&["LPOP", &keys.pool, "20"]);
-    link.lists()
-        .give_back(&keys, &[5, 6, 7, 8, 9, 10])
-        .await
-        .unwrap();
-    link.lists()
+    lists.give_back(&keys, &[5, 6, 7, 8, 9, 10]).await.unwrap();
+    lists
         .give_back(&keys, &[15, 16, 17, 18, 19, 20])
         .await
         .unwrap();
-    link.lists().give_back(&keys, &[20, 5]).await.unwrap();
+    lists.give_back(&keys, &[20, 5]).await.unwrap();
     let pool: Vec<i64> = server
         .cli(&["LRANGE", &keys.pool, "0", "-1"])
         .lines()
@@ -152,7 +149,7 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
         .collect();
     let expected: Vec<i64> = (5..=10).chain(15..=100).collect();
     assert_eq!(pool, expected);
-    assert_eq!(link.lists().head(&keys).await.unwrap(), Some(5));
+    assert_eq!(lists.head(&keys).await.unwrap(), Some(5));
 }
 
 /// Redis runs one script at a time for every tenant: a pool of a million
@@ -168,16 +165,15 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
     server.cli(&["CONFIG", "SET", "slowlog-log-slower-than", "50000"]);
     server.cli(&["SLOWLOG", "RESET"]);
     let link = link_to(&server, "idpool-parts").await;
+    let lists = idpool::records::pool::PoolLists::new(link.clone());
     let keys = link.keys("BIG", "1", "");
     let token = "refill-token";
-    let locked = link
-        .lists()
+    let locked = lists
         .acquire(&keys, token, Duration::from_secs(30))
         .await
         .unwrap();
     assert!(locked.is_some(), "the refill lock was free");
-    match link
-        .lists()
+    match lists
         .push(&keys, token, SeqRange::new(1, 1_000_001), 1_000_000, 0)
         .await
     {
@@ -185,7 +181,7 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
         _ => panic!("the block did not go in whole"),
     }
     assert_eq!(
-        link.lists()
+        lists
             .acquire(&keys, "next", Duration::from_secs(30))
             .await
             .unwrap()
@@ -193,13 +189,13 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
         Some(1_000_000),
         "the last part released the lock"
     );
-    link.lists().release(&keys, "next").await.unwrap();
-    let trimmed = link.lists().trim_above(&keys, 900_000).await.unwrap();
+    lists.release(&keys, "next").await.unwrap();
+    let trimmed = lists.trim_above(&keys, 900_000).await.unwrap();
     assert_eq!(trimmed, vec![SeqRange::new(900_001, 1_000_001)]);
-    assert_eq!(link.lists().head(&keys).await.unwrap(), Some(1));
-    let discarded = link.lists().discard(&keys, false).await.unwrap();
+    assert_eq!(lists.head(&keys).await.unwrap(), Some(1));
+    let discarded = lists.discard(&keys, false).await.unwrap();
     assert_eq!(discarded, vec![SeqRange::new(1, 900_001)]);
-    assert_eq!(link.lists().depth(&keys).await.unwrap(), 0);
+    assert_eq!(lists.depth(&keys).await.unwrap(), 0);
     assert_eq!(
         server.cli(&["--scan", "--pattern", "*drain*"]).trim(),
         "",

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::{PoolKeys, PoolRef, RedisFailure, RedisLink};
+use super::{PoolKeys, PoolLists, PoolRef, RedisFailure, RedisLink};
 use crate::domain::numbers::SeqRange;
 use crate::domain::sequence::Sequence;
 use crate::infra::stats::Stats;
@@ -17,6 +17,7 @@ const MAX_UNRETURNED: usize = 100_000;
 /// recorded.
 pub struct Discards {
     redis: Arc<RedisLink>,
+    lists: PoolLists,
     counter: Arc<Counter>,
     stats: Arc<Stats>,
     /// Numbers surely not issued that Redis could not take back (the
@@ -74,6 +75,7 @@ pub enum DiscardCause {
 impl Discards {
     pub(super) fn new(redis: Arc<RedisLink>, counter: Arc<Counter>, stats: Arc<Stats>) -> Self {
         Self {
+            lists: PoolLists::new(redis.clone()),
             redis,
             counter,
             stats,
@@ -84,7 +86,7 @@ impl Discards {
     pub async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) -> Result<(), RedisFailure> {
         let mut sorted = seqs.to_vec();
         sorted.sort_unstable();
-        self.redis.lists().give_back(&pool.keys, &sorted).await
+        self.lists.give_back(&pool.keys, &sorted).await
     }
 
     /// Numbers taken from the pool (or the counter) but surely not issued:
@@ -146,7 +148,7 @@ impl Discards {
 
     /// Empties a pool whose list cannot be trusted and records its numbers.
     pub async fn invalidate(&self, pool: &PoolRef, cause: DiscardCause) {
-        match self.redis.lists().discard(&pool.keys, false).await {
+        match self.lists.discard(&pool.keys, false).await {
             Ok(ranges) => {
                 self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
                     .await
@@ -195,7 +197,7 @@ impl Discards {
             }
         };
         for (keys, period) in pools {
-            match self.redis.lists().discard(&keys, false).await {
+            match self.lists.discard(&keys, false).await {
                 Ok(ranges) => self.record_discard(sequence, &period, &ranges, cause).await,
                 Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not discard pool"),
             }
@@ -214,7 +216,7 @@ impl Discards {
             }
         };
         for (keys, period) in pools {
-            match self.redis.lists().trim_above(&keys, max).await {
+            match self.lists.trim_above(&keys, max).await {
                 Ok(ranges) => {
                     self.record_discard(sequence, &period, &ranges, DiscardCause::AboveMax)
                         .await
@@ -236,7 +238,7 @@ impl Discards {
             sequence.doc_type.as_str(),
             period,
         );
-        let ranges = self.redis.lists().discard(&keys, false).await?;
+        let ranges = self.lists.discard(&keys, false).await?;
         self.record_discard(sequence, period, &ranges, DiscardCause::PeriodEnded)
             .await;
         Ok(())

@@ -2,6 +2,7 @@
 //! discard, give back, and what a pool holds. Each call runs one bounded
 //! script through the connection's circuit breaker.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use fred::prelude::*;
@@ -9,14 +10,15 @@ use fred::prelude::*;
 use super::redis::{PoolKeys, RedisFailure, RedisLink};
 use crate::domain::numbers::SeqRange;
 
-/// The pools' lists, through the link (`RedisLink::lists`): borrowed,
-/// so a call costs nothing to set up.
-pub struct PoolLists<'a> {
-    link: &'a RedisLink,
+/// The pools' lists, over the link (whose circuit breaker every call
+/// goes through). Every handle of one link shares the link's book of pops.
+#[derive(Clone)]
+pub struct PoolLists {
+    link: Arc<RedisLink>,
 }
 
-impl<'a> PoolLists<'a> {
-    pub(super) fn new(link: &'a RedisLink) -> Self {
+impl PoolLists {
+    pub fn new(link: Arc<RedisLink>) -> Self {
         Self { link }
     }
 

@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 pub use self::discard::{DiscardCause, Discards};
-pub use self::lists::{Popped, Pushed};
+pub use self::lists::{PoolLists, Popped, Pushed};
 pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
 use self::refill::RefillParts;
 pub use self::refill::{RefillOutcome, Refills};
@@ -90,6 +90,7 @@ struct PopRequest {
 /// and watch them.
 pub struct PoolService {
     redis: Arc<RedisLink>,
+    lists: PoolLists,
     counter: Arc<Counter>,
     stats: Arc<Stats>,
     settings: PoolSettings,
@@ -114,9 +115,10 @@ impl PoolService {
         clock: Arc<dyn Clock>,
         tasks: &TaskTracker,
     ) -> Arc<Self> {
-        let (pop_link, pop_stats) = (redis.clone(), stats.clone());
+        let lists = PoolLists::new(redis.clone());
+        let (pop_lists, pop_stats) = (lists.clone(), stats.clone());
         let pops = Batcher::spawn(tasks, "pool pops", 4096, move |batch| {
-            pop_batch(pop_link.clone(), pop_stats.clone(), batch)
+            pop_batch(pop_lists.clone(), pop_stats.clone(), batch)
         });
         let discards = Arc::new(Discards::new(redis.clone(), counter.clone(), stats.clone()));
         let refills = Refills::new(RefillParts {
@@ -138,6 +140,7 @@ impl PoolService {
         ));
         Arc::new(Self {
             redis,
+            lists,
             counter,
             stats,
             settings,
@@ -188,7 +191,7 @@ impl PoolService {
         if !self.redis.is_up() {
             return None;
         }
-        self.redis.lists().depth(&pool.keys).await.ok()
+        self.lists.depth(&pool.keys).await.ok()
     }
 
     /// The pool of `sequence` in `period`; kept between requests, since
@@ -318,7 +321,7 @@ impl PoolService {
             sequence.doc_type.as_str(),
             period,
         );
-        self.redis.lists().head(&keys).await
+        self.lists.head(&keys).await
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {
@@ -343,7 +346,7 @@ impl PoolService {
 /// popped once for its requests' total and each request gets its share,
 /// in the order the requests came; a failed pop fails every request of its
 /// pool alike.
-async fn pop_batch(redis: Arc<RedisLink>, stats: Arc<Stats>, batch: Vec<PopRequest>) {
+async fn pop_batch(lists: PoolLists, stats: Arc<Stats>, batch: Vec<PopRequest>) {
     stats.pipeline_pop_batch.observe(batch.len() as f64);
     let mut groups: HashMap<Arc<PoolKeys>, Vec<PopRequest>> = HashMap::new();
     for request in batch {
@@ -354,8 +357,8 @@ async fn pop_batch(redis: Arc<RedisLink>, stats: Arc<Stats>, batch: Vec<PopReque
     }
     let pops = groups.into_iter().map(|(keys, group)| {
         let total: usize = group.iter().map(|request| request.count).sum();
-        let redis = redis.clone();
-        async move { (group, redis.lists().pop(&keys, total).await) }
+        let lists = lists.clone();
+        async move { (group, lists.pop(&keys, total).await) }
     });
     for (group, popped) in futures::future::join_all(pops).await {
         match popped {

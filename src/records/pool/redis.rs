@@ -242,11 +242,6 @@ impl RedisLink {
         }
     }
 
-    /// The pools' lists in Redis (`lists.rs`).
-    pub fn lists(&self) -> super::lists::PoolLists<'_> {
-        super::lists::PoolLists::new(self)
-    }
-
     pub fn prefix(&self) -> &str {
         &self.prefix
     }

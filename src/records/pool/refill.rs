@@ -11,7 +11,9 @@ use futures::future::{BoxFuture, Shared};
 use tokio::sync::{Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
 
-use super::{DiscardCause, Discards, PoolKeys, PoolRef, PoolSettings, Popped, Pushed, RedisLink};
+use super::{
+    DiscardCause, Discards, PoolKeys, PoolLists, PoolRef, PoolSettings, Popped, Pushed, RedisLink,
+};
 use crate::domain::clock::Clock;
 use crate::infra::stats::Stats;
 use crate::records::counter::{Counter, PoolBlock, Reserved};
@@ -23,6 +25,7 @@ pub type SharedRefill = Shared<BoxFuture<'static, RefillOutcome>>;
 /// The refills of this instance's pools.
 pub struct Refills {
     redis: Arc<RedisLink>,
+    lists: PoolLists,
     counter: Arc<Counter>,
     sequences: Arc<SequenceStore>,
     stats: Arc<Stats>,
@@ -61,6 +64,7 @@ impl Refills {
         } = parts;
         Arc::new(Self {
             refill_slots: Arc::new(Semaphore::new(settings.refill_concurrency.max(1))),
+            lists: PoolLists::new(redis.clone()),
             redis,
             counter,
             sequences,
@@ -165,8 +169,7 @@ impl Refills {
         }
         let token = uuid::Uuid::new_v4().simple().to_string();
         let locked = match self
-            .redis
-            .lists()
+            .lists
             .acquire(&pool.keys, &token, self.settings.lock_ttl)
             .await
         {
@@ -184,14 +187,14 @@ impl Refills {
         // Double check under the lock: another instance may have refilled
         // between our pop and our lock.
         if locked.depth > Self::low_water(pool, target) && locked.depth >= demand {
-            let _ = self.redis.lists().release(&pool.keys, &token).await;
+            let _ = self.lists.release(&pool.keys, &token).await;
             return RefillOutcome::NotNeeded;
         }
         let want = (target - locked.depth).max(0) + demand;
         let block = match self.reserve_block(pool, want, lock_acquired_at).await {
             Ok(block) => block,
             Err(outcome) => {
-                let _ = self.redis.lists().release(&pool.keys, &token).await;
+                let _ = self.lists.release(&pool.keys, &token).await;
                 return outcome;
             }
         };
@@ -242,8 +245,7 @@ impl Refills {
         now_ms: i64,
     ) -> RefillOutcome {
         let pushed = self
-            .redis
-            .lists()
+            .lists
             .push(&pool.keys, token, block.range, target, now_ms)
             .await;
         let (cause, rest) = match pushed {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{DiscardCause, Discards, PoolKeys, PoolSettings, RedisFailure, RedisLink};
+use super::{DiscardCause, Discards, PoolKeys, PoolLists, PoolSettings, RedisFailure, RedisLink};
 use crate::domain::sequence::{ProjectCode, TypeCode};
 use crate::infra::stats::Stats;
 use crate::records::counter::{Counter, PostgresIdentity};
@@ -16,6 +16,7 @@ use crate::records::sequence_store::SequenceStore;
 /// The circuit watch of the pools.
 pub struct PoolWatch {
     redis: Arc<RedisLink>,
+    lists: PoolLists,
     counter: Arc<Counter>,
     sequences: Arc<SequenceStore>,
     stats: Arc<Stats>,
@@ -35,6 +36,7 @@ impl PoolWatch {
         discards: Arc<Discards>,
     ) -> Self {
         Self {
+            lists: PoolLists::new(redis.clone()),
             redis,
             counter,
             sequences,
@@ -52,10 +54,10 @@ impl PoolWatch {
     pub async fn resync(&self) -> Result<Resynced, ResyncError> {
         self.stats.redis_resyncs.inc();
         self.redis.claim_prefix(&self.settings.installation).await?;
-        self.redis.lists().read_server_clock().await?;
+        self.lists.read_server_clock().await?;
         // Numbers of pops whose answers were lost go back before any pool
         // is judged or used.
-        self.redis.lists().resolve_pops_in_doubt().await?;
+        self.lists.resolve_pops_in_doubt().await?;
         let mut resynced = Resynced::default();
         for key in self.redis.pool_keys(None).await? {
             let Some((project, doc_type, period)) =
@@ -64,7 +66,7 @@ impl PoolWatch {
                 continue;
             };
             let keys = self.redis.keys(project, doc_type, period);
-            let ranges = self.redis.lists().discard(&keys, true).await?;
+            let ranges = self.lists.discard(&keys, true).await?;
             if ranges.is_empty() {
                 continue;
             }
@@ -101,7 +103,7 @@ impl PoolWatch {
                 continue;
             };
             let keys = self.redis.keys(project, doc_type, period);
-            let max_end = self.redis.lists().max_end(&keys).await?;
+            let max_end = self.lists.max_end(&keys).await?;
             if max_end > 0 {
                 seen.push((project.into(), doc_type.into(), period.into(), max_end));
             }
@@ -132,7 +134,7 @@ impl PoolWatch {
             let keys = self
                 .redis
                 .keys(project.as_str(), doc_type.as_str(), &period_key);
-            let ranges = self.redis.lists().discard(&keys, false).await?;
+            let ranges = self.lists.discard(&keys, false).await?;
             self.discards
                 .record_discard(
                     &sequence,
