@@ -390,3 +390,64 @@ async fn a_stranger_holding_every_connection_slot_keeps_no_tenant_from_connectin
         .await;
     drop(held);
 }
+
+/// A head a proxy in front could read otherwise than the service does is
+/// refused and changes nothing: two Authorization headers (the first a
+/// valid key), two Content-Types (the first JSON). A body framed both by
+/// Content-Length and Transfer-Encoding is read by the latter alone and
+/// the connection closed after the answer (RFC 9112 §6.1), so nothing sent
+/// behind it on that connection is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_that_reads_two_ways_is_refused_and_changes_nothing() {
+    let app = TestEnv::new().spawn().await;
+    let key = &app.admin_key;
+    let body = r#"{"project":"TWO","type":"1","count":1}"#;
+    let two_keys = format!(
+        "POST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nAuthorization: Bearer nope\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let two_types = format!(
+        "POST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    for (what, request) in [
+        ("two Authorization headers", two_keys),
+        ("two Content-Types", two_types),
+    ] {
+        let answer = raw_exchange(&app, request.as_bytes(), Duration::from_secs(5)).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400") && answer.contains("invalid_header"),
+            "{what}: {answer}"
+        );
+    }
+    let issued: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM issuance_ledger l JOIN sequences s ON s.id = l.sequence_id \
+         WHERE s.project = 'TWO'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(issued, 0, "a refused head issued numbers");
+    // Framed twice, then a second request on the same connection: only
+    // the first is answered, and the connection is closed at once.
+    let smuggled = r#"{"project":"TWO","type":"2","count":1}"#;
+    let framed_twice = format!(
+        "POST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\nPOST /ids HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{smuggled}",
+        body.len(),
+        smuggled.len()
+    );
+    let started = Instant::now();
+    let answer = raw_exchange(&app, framed_twice.as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "not closed: {answer}"
+    );
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer}");
+    let second: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM sequences WHERE project = 'TWO' AND doc_type = '2'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(second, 0, "the request behind a twice-framed body was read");
+}

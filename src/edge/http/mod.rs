@@ -407,6 +407,9 @@ async fn guard(limit: Duration, mut req: Request, next: Next) -> Response {
         )
         .into_response();
     }
+    if let Some(refused) = read_two_ways(req.headers()) {
+        return refused;
+    }
     let started = tokio::time::Instant::now();
     req.extensions_mut()
         .insert(extract::BodyDeadline(started + limit));
@@ -420,6 +423,32 @@ async fn guard(limit: Duration, mut req: Request, next: Next) -> Response {
         // A write was sent: its outcome is the answer.
         Err(_) => serving.await,
     }
+}
+
+/// A request head that a proxy in front could read otherwise than we do is
+/// refused, not served by our reading: two `Authorization` headers, or two
+/// `Content-Type` headers (which one a proxy checked is unknown). (A body
+/// framed both by `Content-Length` and `Transfer-Encoding` never gets here:
+/// hyper reads it by `Transfer-Encoding` alone and closes the connection
+/// after the answer, as RFC 9112 §6.1 asks.)
+fn read_two_ways(headers: &axum::http::HeaderMap) -> Option<Response> {
+    use axum::http::header;
+    let count = |name| headers.get_all(name).iter().count();
+    if count(header::AUTHORIZATION) > 1 {
+        return Some(
+            ApiError::bad_request(
+                "invalid_header",
+                "send one Authorization header: Bearer <key>",
+            )
+            .into_response(),
+        );
+    }
+    if count(header::CONTENT_TYPE) > 1 {
+        return Some(
+            ApiError::bad_request("invalid_header", "send one Content-Type header").into_response(),
+        );
+    }
+    None
 }
 
 /// `%00` anywhere in a path or query: a NUL once decoded. (The URL parser
