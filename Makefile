@@ -38,8 +38,8 @@ clean-test-data: services
 spec-map:
 	@python3 scripts/spec-map.py
 
-# The client tools the tests drive (pinned; a venv and node_modules under
-# target/sdk, installed once).
+# The client tools the tests drive (pinned; a venv and node_modules in the
+# tool cache, installed once per machine, linked under target/sdk).
 sdk-tools:
 	@scripts/sdk-tools.sh
 
