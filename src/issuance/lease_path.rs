@@ -20,20 +20,15 @@ use crate::records::ledger::outbox_rows::{Attachment, OutboxRow};
 use crate::records::ledger::{LEASE_TTL, LeaseReport, LedgerError};
 use crate::records::pool::{DiscardCause, PoolService};
 
-type LeaseHolder = Holder;
-
-/// Held by a request served on its own until its pop has answered.
-pub(super) type OnItsOwnTicket = OnItsOwn;
-
 /// Where a request for numbers stands after its first look at the lease.
 pub(super) enum Begun {
     /// The lease had every number: `got`, not handed out yet.
-    Complete(Arc<LeaseHolder>, Vec<i64>),
+    Complete(Arc<Holder>, Vec<i64>),
     /// A lease is on its way; `got` holds what there was.
-    Waiting(Arc<LeaseHolder>, Vec<i64>),
+    Waiting(Arc<Holder>, Vec<i64>),
     /// No lease is coming (or leases are off): `got` (maybe empty) is all
     /// the lease gives; the ticket is kept until the rest is popped.
-    Alone(Option<Arc<LeaseHolder>>, Vec<i64>, Option<OnItsOwnTicket>),
+    Alone(Option<Arc<Holder>>, Vec<i64>, Option<OnItsOwn>),
 }
 
 /// A document's outcome on the lease.
@@ -41,7 +36,7 @@ pub(super) enum OnLease {
     Written(Result<(OutboxRow, DateTime<Utc>), IssueError>),
     /// No lease serves the sequence now: the document goes on its own,
     /// keeping the ticket (if any) until its number is popped.
-    NotServed(Option<OnItsOwnTicket>),
+    NotServed(Option<OnItsOwn>),
 }
 
 /// How much sooner than the lease's expiry in the ledger its holder stops
@@ -51,7 +46,7 @@ pub(super) enum OnLease {
 const DEADLINE_MARGIN: Duration = Duration::from_millis(500);
 
 /// The most numbers one lease of `holder`'s pool may carry.
-fn pool_size(holder: &LeaseHolder) -> usize {
+fn pool_size(holder: &Holder) -> usize {
     holder.pool.sequence.definition.pool_size as usize
 }
 
@@ -80,7 +75,7 @@ impl LeasePath {
         }
     }
 
-    fn holder(&self, placement: &Arc<Placement>) -> Arc<LeaseHolder> {
+    fn holder(&self, placement: &Arc<Placement>) -> Arc<Holder> {
         let sequence = &placement.sequence;
         let key = (
             sequence.id,
@@ -121,18 +116,18 @@ impl LeasePath {
     /// an error when none is coming after all (see [`crate::lease::Leases::fill`]).
     pub(super) async fn wait(
         &self,
-        holder: &Arc<LeaseHolder>,
+        holder: &Arc<Holder>,
         count: usize,
         got: &mut Vec<i64>,
         order: impl FnMut(Order),
-    ) -> Result<(), Option<OnItsOwnTicket>> {
+    ) -> Result<(), Option<OnItsOwn>> {
         self.leases
             .fill(holder, count, pool_size(holder), got, order)
             .await
     }
 
     /// Puts numbers taken from `holder` back, unanswered.
-    pub(super) fn put_back(&self, holder: &LeaseHolder, seqs: Vec<i64>) {
+    pub(super) fn put_back(&self, holder: &Holder, seqs: Vec<i64>) {
         self.leases.put_back(holder, seqs);
     }
 
@@ -155,11 +150,7 @@ impl LeasePath {
     /// the answer goes out at once; which numbers went out is written in
     /// the background (`handouts.rs`). A request withdrawn at its deadline
     /// (it was answered 503 already) gets none: they go back.
-    pub(super) fn hand_out(
-        &self,
-        holder: &LeaseHolder,
-        seqs: Vec<i64>,
-    ) -> Result<Vec<i64>, IssueError> {
+    pub(super) fn hand_out(&self, holder: &Holder, seqs: Vec<i64>) -> Result<Vec<i64>, IssueError> {
         if seqs.is_empty() {
             return Ok(seqs);
         }
@@ -221,7 +212,7 @@ impl LeasePath {
     /// it goes back to its pool; otherwise (the outcome is unknown, or the
     /// ID it prints is taken) it is recorded as discarded, never handed out
     /// again.
-    async fn not_written(&self, holder: &LeaseHolder, seq: i64, reusable: bool) {
+    async fn not_written(&self, holder: &Holder, seq: i64, reusable: bool) {
         if reusable {
             self.leases.put_back(holder, vec![seq]);
             return;

@@ -55,9 +55,9 @@ use crate::records::sequence_store::{SequenceStore, StoreError};
 use counter_path::{CounterPath, LedgerTarget};
 use gapless_path::GaplessPath;
 use handouts::Handouts;
-use lease_path::{Begun, LeasePath, OnItsOwnTicket, OnLease};
+use lease_path::{Begun, LeasePath, OnLease};
 use lease_returns::LeaseReturns;
-use lease_store::{Leases, Order};
+use lease_store::{Leases, OnItsOwn, Order};
 use shared_commit::{Demand, SharedCommit};
 use transactions::Transactions;
 
@@ -577,7 +577,7 @@ impl Issuer {
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
-        on_its_own: Option<OnItsOwnTicket>,
+        on_its_own: Option<OnItsOwn>,
     ) -> Result<Vec<i64>, IssueError> {
         match self.shared_as_many(placement, count, via, on_its_own).await {
             (seqs, None) => Ok(seqs),
@@ -596,7 +596,7 @@ impl Issuer {
         placement: &Arc<Placement>,
         count: usize,
         via: Via,
-        on_its_own: Option<OnItsOwnTicket>,
+        on_its_own: Option<OnItsOwn>,
     ) -> (Vec<i64>, Option<IssueError>) {
         if count == 0 {
             return (Vec::new(), None);

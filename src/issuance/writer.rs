@@ -266,10 +266,12 @@ impl Writer {
     /// them and hands them in again (a handout written twice says the same
     /// thing twice: one in doubt is simply written again).
     async fn write_handouts(&self, handouts: Vec<(Vec<LeaseReport>, HandoutsReply)>) {
-        let reports: Vec<LeaseReport> = handouts
-            .iter()
-            .flat_map(|(reports, _)| reports.iter().cloned())
-            .collect();
+        let mut reports: Vec<LeaseReport> = Vec::new();
+        let mut replies = Vec::with_capacity(handouts.len());
+        for (handed, reply) in handouts {
+            reports.extend(handed);
+            replies.push(reply);
+        }
         let mut held = self.conn.lock().await;
         let written = match held.as_mut() {
             Some(held) => Ok(held),
@@ -292,7 +294,7 @@ impl Writer {
             }
             LedgerError::Db(Arc::new(e))
         });
-        for (_, reply) in handouts {
+        for reply in replies {
             let _ = reply.send(outcome.clone());
         }
     }
