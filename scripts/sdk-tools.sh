@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The client tools the tests use, at pinned versions: a Python venv
-# (openapi-spec-validator, openapi-python-client, schemathesis) and
+# (openapi-spec-validator, openapi-python-client, schemathesis, standardwebhooks) and
 # node_modules (openapi-typescript, openapi-fetch, typescript). Installed
 # once per machine under the tool cache (as scripts/cargo-tool.sh does for
 # cargo tools), in a folder named by the pins, and linked into this clone's

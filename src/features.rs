@@ -1,4 +1,6 @@
-//! What tenants do with numbers: documents and their outbox, gaps and reconciliation.
+//! What tenants do with numbers: documents and their outbox, the endpoints
+//! their documents are delivered to, gaps and reconciliation.
 
 pub mod documents;
+pub mod endpoints;
 pub mod gaps;

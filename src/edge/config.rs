@@ -9,6 +9,9 @@ use clap::{Args, ValueEnum};
 use crate::features::documents::sink::SinkConfig;
 use crate::infra::redact::url_without_password;
 
+/// Failures in a row that open an endpoint's circuit.
+pub const ENDPOINT_CIRCUIT_AFTER: i32 = 5;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
     On,
@@ -273,6 +276,78 @@ pub struct Config {
         value_parser = clap::value_parser!(u64).range(1..=1024).map(|n| n as usize),
     )]
     pub webhook_concurrency: usize,
+
+    /// Endpoints one project may register.
+    #[arg(
+        long = "idpool-max-endpoints-per-project",
+        env = "IDPOOL_MAX_ENDPOINTS_PER_PROJECT",
+        value_name = "IDPOOL_MAX_ENDPOINTS_PER_PROJECT",
+        default_value_t = 20,
+        value_parser = clap::value_parser!(i64).range(0..=10_000),
+    )]
+    pub max_endpoints_per_project: i64,
+
+    /// An endpoint whose every attempt failed for this many seconds is
+    /// disabled (`disabled_reason: failing`).
+    #[arg(
+        long = "idpool-endpoint-disable-after-s",
+        env = "IDPOOL_ENDPOINT_DISABLE_AFTER_S",
+        value_name = "IDPOOL_ENDPOINT_DISABLE_AFTER_S",
+        default_value_t = 432_000,
+        value_parser = clap::value_parser!(u64).range(1..=31_536_000),
+    )]
+    pub endpoint_disable_after_s: u64,
+
+    /// Allow endpoint URLs that lead to loopback, private, link-local or
+    /// other non-public addresses (tests, private networks).
+    #[arg(
+        long = "idpool-endpoints-allow-private",
+        env = "IDPOOL_ENDPOINTS_ALLOW_PRIVATE",
+        value_name = "IDPOOL_ENDPOINTS_ALLOW_PRIVATE",
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+    )]
+    pub endpoints_allow_private: bool,
+
+    /// Seconds a rotated endpoint secret keeps signing beside the new one.
+    #[arg(
+        long = "idpool-secret-overlap-s",
+        env = "IDPOOL_SECRET_OVERLAP_S",
+        value_name = "IDPOOL_SECRET_OVERLAP_S",
+        default_value_t = 86_400,
+        value_parser = clap::value_parser!(u64).range(0..=2_592_000),
+    )]
+    pub secret_overlap_s: u64,
+
+    /// Deliveries in flight to one endpoint, per instance.
+    #[arg(
+        long = "idpool-endpoint-concurrency",
+        env = "IDPOOL_ENDPOINT_CONCURRENCY",
+        value_name = "IDPOOL_ENDPOINT_CONCURRENCY",
+        default_value_t = 8,
+        value_parser = clap::value_parser!(u64).range(1..=256).map(|n| n as usize),
+    )]
+    pub endpoint_concurrency: usize,
+
+    /// Deliveries in flight to all endpoints together, per instance.
+    #[arg(
+        long = "idpool-endpoint-in-flight",
+        env = "IDPOOL_ENDPOINT_IN_FLIGHT",
+        value_name = "IDPOOL_ENDPOINT_IN_FLIGHT",
+        default_value_t = 256,
+        value_parser = clap::value_parser!(u64).range(1..=10_000).map(|n| n as usize),
+    )]
+    pub endpoint_in_flight: usize,
+
+    /// Longest pause of an endpoint's open circuit, in seconds.
+    #[arg(
+        long = "idpool-endpoint-circuit-max-s",
+        env = "IDPOOL_ENDPOINT_CIRCUIT_MAX_S",
+        value_name = "IDPOOL_ENDPOINT_CIRCUIT_MAX_S",
+        default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=86_400),
+    )]
+    pub endpoint_circuit_max_s: u64,
 
     /// Run the reconciliation job in this process.
     #[arg(
@@ -572,6 +647,45 @@ impl Config {
             backoff_max: Duration::from_millis(self.outbox_backoff_max_ms),
             batch_size: self.outbox_batch,
             ..Default::default()
+        }
+    }
+
+    pub fn endpoint_settings(&self) -> crate::features::endpoints::EndpointSettings {
+        crate::features::endpoints::EndpointSettings {
+            max_per_project: self.max_endpoints_per_project,
+            secret_overlap: Duration::from_secs(self.secret_overlap_s),
+            policy: self.endpoint_policy(),
+        }
+    }
+
+    fn endpoint_policy(&self) -> crate::features::endpoints::url_guard::UrlPolicy {
+        crate::features::endpoints::url_guard::UrlPolicy {
+            allow_private: self.endpoints_allow_private,
+        }
+    }
+
+    pub fn dispatcher_settings(
+        &self,
+    ) -> crate::features::endpoints::dispatcher::DispatcherSettings {
+        let outbox = self.processor_settings();
+        crate::features::endpoints::dispatcher::DispatcherSettings {
+            timeout: Duration::from_millis(self.webhook_timeout_ms),
+            per_endpoint: self.endpoint_concurrency,
+            in_flight: self.endpoint_in_flight.max(self.endpoint_concurrency),
+            poll: outbox.poll,
+            judgement: crate::features::endpoints::deliveries::Judgement {
+                retry: crate::features::documents::delivery_queue::Retry {
+                    max_retries: outbox.max_retries,
+                    backoff_base: outbox.backoff_base,
+                    backoff_max: outbox.backoff_max,
+                },
+                circuit_after: ENDPOINT_CIRCUIT_AFTER,
+                circuit_base: Duration::from_secs(1),
+                circuit_max: Duration::from_secs(self.endpoint_circuit_max_s),
+                disable_after: Duration::from_secs(self.endpoint_disable_after_s),
+            },
+            policy: self.endpoint_policy(),
+            shutdown_grace: outbox.shutdown_grace,
         }
     }
 

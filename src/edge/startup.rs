@@ -18,6 +18,8 @@ use crate::edge::http::{AppInner, AppState};
 use crate::features::documents::processor::{OutboxWake, PendingTenants, Processor};
 use crate::features::documents::sink::{Sink, SinkSettings};
 use crate::features::documents::{Documents, HandoutWaits};
+use crate::features::endpoints::Endpoints;
+use crate::features::endpoints::dispatcher::{DeliveriesWake, Dispatcher};
 use crate::features::gaps::reconcile::{ReconcileSettings, Reconciler};
 use crate::infra::backoff::Backoff;
 use crate::infra::fair::FairSlots;
@@ -419,6 +421,7 @@ impl Parts {
         stop: &CancellationToken,
     ) -> anyhow::Result<()> {
         let outbox_wake = Arc::new(Notify::new());
+        let deliveries_wake = Arc::new(Notify::new());
         let pending_tenants = Arc::new(PendingTenants::default());
         let (pools, auth, db) = (self.pools.clone(), self.auth.clone(), self.db.clone());
         let watch_stop = stop.clone();
@@ -432,6 +435,7 @@ impl Parts {
                 wake: outbox_wake.clone(),
                 tenants: pending_tenants.clone(),
             }),
+            Arc::new(DeliveriesWake(deliveries_wake.clone())),
         ];
         let source = listen::Source::new(&db, config.pg_listen_url.as_deref());
         let listen_stop = stop.clone();
@@ -465,7 +469,35 @@ impl Parts {
                 stop,
                 (outbox_wake, pending_tenants),
             )?;
+            self.start_dispatcher(config, overrides, supervisor, stop, deliveries_wake)?;
         }
+        Ok(())
+    }
+
+    /// The dispatcher of deliveries to projects' own endpoints, on the
+    /// background pool: it holds one connection at a time, for a statement
+    /// (a claim) or a short transaction (recording outcomes), never while
+    /// an endpoint answers.
+    fn start_dispatcher(
+        &self,
+        config: &Config,
+        overrides: &Overrides,
+        supervisor: &Supervisor,
+        stop: &CancellationToken,
+        wake: Arc<Notify>,
+    ) -> anyhow::Result<()> {
+        let dispatcher = Arc::new(Dispatcher::new(
+            self.background_db.clone(),
+            config.dispatcher_settings(),
+            self.stats.clone(),
+            overrides.clock.clone(),
+            self.instance_id.clone(),
+            wake,
+        )?);
+        let stop = stop.clone();
+        supervisor.spawn("endpoint deliveries", move || {
+            dispatcher.clone().run(stop.clone())
+        });
         Ok(())
     }
 
@@ -526,6 +558,7 @@ impl Parts {
                 handout_waits: self.handout_waits,
             },
             issuer: self.issuer,
+            endpoints: Endpoints::new(self.db.clone(), config.endpoint_settings()),
             reconciler: self.reconciler,
             sequences: self.sequences,
             pools: self.pools,

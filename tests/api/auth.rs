@@ -96,9 +96,44 @@ fn aim(operation: &str, project: &str) -> Option<Aimed> {
             format!("/api/v1/sequences/{project}/T"),
             Some(json!({"pool_size": 50})),
         ),
+        "create_endpoint" => (
+            Method::POST,
+            "/api/v1/endpoints".to_owned(),
+            Some(json!({"project": project, "url": "http://127.0.0.1:9/in"})),
+        ),
+        "list_endpoints" => (
+            Method::GET,
+            format!("/api/v1/endpoints?project={project}"),
+            None,
+        ),
+        "get_endpoint" => (Method::GET, endpoint_path(project, ""), None),
+        "update_endpoint" => (
+            Method::PATCH,
+            endpoint_path(project, ""),
+            Some(json!({"description": "changed"})),
+        ),
+        "delete_endpoint" => (Method::DELETE, endpoint_path(project, ""), None),
+        "rotate_secret" => (Method::POST, endpoint_path(project, "/rotate-secret"), None),
+        "list_attempts" => (Method::GET, endpoint_path(project, "/attempts"), None),
+        "document_deliveries" => (
+            Method::GET,
+            format!("/api/v1/documents/{document}/deliveries"),
+            None,
+        ),
         _ => return None,
     };
     Some(Aimed { method, path, body })
+}
+
+/// The endpoint the test gives a project: `ep_` and the project's code
+/// in hex, padded (project Z's exists nowhere).
+fn endpoint_id(project: &str) -> String {
+    let hex: String = project.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("ep_{hex:0>24}")
+}
+
+fn endpoint_path(project: &str, rest: &str) -> String {
+    format!("/api/v1/endpoints/{}{rest}", endpoint_id(project))
 }
 
 async fn send(app: &TestApp, client: &reqwest::Client, aimed: &Aimed) -> reqwest::Response {
@@ -145,6 +180,12 @@ async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outs
         assert_eq!(response.status(), StatusCode::ACCEPTED);
     }
     let b_ledger = crate::support::app::ledger_numbers(&app.db, "B", "T", "").await;
+    sqlx::query("INSERT INTO endpoints (id, project, url, secret) VALUES ($1, 'B', 'http://127.0.0.1:9/in', $2)")
+        .bind(endpoint_id("B"))
+        .bind(idpool::features::endpoints::new_secret())
+        .execute(&app.db)
+        .await
+        .expect("B's endpoint");
     let key_a = client_with_key(Some(&create_key(&app.state, &["A"], false).await));
     let (revoked_id, revoked) = create_key_with_id(&app.state, &["A", "B"], false).await;
     app.state

@@ -18,7 +18,7 @@ fn repo() -> PathBuf {
 
 /// target/sdk with the pinned tools in it (installed once, under a lock,
 /// since tests run in processes of their own).
-fn tools() -> PathBuf {
+pub fn tools() -> PathBuf {
     let sdk = repo().join("target/sdk");
     std::fs::create_dir_all(&sdk).expect("target/sdk");
     run(
@@ -31,7 +31,7 @@ fn tools() -> PathBuf {
 }
 
 /// Runs `command` and fails the test, with its output, unless it succeeds.
-fn run(command: &mut Command, what: &str) -> String {
+pub fn run(command: &mut Command, what: &str) -> String {
     let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr);

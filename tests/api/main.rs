@@ -8,6 +8,7 @@ mod connections;
 mod database;
 mod deliveries;
 mod documents;
+mod endpoints;
 mod failover;
 mod gapless;
 mod gaps;

@@ -90,6 +90,31 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
     }
 }
 
+/// A JSON object body that may be left out: no body at all (no
+/// `Content-Type`, no length or length 0) is `None`; anything sent is read
+/// as [`Json`] reads it.
+pub struct OptionalJson<T>(pub Option<T>);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for OptionalJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let headers = req.headers();
+        let length = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let chunked = headers.contains_key(header::TRANSFER_ENCODING);
+        let absent =
+            !headers.contains_key(header::CONTENT_TYPE) && !chunked && length.unwrap_or(0) == 0;
+        if absent {
+            return Ok(OptionalJson(None));
+        }
+        let Json(value) = Json::<T>::from_request(req, state).await?;
+        Ok(OptionalJson(Some(value)))
+    }
+}
+
 /// The largest body a route takes (set on its router).
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLimit(pub usize);

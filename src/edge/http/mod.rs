@@ -5,6 +5,7 @@ pub mod auth;
 pub mod conn_guard;
 mod connections;
 mod documents;
+mod endpoints;
 pub mod extract;
 mod gaps;
 pub mod health;
@@ -58,6 +59,8 @@ pub struct AppInner {
     pub issuer: Arc<Issuer>,
     pub documents: Documents,
     pub reconciler: Arc<Reconciler>,
+    /// Projects' own delivery endpoints.
+    pub endpoints: crate::features::endpoints::Endpoints,
     pub sequences: Arc<SequenceStore>,
     pub pools: Arc<PoolService>,
     pub stats: Arc<Stats>,
@@ -110,6 +113,7 @@ impl std::ops::Deref for AppState {
         (name = "ids", description = "Issue IDs"),
         (name = "documents", description = "Accept documents through the transactional outbox"),
         (name = "outbox", description = "Outbox operations: dead letters"),
+        (name = "endpoints", description = "A project's own delivery endpoints, their secrets and attempts"),
         (name = "gaps", description = "Every number that carries no document, and why"),
         (name = "sequences", description = "Sequence definitions"),
         (name = "operations", description = "Health, readiness, metrics"),
@@ -125,6 +129,7 @@ pub fn api_router() -> OpenApiRouter<AppState> {
         .merge(voids::router())
         .merge(documents::router())
         .merge(outbox::router())
+        .merge(endpoints::router())
         .merge(gaps::router())
         .merge(sequences::router())
         .merge(health::router())

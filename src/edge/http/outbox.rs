@@ -7,7 +7,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
-use super::extract::{Path, Query};
+use super::extract::{OptionalJson, Path, Query};
 use super::ids::{parse_project, parse_type};
 use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
@@ -170,14 +170,55 @@ fn transition_error(e: TransitionError) -> ApiError {
     }
 }
 
+/// Optional body of retry and abandon: one endpoint's delivery only.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveryChoice {
+    /// Only this endpoint's delivery of the document (every endpoint's
+    /// when left out).
+    pub endpoint_id: Option<String>,
+}
+
+/// Applies a retry or an abandon: to the deliveries of a document routed
+/// to endpoints, else to the document's delivery to the sink.
+async fn transition(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+    choice: Option<DeliveryChoice>,
+    retry: bool,
+) -> Result<DocumentView, ApiError> {
+    let endpoint_id = choice.and_then(|c| c.endpoint_id);
+    let _turn = state.db_turn(caller).await;
+    let routed = crate::features::endpoints::deliveries::transition_routed(
+        &state.db,
+        id,
+        caller.projects(),
+        endpoint_id.as_deref(),
+        retry,
+    )
+    .await
+    .map_err(transition_error)?;
+    if let Some(view) = routed {
+        return Ok(view);
+    }
+    let sink = match retry {
+        true => delivery_queue::retry(&state.db, id, caller.projects()).await,
+        false => delivery_queue::abandon(&state.db, id, caller.projects()).await,
+    };
+    sink.map_err(transition_error)
+}
+
 /// Put a dead letter back to `pending` with its retry count reset.
 #[utoipa::path(
     post,
     path = "/api/v1/outbox/{id}/retry",
     tag = "outbox",
     params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
+    request_body(content = Option<DeliveryChoice>, description = "Optional: one endpoint's delivery only"),
     responses(
         (status = 200, description = "Back to pending, retry count reset", body = DocumentView),
+        (status = 400, description = "invalid_body: the optional body holds other than endpoint_id", body = Problem, content_type = "application/problem+json"),
         NoSuchDocument,
         (status = 409, description = "Not a dead letter (or abandoned)", body = Problem, content_type = "application/problem+json"),
     )
@@ -187,12 +228,11 @@ pub async fn retry_document(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    OptionalJson(choice): OptionalJson<DeliveryChoice>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
-    let _turn = state.db_turn(&caller).await;
-    delivery_queue::retry(&state.db, &id, caller.projects())
+    transition(&state, &caller, &id, choice, true)
         .await
         .map(axum::Json)
-        .map_err(transition_error)
 }
 
 /// Give up on a document; its number becomes a gap with reason `abandoned`.
@@ -201,8 +241,10 @@ pub async fn retry_document(
     path = "/api/v1/outbox/{id}/abandon",
     tag = "outbox",
     params(("id" = String, Path, description = "The document ID (percent-encoded)", min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")),
+    request_body(content = Option<DeliveryChoice>, description = "Optional: one endpoint's delivery only"),
     responses(
         (status = 200, description = "Abandoned: its number is a gap", body = DocumentView),
+        (status = 400, description = "invalid_body: the optional body holds other than endpoint_id", body = Problem, content_type = "application/problem+json"),
         NoSuchDocument,
         (status = 409, description = "Already committed", body = Problem, content_type = "application/problem+json"),
     )
@@ -212,10 +254,9 @@ pub async fn abandon_document(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    OptionalJson(choice): OptionalJson<DeliveryChoice>,
 ) -> Result<axum::Json<DocumentView>, ApiError> {
-    let _turn = state.db_turn(&caller).await;
-    delivery_queue::abandon(&state.db, &id, caller.projects())
+    transition(&state, &caller, &id, choice, false)
         .await
         .map(axum::Json)
-        .map_err(transition_error)
 }

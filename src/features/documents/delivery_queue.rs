@@ -207,11 +207,11 @@ async fn transition(
     Ok(view)
 }
 
-/// Deliveries that may run at once across every instance behind a
-/// pooler. A delivery keeps its transaction open while the target answers,
-/// and behind a pooler that holds one of the server connections every
-/// instance shares: without a bound, one tenant's backlog and a slow target
-/// would take them all.
+/// Deliveries to the Postgres or directory sink that may run at once
+/// across every instance behind a pooler. Such a delivery keeps its
+/// transaction open while it writes, and behind a pooler that holds one of
+/// the server connections every instance shares. (A webhook's deliveries
+/// hold no transaction while the target answers.)
 pub const DELIVERY_SLOTS: i32 = 2;
 
 /// Takes one of the `DELIVERY_SLOTS` for as long as `tx` lasts; false when
@@ -347,7 +347,8 @@ async fn claim_of(
 
 /// How long until `tenant`'s next pending row is due (zero when one is due
 /// now), by the database's clock (which set the due times); None when it
-/// has none pending. Inside the claim's transaction: the due-order index of
+/// has none pending for the sink (rows routed to endpoints are never due
+/// here: their due time is infinity). Inside the claim's transaction: the due-order index of
 /// the tenant's pending rows is the one read.
 pub async fn next_due_of(
     conn: &mut Tx<'_>,
@@ -358,6 +359,7 @@ pub async fn next_due_of(
     let seconds = sqlx::query_scalar!(
         "SELECT extract(epoch FROM next_retry_at - clock_timestamp())::float8 AS \"seconds!\" \
          FROM id_outbox WHERE tenant_code = $1 AND status = 'pending' \
+           AND next_retry_at < 'infinity' \
          ORDER BY tenant_code, next_retry_at LIMIT 1",
         tenant,
     )
@@ -395,6 +397,43 @@ pub async fn tenants_with_pending_rows(conn: &mut Tx<'_>) -> Result<Vec<String>,
              FROM t WHERE t.code IS NOT NULL) \
          SELECT code AS \"code!\" FROM t WHERE code IS NOT NULL",
     )
+    .fetch_all(&mut *conn)
+    .await
+}
+
+/// Holds claimed rows past this transaction: they are not due again
+/// until `lease` has passed. Returns each row's claim `(id, due time)`,
+/// the token its outcome is recorded with.
+pub async fn hold(
+    conn: &mut Tx<'_>,
+    row_ids: &[i64],
+    lease: std::time::Duration,
+) -> Result<Vec<(i64, DateTime<Utc>)>, sqlx::Error> {
+    sqlx::query_as(
+        "UPDATE id_outbox SET next_retry_at = clock_timestamp() + make_interval(secs => $2) \
+         WHERE id = ANY($1) RETURNING id, next_retry_at",
+    )
+    .bind(row_ids)
+    .bind(lease.as_secs_f64())
+    .fetch_all(&mut *conn)
+    .await
+}
+
+/// Of these claims, the rows still held by them (pending, due when the
+/// claim said), locked for recording their outcomes.
+pub async fn still_held(
+    conn: &mut Tx<'_>,
+    claims: &[(i64, DateTime<Utc>)],
+) -> Result<Vec<i64>, sqlx::Error> {
+    let (ids, dues): (Vec<i64>, Vec<DateTime<Utc>>) = claims.iter().copied().unzip();
+    sqlx::query_scalar(
+        "SELECT o.id FROM id_outbox o \
+           JOIN unnest($1::bigint[], $2::timestamptz[]) AS c(id, due) \
+             ON o.id = c.id AND o.next_retry_at = c.due AND o.status = 'pending' \
+         ORDER BY o.id FOR UPDATE OF o",
+    )
+    .bind(&ids)
+    .bind(&dues)
     .fetch_all(&mut *conn)
     .await
 }
@@ -529,6 +568,7 @@ pub async fn mark_delivered(conn: &mut Tx<'_>, row_ids: &[i64]) -> Result<Vec<f6
 /// waits base × 2^n, at most `backoff_max`, plus up to a quarter of that
 /// at random, so deliveries that failed together (a target's outage) do
 /// not all come back in the same instant.
+#[derive(Debug, Clone)]
 pub struct Retry {
     /// Failed attempts after which a document is dead-lettered.
     pub max_retries: i32,

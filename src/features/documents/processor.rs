@@ -1,8 +1,12 @@
 //! The outbox processor: claims due rows with `FOR UPDATE SKIP LOCKED`,
-//! delivers them to the sink, and records the outcome in the same
-//! transaction. Many processors (instances) can run at once: a row is only
-//! ever held by one, and a processor that dies releases its rows with its
-//! connection, so they are due again at once.
+//! delivers them to the sink, and records the outcome. For the Postgres
+//! and directory sinks all of it is one transaction: a processor that dies
+//! releases its rows with its connection, so they are due again at once.
+//! A webhook's answers take as long as the target likes, so its claim is
+//! committed first (the rows are not due again until the batch's longest
+//! possible delivery has passed) and no connection is held while it
+//! answers. Many processors (instances) can run at once: a row is only
+//! ever held by one.
 
 use crate::infra::db::Tx;
 use std::sync::Arc;
@@ -205,6 +209,9 @@ impl Processor {
 
     /// Claims and delivers one batch of due rows.
     pub async fn step(&self) -> Result<Step, sqlx::Error> {
+        if let Some(webhook) = self.sink.webhook() {
+            return self.step_without_holding(webhook).await;
+        }
         let mut tx = self.db.begin().await?;
         if self.db.pooler() != crate::infra::db::Pooler::None
             && !delivery_queue::take_delivery_slot(&mut tx).await?
@@ -223,7 +230,6 @@ impl Processor {
             &tenants,
         )
         .await?;
-        let full = claimed.len() as i64 >= self.settings.batch_size;
         if claimed.is_empty() {
             let next_due = self.next_due(&mut tx, &tenants).await?;
             return Ok(Step {
@@ -232,6 +238,55 @@ impl Processor {
             });
         }
         let outcomes = self.sink.deliver(&mut tx, &claimed).await;
+        self.record(tx, &tenants, &claimed, outcomes, self.settings.batch_size)
+            .await
+    }
+
+    /// A webhook's step: the claim is committed before anything is sent
+    /// (it moves the rows' due time past the batch's longest possible
+    /// delivery, which is also its token), no connection is held while the
+    /// target answers, and the outcomes are recorded after, for the rows
+    /// whose claim still holds (a batch that outlived its claim changes
+    /// nothing another processor did meanwhile).
+    async fn step_without_holding(
+        &self,
+        webhook: &super::sink::Webhook,
+    ) -> Result<Step, sqlx::Error> {
+        let limit = self.settings.batch_size.min(webhook.batch_limit());
+        let mut tx = self.db.begin().await?;
+        let tenants = self.tenants.current(&mut tx).await?;
+        let claimed = delivery_queue::claim_due(&mut tx, limit, true, &tenants).await?;
+        if claimed.is_empty() {
+            let next_due = self.next_due(&mut tx, &tenants).await?;
+            return Ok(Step {
+                next_due,
+                ..Step::default()
+            });
+        }
+        let ids: Vec<i64> = claimed.iter().map(|d| d.row_id).collect();
+        let claims = delivery_queue::hold(&mut tx, &ids, webhook.longest_batch()).await?;
+        tx.commit().await?;
+        let outcomes = self.sink.deliver_unheld(&claimed).await;
+        let mut tx = self.db.begin().await?;
+        let held = delivery_queue::still_held(&mut tx, &claims).await?;
+        let (claimed, outcomes): (Vec<_>, Vec<_>) = claimed
+            .into_iter()
+            .zip(outcomes)
+            .filter(|(delivery, _)| held.contains(&delivery.row_id))
+            .unzip();
+        self.record(tx, &tenants, &claimed, outcomes, limit).await
+    }
+
+    /// Records a batch's outcomes in `tx`, commits, and counts them.
+    async fn record(
+        &self,
+        mut tx: Tx<'_>,
+        tenants: &[String],
+        claimed: &[super::sink::Delivery],
+        outcomes: Vec<Result<(), super::sink::DeliveryError>>,
+        limit: i64,
+    ) -> Result<Step, sqlx::Error> {
+        let full = claimed.len() as i64 >= limit;
         let mut delivered = Vec::new();
         let mut failed = Vec::new();
         let mut first_failure = None;
@@ -256,7 +311,7 @@ impl Processor {
         let next_due = if full {
             None
         } else {
-            self.next_due(&mut tx, &tenants).await?
+            self.next_due(&mut tx, tenants).await?
         };
         tx.commit().await?;
         for lag in recorded.lags {

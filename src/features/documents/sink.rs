@@ -120,6 +120,8 @@ pub enum DeliveryError {
         #[source]
         source: Arc<reqwest::Error>,
     },
+    #[error("webhook {url} leads to an address deliveries may not go to")]
+    AddressNotAllowed { url: String },
     #[error("webhook {url} answered {status}; redirects are not followed")]
     WebhookRedirected {
         url: String,
@@ -134,6 +136,15 @@ pub enum DeliveryError {
 }
 
 impl DeliveryError {
+    /// The HTTP status a target answered, where it answered one.
+    pub fn status_code(&self) -> Option<u16> {
+        match self {
+            DeliveryError::WebhookRedirected { status, .. }
+            | DeliveryError::WebhookRefused { status, .. } => Some(status.as_u16()),
+            _ => None,
+        }
+    }
+
     /// What a tenant reads in `last_error`: a short classification (an HTTP
     /// status, a timeout, a refused connection, a full disk). Never the
     /// target's answer, a path or an internal message: operators find
@@ -161,6 +172,7 @@ impl DeliveryError {
                 }
             }
             DeliveryError::WebhookTimedOut { .. } => "timeout".into(),
+            DeliveryError::AddressNotAllowed { .. } => "address not allowed".into(),
             DeliveryError::WebhookUnreachable { source, .. } => unreachable_because(source).into(),
             DeliveryError::WebhookRedirected { status, .. } => {
                 format!("HTTP {} (redirects are not followed)", status.as_u16())
@@ -247,6 +259,8 @@ pub struct Webhook {
     shown_url: String,
     client: reqwest::Client,
     concurrency: usize,
+    /// Time allowed per delivery.
+    timeout: Duration,
     instance_id: String,
     key: Vec<u8>,
     clock: Arc<dyn Clock>,
@@ -282,6 +296,7 @@ impl Sink {
                         .redirect(reqwest::redirect::Policy::none())
                         .build()?,
                     concurrency: settings.concurrency.max(1),
+                    timeout: settings.timeout,
                     instance_id: settings.instance_id.clone(),
                     key: signing_key(secret)?,
                     clock: settings.clock.clone(),
@@ -316,32 +331,67 @@ impl Sink {
                     .await
                     .unwrap_or_else(|e| vec![Err(DeliveryError::Writer(Arc::new(e))); count])
             }
-            Sink::Webhook(webhook) => {
-                // Owned futures: borrowed ones trip the compiler's Send check
-                // for higher-ranked lifetimes inside a spawned task.
-                let posts: Vec<_> = batch
-                    .iter()
-                    .cloned()
-                    .map(|delivery| {
-                        let client = webhook.client.clone();
-                        let target = Target {
-                            url: webhook.url.clone(),
-                            shown_url: webhook.shown_url.clone(),
-                            instance_id: webhook.instance_id.clone(),
-                            key: webhook.key.clone(),
-                            clock: webhook.clock.clone(),
-                        };
-                        async move { post(&client, &target, &delivery).await }
-                    })
-                    .collect();
-                futures::stream::iter(posts)
-                    .buffered(webhook.concurrency)
-                    .collect()
-                    .await
-            }
+            Sink::Webhook(_) => self.deliver_unheld(batch).await,
         }
     }
+
+    /// The webhook, whose deliveries hold no transaction.
+    pub fn webhook(&self) -> Option<&Webhook> {
+        match self {
+            Sink::Webhook(webhook) => Some(webhook),
+            _ => None,
+        }
+    }
+
+    /// Delivers each document to the webhook (the other sinks need a
+    /// transaction: nothing is delivered); one result per delivery.
+    pub async fn deliver_unheld(&self, batch: &[Delivery]) -> Vec<Result<(), DeliveryError>> {
+        let Sink::Webhook(webhook) = self else {
+            return batch
+                .iter()
+                .map(|_| Err(DeliveryError::PayloadNotLoaded))
+                .collect();
+        };
+        // Owned futures: borrowed ones trip the compiler's Send check
+        // for higher-ranked lifetimes inside a spawned task.
+        let posts: Vec<_> = batch
+            .iter()
+            .cloned()
+            .map(|delivery| {
+                let client = webhook.client.clone();
+                let target = Target {
+                    url: webhook.url.clone(),
+                    shown_url: webhook.shown_url.clone(),
+                    instance_id: webhook.instance_id.clone(),
+                    keys: vec![webhook.key.clone()],
+                    clock: webhook.clock.clone(),
+                };
+                async move { post(&client, &target, &delivery).await.map(|_| ()) }
+            })
+            .collect();
+        futures::stream::iter(posts)
+            .buffered(webhook.concurrency)
+            .collect()
+            .await
+    }
 }
+
+impl Webhook {
+    /// Rows one step claims: a few rounds of its concurrency, so a claim
+    /// need not outlast more than a few timeouts.
+    pub fn batch_limit(&self) -> i64 {
+        (self.concurrency * WEBHOOK_ROUNDS) as i64
+    }
+
+    /// The longest a batch of [`Webhook::batch_limit`] can take, and a
+    /// margin: how long its claim holds.
+    pub fn longest_batch(&self) -> Duration {
+        self.timeout * WEBHOOK_ROUNDS as u32 + Duration::from_secs(30)
+    }
+}
+
+/// Rounds of the webhook's concurrency in one batch.
+const WEBHOOK_ROUNDS: usize = 4;
 
 async fn upsert_documents(conn: &mut Tx<'_>, batch: &[Delivery]) -> Result<(), sqlx::Error> {
     let ids: Vec<i64> = batch.iter().map(|d| d.row_id).collect();
@@ -433,13 +483,15 @@ fn write_file(dir: &Path, delivery: &Delivery) -> Result<(), DeliveryError> {
     })
 }
 
-/// What one delivery needs of the webhook.
-struct Target {
-    url: String,
-    shown_url: String,
-    instance_id: String,
-    key: Vec<u8>,
-    clock: Arc<dyn Clock>,
+/// What one delivery needs of its target: where it goes, what may be
+/// shown of that, and the keys it is signed with (several during a
+/// rotation of an endpoint's secret, one signature each).
+pub struct Target {
+    pub url: String,
+    pub shown_url: String,
+    pub instance_id: String,
+    pub keys: Vec<Vec<u8>>,
+    pub clock: Arc<dyn Clock>,
 }
 
 /// The HMAC key: Standard Webhooks secrets are `whsec_` and base64.
@@ -477,14 +529,22 @@ pub fn signature(key: &[u8], id: &str, timestamp: i64, body: &[u8]) -> String {
     )
 }
 
-async fn post(
+/// Posts one document; the status the target answered when it took it.
+pub async fn post(
     client: &reqwest::Client,
     target: &Target,
     delivery: &Delivery,
-) -> Result<(), DeliveryError> {
+) -> Result<reqwest::StatusCode, DeliveryError> {
     let body = delivery.json()?;
     let timestamp = target.clock.now().timestamp();
-    let signed = signature(&target.key, &delivery.document_id, timestamp, &body);
+    // Standard Webhooks: several signatures are separated by spaces, and a
+    // verifier accepts the message when one of them matches.
+    let signed = target
+        .keys
+        .iter()
+        .map(|key| signature(key, &delivery.document_id, timestamp, &body))
+        .collect::<Vec<_>>()
+        .join(" ");
     let shown = &target.shown_url;
     let mut response = client
         .post(&target.url)
@@ -521,7 +581,7 @@ async fn post(
         // TLS handshake) per delivery. A read that fails after the 2xx
         // changes nothing: the target took the document.
         read_answer(&mut response, false).await;
-        return Ok(());
+        return Ok(status);
     }
     let answer = read_answer(&mut response, true).await;
     // For the operator's log line only, with control characters escaped

@@ -277,6 +277,18 @@ pub struct TestEnv {
     pub db_statement_timeout_ms: u64,
     /// How long a request waits for a pooled connection before its 503.
     pub db_acquire_timeout_ms: u64,
+    /// `IDPOOL_ENDPOINTS_ALLOW_PRIVATE`: on, so endpoints on loopback
+    /// serve as test targets (the tests of the guard turn it off).
+    pub endpoints_allow_private: bool,
+    /// `IDPOOL_WEBHOOK_TIMEOUT_MS`: time allowed per delivery.
+    pub webhook_timeout_ms: u64,
+    /// `IDPOOL_ENDPOINT_CONCURRENCY`, `IDPOOL_ENDPOINT_CIRCUIT_MAX_S`,
+    /// `IDPOOL_ENDPOINT_DISABLE_AFTER_S`, `IDPOOL_MAX_ENDPOINTS_PER_PROJECT`.
+    pub endpoint_concurrency: usize,
+    pub endpoint_circuit_max_s: u64,
+    pub endpoint_disable_after_s: u64,
+    pub max_endpoints_per_project: i64,
+    pub secret_overlap_s: u64,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -321,6 +333,13 @@ impl TestEnv {
             direct_database_url: None,
             db_statement_timeout_ms: 10_000,
             db_acquire_timeout_ms: 2_000,
+            endpoints_allow_private: true,
+            webhook_timeout_ms: 5_000,
+            endpoint_concurrency: 8,
+            endpoint_circuit_max_s: 300,
+            endpoint_disable_after_s: 432_000,
+            max_endpoints_per_project: 20,
+            secret_overlap_s: 86_400,
         }
     }
 
@@ -387,6 +406,31 @@ impl TestEnv {
                 "IDPOOL_RESERVATION_TTL_S",
                 self.reservation_ttl_s.to_string(),
             ),
+            (
+                "IDPOOL_ENDPOINTS_ALLOW_PRIVATE",
+                self.endpoints_allow_private.to_string(),
+            ),
+            (
+                "IDPOOL_WEBHOOK_TIMEOUT_MS",
+                self.webhook_timeout_ms.to_string(),
+            ),
+            (
+                "IDPOOL_ENDPOINT_CONCURRENCY",
+                self.endpoint_concurrency.to_string(),
+            ),
+            (
+                "IDPOOL_ENDPOINT_CIRCUIT_MAX_S",
+                self.endpoint_circuit_max_s.to_string(),
+            ),
+            (
+                "IDPOOL_ENDPOINT_DISABLE_AFTER_S",
+                self.endpoint_disable_after_s.to_string(),
+            ),
+            (
+                "IDPOOL_MAX_ENDPOINTS_PER_PROJECT",
+                self.max_endpoints_per_project.to_string(),
+            ),
+            ("IDPOOL_SECRET_OVERLAP_S", self.secret_overlap_s.to_string()),
             ("RUST_LOG", "warn".to_owned()),
         ]
         .into_iter()
@@ -428,8 +472,15 @@ impl TestEnv {
             outbox_batch: self.outbox_batch,
             outbox_workers: 2,
             batch_concurrency: 4,
-            webhook_timeout_ms: 5_000,
+            webhook_timeout_ms: self.webhook_timeout_ms,
             webhook_concurrency: 16,
+            max_endpoints_per_project: self.max_endpoints_per_project,
+            endpoint_disable_after_s: self.endpoint_disable_after_s,
+            endpoints_allow_private: self.endpoints_allow_private,
+            secret_overlap_s: self.secret_overlap_s,
+            endpoint_concurrency: self.endpoint_concurrency,
+            endpoint_in_flight: 256,
+            endpoint_circuit_max_s: self.endpoint_circuit_max_s,
             reconcile: Switch::Off,
             reconcile_interval_s: 60,
             reconcile_settle_s: 60,

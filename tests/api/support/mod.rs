@@ -4,6 +4,7 @@
 //! and the webhook target.
 
 pub mod app;
+pub mod endpoint;
 pub mod patroni;
 pub mod probes;
 pub mod redis_server;

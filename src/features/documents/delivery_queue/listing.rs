@@ -30,9 +30,11 @@ pub struct DocumentView {
 }
 
 // `pending` spelt out: a constant needs a literal (DocumentStatus::Pending).
+// A routed document has no due time of its own (its deliveries have
+// theirs, `GET /api/v1/documents/{id}/deliveries`).
 pub(super) const VIEW_COLUMNS: &str = "document_id AS id, tenant_code AS project, entity_type_id AS doc_type, \
      seq_number AS seq, status::text AS status, retry_count, last_error, \
-     CASE WHEN status = 'pending' THEN next_retry_at END AS next_retry_at, \
+     CASE WHEN status = 'pending' AND NOT routed THEN next_retry_at END AS next_retry_at, \
      created_at, processed_at, id AS row_id";
 
 /// A document of one of `projects` (`None`: any project).
