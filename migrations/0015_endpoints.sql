@@ -64,35 +64,33 @@ CREATE INDEX delivery_attempts_by_endpoint
     ON delivery_attempts (endpoint_id, attempted_at DESC, document_id DESC);
 
 -- Documents routed to endpoints stay `pending` in the outbox until their
--- deliveries end, but are never due for the installation's sink.
+-- deliveries end, but are never due for the installation's sink: the
+-- insert writes them `routed`, due at infinity, when their project has an
+-- enabled endpoint for their type (one probe of `endpoints` per row).
 ALTER TABLE id_outbox ADD COLUMN routed BOOLEAN NOT NULL DEFAULT false;
 
--- New rows wake the sink's processors (naming their tenants) and are
--- routed, in the statement that inserts them, to their project's enabled
--- endpoints for their type. A project without endpoints costs one probe
--- of the (small) endpoints table per statement.
+-- New rows wake the sink's processors (naming their tenants), and routed
+-- rows get their deliveries, in the statement that inserts them. Should an
+-- endpoint have been disabled between the insert and this trigger, a
+-- routed row left with no delivery goes back to the sink.
 CREATE OR REPLACE FUNCTION idpool_outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    routed_rows BIGINT;
 BEGIN
-    IF EXISTS (SELECT 1 FROM endpoints e
-                WHERE NOT e.disabled
-                  AND e.project IN (SELECT DISTINCT tenant_code FROM inserted)) THEN
-        WITH routed AS (
-            INSERT INTO endpoint_deliveries (outbox_id, endpoint_id)
-            SELECT i.id, e.id FROM inserted i
-              JOIN endpoints e ON e.project = i.tenant_code
-             WHERE NOT e.disabled AND (e.types IS NULL OR i.entity_type_id = ANY (e.types))
-            RETURNING outbox_id)
-        UPDATE id_outbox SET routed = true, next_retry_at = 'infinity'
-         WHERE id IN (SELECT outbox_id FROM routed);
-        GET DIAGNOSTICS routed_rows = ROW_COUNT;
-        IF routed_rows > 0 THEN
-            PERFORM pg_notify('idpool_deliveries', '');
-        END IF;
+    IF EXISTS (SELECT 1 FROM inserted WHERE routed) THEN
+        INSERT INTO endpoint_deliveries (outbox_id, endpoint_id)
+        SELECT i.id, e.id FROM inserted i
+          JOIN endpoints e ON e.project = i.tenant_code
+         WHERE i.routed AND NOT e.disabled
+           AND (e.types IS NULL OR i.entity_type_id = ANY (e.types));
+        UPDATE id_outbox o SET routed = false, next_retry_at = now()
+          FROM inserted i
+         WHERE o.id = i.id AND i.routed
+           AND NOT EXISTS (SELECT 1 FROM endpoint_deliveries d WHERE d.outbox_id = i.id);
+        PERFORM pg_notify('idpool_deliveries', '');
     END IF;
-    PERFORM pg_notify('idpool_outbox',
-        coalesce((SELECT string_agg(DISTINCT tenant_code, ',') FROM inserted), ''));
+    IF EXISTS (SELECT 1 FROM inserted WHERE NOT routed) THEN
+        PERFORM pg_notify('idpool_outbox',
+            (SELECT string_agg(DISTINCT tenant_code, ',') FROM inserted WHERE NOT routed));
+    END IF;
     RETURN NULL;
 END $$;
 

@@ -7,6 +7,7 @@
 //! median of the per-round ratios is reported: a slow phase of the machine
 //! hits both sides of a round alike.
 
+mod endpoints;
 mod load;
 mod neighbour;
 mod pooler;
@@ -50,6 +51,7 @@ const SCENARIOS: &[&str] = &[
     "neighbour",
     "poolers",
     "webhooks",
+    "endpoints",
 ];
 
 #[derive(Parser)]
@@ -60,7 +62,7 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// gapless, drain, neighbour, poolers, webhooks.
+    /// gapless, drain, neighbour, poolers, webhooks, endpoints.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
@@ -500,6 +502,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("webhooks") {
         webhook::answer_bodies(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
+    }
+    if wanted("endpoints") {
+        endpoints::deliveries(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =

@@ -591,9 +591,9 @@ pub const BATCH_BODIES_PER_KEY: usize = 4;
 /// per key as database turns; the lookups of keys new to the instance
 /// too), the shared writers that answer requests, background work (the
 /// outbox loops, each holding its connection through a batch of
-/// deliveries, a slow webhook's answers included, and two more for the
-/// rest: handout records, lease returns, sweeps, key reloads,
-/// reconciliation), refills (a busy request path makes them slower, never
+/// deliveries to Postgres or a directory but never while a webhook
+/// answers, and two more for the rest: handout records, lease returns,
+/// sweeps, key reloads, reconciliation, the endpoint dispatcher), refills (a busy request path makes them slower, never
 /// leaves the pools empty), and the listener when it listens on the pool.
 /// The pools open connections as their work needs them and close those
 /// left unused, so an instance holds the connections it uses now.

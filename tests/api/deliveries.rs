@@ -198,3 +198,53 @@ async fn a_small_outbox_lists_in_the_time_of_its_page_beside_a_huge_one() {
         "another tenant's document reads as a made-up one"
     );
 }
+
+/// A webhook that takes its time holds no Postgres connection meanwhile:
+/// the batch's claim is committed before anything is sent, and nothing of
+/// the instance sits in a transaction while the target thinks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_that_thinks_holds_no_postgres_connection_meanwhile() {
+    let target =
+        crate::support::webhook::Webhook::start(crate::support::webhook::Behaviour::Succeed).await;
+    target.slow_down(Duration::from_secs(3));
+    let mut env = TestEnv::new();
+    env.sink = idpool::features::documents::sink::SinkConfig::Webhook(target.url.clone());
+    env.outbox_poll_ms = 100;
+    let app = env.spawn().await;
+    let mut ids = Vec::new();
+    for _ in 0..40 {
+        ids.push(app.accept("SLOW", "1").await);
+    }
+    // The claim shows as pending rows no longer due for a while.
+    crate::support::app::until(
+        Duration::from_secs(10),
+        "a batch claimed and under way",
+        async || {
+            let held: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM id_outbox WHERE status = 'pending' \
+               AND next_retry_at > now() + interval '10 seconds'",
+            )
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+            held > 0
+        },
+    )
+    .await;
+    let in_transaction: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+           AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        in_transaction, 0,
+        "a connection waits in a transaction while the target thinks"
+    );
+    for id in &ids {
+        app.wait_for_status(id, "committed", Duration::from_secs(60))
+            .await;
+    }
+    assert_eq!(target.most_at_once_per_document(), 1);
+}

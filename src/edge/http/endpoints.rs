@@ -89,10 +89,15 @@ pub async fn create_endpoint(
 ) -> Result<(StatusCode, axum::Json<CreatedEndpoint>), ApiError> {
     parse_project(&body.project)?;
     within_scope(&caller, &body.project)?;
+    let url = state
+        .endpoints
+        .checked_url(&body.url)
+        .await
+        .map_err(endpoint_error)?;
     let _turn = state.db_turn(&caller).await;
     let created = state
         .endpoints
-        .create(&body)
+        .create(&body, &url)
         .await
         .map_err(endpoint_error)?;
     Ok((StatusCode::CREATED, axum::Json(created)))
@@ -212,10 +217,18 @@ pub async fn update_endpoint(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    Json(patch): Json<EndpointPatch>,
+    Json(mut patch): Json<EndpointPatch>,
 ) -> Result<axum::Json<Endpoint>, ApiError> {
     if !well_formed_id(&id) {
         return Err(no_such_endpoint());
+    }
+    if let Some(url) = &patch.url {
+        let checked = state
+            .endpoints
+            .checked_url(url)
+            .await
+            .map_err(endpoint_error)?;
+        patch.url = Some(checked.to_string());
     }
     let _turn = state.db_turn(&caller).await;
     state

@@ -153,8 +153,20 @@ impl Endpoints {
         &self.db
     }
 
-    pub async fn create(&self, new: &NewEndpoint) -> Result<CreatedEndpoint, EndpointError> {
-        let url = self.checked_url(&new.url).await?;
+    /// A URL as saved: parsed, and its addresses checked (a name resolved).
+    /// Called before a database turn is taken: resolving may take seconds.
+    pub async fn checked_url(&self, raw: &str) -> Result<url::Url, EndpointError> {
+        let url = url_guard::parse(raw, self.settings.policy)?;
+        url_guard::check_resolved(&url, self.settings.policy).await?;
+        Ok(url)
+    }
+
+    /// Saves a new endpoint with `url` from [`Endpoints::checked_url`].
+    pub async fn create(
+        &self,
+        new: &NewEndpoint,
+        url: &url::Url,
+    ) -> Result<CreatedEndpoint, EndpointError> {
         let description = checked_description(new.description.as_deref())?;
         let types = checked_types(new.types.as_deref())?;
         let id = format!("ep_{}", random_hex::<12>());
@@ -176,15 +188,14 @@ impl Endpoints {
         Ok(CreatedEndpoint { endpoint, secret })
     }
 
+    /// Applies a change whose URL (if any) came from
+    /// [`Endpoints::checked_url`].
     pub async fn update(
         &self,
         id: &str,
         projects: Option<&[String]>,
-        mut patch: EndpointPatch,
+        patch: EndpointPatch,
     ) -> Result<Endpoint, EndpointError> {
-        if let Some(url) = &patch.url {
-            patch.url = Some(self.checked_url(url).await?.to_string());
-        }
         checked_description(patch.description.as_deref())?;
         if let Some(Some(types)) = &patch.types {
             checked_types(Some(types))?;
@@ -213,12 +224,6 @@ impl Endpoints {
             secret,
             previous_expires_at,
         })
-    }
-
-    async fn checked_url(&self, raw: &str) -> Result<url::Url, EndpointError> {
-        let url = url_guard::parse(raw, self.settings.policy)?;
-        url_guard::check_resolved(&url, self.settings.policy).await?;
-        Ok(url)
     }
 }
 

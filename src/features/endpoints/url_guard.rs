@@ -13,8 +13,16 @@ use std::time::Duration;
 /// Longest endpoint URL accepted.
 pub const MAX_URL_LEN: usize = 2048;
 
-/// How long resolving a name may take when a URL is saved.
+/// How long resolving a name may take when a URL is saved (waiting for a
+/// turn included).
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Names resolved at once for URLs being saved: each resolution takes a
+/// thread of the blocking pool (the system resolver) that a timeout
+/// cannot take back, so a flood of saves with slow names must not take
+/// the threads other work needs.
+const RESOLVING_AT_ONCE: usize = 8;
+static RESOLVING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(RESOLVING_AT_ONCE);
 
 /// Why a URL was refused; the text is what the tenant reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -154,13 +162,14 @@ pub async fn check_resolved(url: &url::Url, policy: UrlPolicy) -> Result<(), Ref
         return Ok(());
     };
     let port = url.port_or_known_default().unwrap_or(443);
-    let addresses = tokio::time::timeout(
-        RESOLVE_TIMEOUT,
-        tokio::net::lookup_host((name.to_owned(), port)),
-    )
-    .await
-    .map_err(|_| Refused(format!("the host {name} did not resolve in time")))?
-    .map_err(|_| Refused(format!("the host {name} cannot be resolved")))?;
+    let resolved = tokio::time::timeout(RESOLVE_TIMEOUT, async {
+        let _turn = RESOLVING.acquire().await;
+        tokio::net::lookup_host((name.to_owned(), port)).await
+    })
+    .await;
+    let addresses = resolved
+        .map_err(|_| Refused(format!("the host {name} did not resolve in time")))?
+        .map_err(|_| Refused(format!("the host {name} cannot be resolved")))?;
     let mut any = false;
     for address in addresses {
         any = true;

@@ -96,7 +96,9 @@ impl DocumentStatus {
 }
 
 /// Inserts outbox rows `(sequence_id, period, row)`; returns each row's
-/// `created_at`, in the order given.
+/// `created_at`, in the order given. A row whose project has an enabled
+/// endpoint for its type is written routed, with no due time of its own
+/// (the insert trigger writes its deliveries; see `0015_endpoints.sql`).
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn insert(
     conn: &mut impl Link,
@@ -118,10 +120,14 @@ pub async fn insert(
         .map(|(_, _, r)| r.source_id.as_deref())
         .collect();
     let created = sqlx::query!(
-        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number, source_id) \
-         SELECT d, p, t, j::jsonb, s, pe, n, sn, so \
+        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number, source_id, \
+                                routed, next_retry_at) \
+         SELECT d, p, t, j::jsonb, s, pe, n, sn, so, r.routed, \
+                CASE WHEN r.routed THEN 'infinity'::timestamptz ELSE now() END \
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[], $9::text[]) \
               AS u(d, p, t, j, s, pe, n, sn, so) \
+         CROSS JOIN LATERAL (SELECT EXISTS (SELECT 1 FROM endpoints e \
+              WHERE e.project = u.p AND NOT e.disabled AND (e.types IS NULL OR u.t = ANY (e.types))) AS routed) r \
          RETURNING document_id, created_at",
         &document_ids as &[&str],
         &projects as &[&str],
