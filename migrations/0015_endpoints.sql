@@ -49,6 +49,18 @@ CREATE TABLE endpoint_deliveries (
 CREATE INDEX endpoint_deliveries_due ON endpoint_deliveries (endpoint_id, next_attempt_at)
     WHERE status = 'pending';
 
+-- A project's dead letters per endpoint (retried, abandoned or swept
+-- endpoint by endpoint).
+CREATE INDEX endpoint_deliveries_dead ON endpoint_deliveries (endpoint_id)
+    WHERE status = 'dead_letter';
+
+-- Endpoints deleted whose deliveries and attempts are still to be swept:
+-- a delete is one row here, the sweep runs in bounded steps afterwards.
+CREATE TABLE endpoints_deleted (
+    id         TEXT        PRIMARY KEY,
+    deleted_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
 -- Every attempt: what the tenant reads back (status code or error class,
 -- duration), never the target's answer.
 CREATE TABLE delivery_attempts (

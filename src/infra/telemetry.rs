@@ -17,12 +17,25 @@ const QUIET_SQLX: [&str; 2] = [
     "sqlx_core::pool::connection=error",
 ];
 
+/// The TLS stack's per-connection lines, off unless `RUST_LOG` names rustls.
+const QUIET_TLS: [&str; 2] = ["rustls_platform_verifier=off", "rustls=off"];
+
 /// Lines the writer queue holds before it drops new ones.
 const QUEUED_LINES: usize = 64 * 1024;
 
 pub fn init() -> LogGuard {
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let asked_for_sqlx = std::env::var("RUST_LOG").is_ok_and(|v| v.contains("sqlx"));
+    // A tenant's endpoint with a bad certificate makes the TLS verifier
+    // log an error line per attempt, unthrottled: the failure is already
+    // in the attempt's record and in idpool's own (throttled) warning.
+    if !std::env::var("RUST_LOG").is_ok_and(|v| v.contains("rustls")) {
+        for quiet in QUIET_TLS {
+            if let Ok(directive) = quiet.parse() {
+                filter = filter.add_directive(directive);
+            }
+        }
+    }
     if !asked_for_sqlx {
         // At a failover every pooled connection says the same through
         // sqlx (the server's "terminating connection" notice, a failed

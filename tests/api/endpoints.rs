@@ -660,3 +660,73 @@ async fn a_hanging_endpoint_with_a_backlog_delays_only_its_own_tenant() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_an_endpoint_with_a_backlog_is_quick_and_abandons_it_for_that_endpoint_only() {
+    let mut env = TestEnv::new();
+    env.outbox_poll_ms = 200;
+    let app = env.spawn().await;
+    let client = client_with_key(Some(&create_key(&app.state, &["DEL"], false).await));
+    let other = client_with_key(Some(&create_key(&app.state, &["KEEP"], false).await));
+    let target = Endpoint::start(Mode::Answer(200)).await;
+    let (endpoint_id, _) = register(&app, &client, "DEL", &target.url).await;
+    // Disabled: its deliveries wait, pending.
+    client
+        .patch(app.url(&format!("/api/v1/endpoints/{endpoint_id}")))
+        .json(&json!({"disabled": true}))
+        .send()
+        .await
+        .unwrap();
+    register(&app, &other, "KEEP", &target.url).await;
+    let backlog = accept_many(&app, &client, "DEL", 5_000, 1_000).await;
+    let pending: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM endpoint_deliveries WHERE endpoint_id = $1 AND status = 'pending'",
+    )
+    .bind(&endpoint_id)
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(pending, 0, "a disabled endpoint takes no new documents");
+    client
+        .patch(app.url(&format!("/api/v1/endpoints/{endpoint_id}")))
+        .json(&json!({"disabled": false}))
+        .send()
+        .await
+        .unwrap();
+    target.set(Mode::Hang);
+    let backlog_too = accept_many(&app, &client, "DEL", 5_000, 1_000).await;
+
+    // The delete is one row, however large the backlog; the sweep follows.
+    let response = client
+        .delete(app.url(&format!("/api/v1/endpoints/{endpoint_id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    target.set(Mode::Answer(200));
+    let kept = accept(&app, &other, "KEEP", 0).await;
+    app.wait_for_status(&kept, "committed", Duration::from_secs(10)).await;
+    until(Duration::from_secs(60), "the deleted endpoint's backlog abandoned", async || {
+        let unsettled: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM id_outbox WHERE tenant_code = 'DEL' AND routed AND status = 'pending'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        unsettled == 0
+    })
+    .await;
+    let some = backlog_too.keys().next().unwrap();
+    let document = app.document(some).await;
+    // Delivered before the delete, or abandoned for the deleted endpoint.
+    assert!(
+        document["status"] == "abandoned" || document["status"] == "committed",
+        "{document}"
+    );
+    if document["status"] == "abandoned" {
+        assert_eq!(document["last_error"], "endpoint deleted", "{document}");
+    }
+    // The first backlog went to the sink while the endpoint was disabled.
+    let first = backlog.keys().next().unwrap();
+    assert_eq!(app.document(first).await["status"], "committed");
+}

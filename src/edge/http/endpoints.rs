@@ -67,6 +67,15 @@ fn well_formed_id(id: &str) -> bool {
     id.len() == 27 && id.starts_with("ep_") && id[3..].bytes().all(|b| b.is_ascii_hexdigit())
 }
 
+/// A path's endpoint id, refused as no endpoint when it is not of the
+/// form ids have.
+fn named_endpoint(id: &str) -> Result<(), ApiError> {
+    match well_formed_id(id) {
+        true => Ok(()),
+        false => Err(no_such_endpoint()),
+    }
+}
+
 /// Register an endpoint for a project's documents.
 #[utoipa::path(
     post,
@@ -187,9 +196,7 @@ pub async fn get_endpoint(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<Endpoint>, ApiError> {
-    if !well_formed_id(&id) {
-        return Err(no_such_endpoint());
-    }
+    named_endpoint(&id)?;
     let _turn = state.db_turn(&caller).await;
     store::find(state.endpoints.db(), &id, caller.projects())
         .await
@@ -219,9 +226,7 @@ pub async fn update_endpoint(
     Path(id): Path<String>,
     Json(mut patch): Json<EndpointPatch>,
 ) -> Result<axum::Json<Endpoint>, ApiError> {
-    if !well_formed_id(&id) {
-        return Err(no_such_endpoint());
-    }
+    named_endpoint(&id)?;
     if let Some(url) = &patch.url {
         let checked = state
             .endpoints
@@ -256,9 +261,7 @@ pub async fn delete_endpoint(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    if !well_formed_id(&id) {
-        return Err(no_such_endpoint());
-    }
+    named_endpoint(&id)?;
     let _turn = state.db_turn(&caller).await;
     match store::delete(state.endpoints.db(), &id, caller.projects()).await {
         Ok(true) => Ok(StatusCode::NO_CONTENT),
@@ -285,9 +288,7 @@ pub async fn rotate_secret(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<axum::Json<RotatedSecret>, ApiError> {
-    if !well_formed_id(&id) {
-        return Err(no_such_endpoint());
-    }
+    named_endpoint(&id)?;
     let _turn = state.db_turn(&caller).await;
     state
         .endpoints
@@ -366,9 +367,7 @@ pub async fn list_attempts(
     Path(id): Path<String>,
     Query(query): Query<AttemptsQuery>,
 ) -> Result<axum::Json<AttemptPage>, ApiError> {
-    if !well_formed_id(&id) {
-        return Err(no_such_endpoint());
-    }
+    named_endpoint(&id)?;
     let page = Page::parse(query.limit, query.cursor.as_deref(), cursor::well_formed)?;
     let after = match &page.after {
         None => None,

@@ -193,7 +193,8 @@ pub struct Recorded {
 }
 
 /// Records attempts in one transaction: each delivery's outcome (where its
-/// claim still holds), the attempts log, the endpoints' health (circuit,
+/// claim still holds; a delivery abandoned while its attempt was under way
+/// and taken by the endpoint is recorded delivered: the target has it), the attempts log, the endpoints' health (circuit,
 /// disabling), and the status of documents whose deliveries all ended.
 pub async fn record(
     db: &Db,
@@ -229,7 +230,8 @@ pub async fn record(
          FROM unnest($1::bigint[], $2::text[], $3::timestamptz[], $4::text[], $8::timestamptz[]) \
               AS f(outbox_id, endpoint_id, claim, error, at) \
          WHERE d.outbox_id = f.outbox_id AND d.endpoint_id = f.endpoint_id \
-           AND d.next_attempt_at = f.claim AND d.status = 'pending' \
+           AND d.next_attempt_at = f.claim \
+           AND (d.status = 'pending' OR (f.error IS NULL AND d.status = 'abandoned')) \
          RETURNING d.outbox_id, d.status, \
                    CASE WHEN d.status = 'committed' THEN \
                         extract(epoch FROM d.delivered_at - (SELECT created_at FROM id_outbox WHERE id = d.outbox_id))::float8 END",

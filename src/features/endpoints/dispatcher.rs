@@ -180,6 +180,7 @@ impl Dispatcher {
         };
         let attempts_ended = CancellationToken::new();
         let recorder = tokio::spawn(self.clone().record_all(receiver, attempts_ended.clone()));
+        let sweeper = tokio::spawn(sweep_deleted_endpoints(self.db.clone(), stop.clone()));
         let mut backoff = crate::infra::backoff::Backoff::background();
         static STEP_FAILED: crate::infra::log_limit::Repeated =
             crate::infra::log_limit::Repeated::new("endpoint dispatch failed");
@@ -217,6 +218,7 @@ impl Dispatcher {
             );
         }
         attempts_ended.cancel();
+        let _ = sweeper.await;
         if tokio::time::timeout(self.settings.shutdown_grace, recorder)
             .await
             .is_err()
@@ -527,6 +529,43 @@ impl Dispatcher {
                 endpoint,
                 "endpoint disabled: every attempt failed for too long"
             );
+        }
+    }
+}
+
+/// Rows one sweep step of a deleted endpoint changes at most: a short
+/// transaction, whatever the endpoint left.
+const SWEEP_CHUNK: i64 = 1_000;
+
+/// How often deleted endpoints are looked for when none is left to sweep.
+const SWEEP_EVERY: Duration = Duration::from_secs(2);
+
+/// Sweeps what deleted endpoints left, a bounded step at a time, until
+/// `stop`.
+async fn sweep_deleted_endpoints(db: Db, stop: CancellationToken) {
+    static SWEEP_FAILED: crate::infra::log_limit::Repeated =
+        crate::infra::log_limit::Repeated::new("sweeping deleted endpoints failed");
+    let mut backoff = crate::infra::backoff::Backoff::background();
+    while !stop.is_cancelled() {
+        let pause = match super::store::sweep_deleted(&db, SWEEP_CHUNK).await {
+            Ok(0) => {
+                SWEEP_FAILED.ended();
+                backoff.reset();
+                SWEEP_EVERY
+            }
+            Ok(_) => {
+                SWEEP_FAILED.ended();
+                backoff.reset();
+                Duration::ZERO
+            }
+            Err(e) => {
+                SWEEP_FAILED.warn(&e);
+                backoff.next_pause()
+            }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
         }
     }
 }

@@ -244,9 +244,14 @@ fn checked_types(types: Option<&[String]>) -> Result<Option<&[String]>, Endpoint
             "types: 1 to {MAX_TYPES} document types, or leave it out for every type"
         )));
     }
-    for doc_type in types {
+    for (i, doc_type) in types.iter().enumerate() {
         crate::domain::sequence::TypeCode::parse(doc_type)
             .map_err(|e| EndpointError::Invalid(format!("types: {e}")))?;
+        if types[..i].contains(doc_type) {
+            return Err(EndpointError::Invalid(format!(
+                "types: {doc_type} is named twice"
+            )));
+        }
     }
     Ok(Some(types))
 }

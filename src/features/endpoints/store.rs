@@ -138,9 +138,9 @@ pub async fn update(
         .await
 }
 
-/// Deletes an endpoint: its undelivered documents are abandoned for it
-/// (and settle: a document none of whose endpoints took it is abandoned),
-/// its attempts go with it. False when the caller has no such endpoint.
+/// Deletes an endpoint, at once: what it leaves (undelivered documents,
+/// to be abandoned for it; its attempts) is swept afterwards, in bounded
+/// steps ([`sweep_deleted`]). False when the caller has no such endpoint.
 pub async fn delete(db: &Db, id: &str, projects: Option<&[String]>) -> Result<bool, sqlx::Error> {
     let mut tx = db.begin().await?;
     let deleted: Option<String> = sqlx::query_scalar(
@@ -153,20 +153,64 @@ pub async fn delete(db: &Db, id: &str, projects: Option<&[String]>) -> Result<bo
     if deleted.is_none() {
         return Ok(false);
     }
-    let unsettled: Vec<i64> = sqlx::query_scalar(
-        "UPDATE endpoint_deliveries SET status = 'abandoned', last_error = 'endpoint deleted' \
-         WHERE endpoint_id = $1 AND status IN ('pending', 'dead_letter') RETURNING outbox_id",
-    )
-    .bind(id)
-    .fetch_all(&mut tx)
-    .await?;
-    settle(&mut tx, &unsettled).await?;
-    sqlx::query("DELETE FROM delivery_attempts WHERE endpoint_id = $1")
+    sqlx::query("INSERT INTO endpoints_deleted (id) VALUES ($1) ON CONFLICT DO NOTHING")
         .bind(id)
         .execute(&mut tx)
         .await?;
     tx.commit().await?;
     Ok(true)
+}
+
+/// One bounded step of sweeping a deleted endpoint: up to `chunk` of its
+/// pending deliveries, then of its dead letters, abandoned (`endpoint
+/// deleted`) and their documents settled, and up to `chunk` of its
+/// attempts removed; the endpoint is forgotten once nothing is left.
+/// Returns the rows it changed (0: nothing to sweep).
+pub async fn sweep_deleted(db: &Db, chunk: i64) -> Result<u64, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    let id: Option<String> = sqlx::query_scalar(
+        "SELECT id FROM endpoints_deleted ORDER BY deleted_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_optional(&mut tx)
+    .await?;
+    let Some(id) = id else {
+        return Ok(0);
+    };
+    let mut changed = 0;
+    for status in ["pending", "dead_letter"] {
+        // The status spelt out, so the planner matches its partial index.
+        let sql = format!(
+            "UPDATE endpoint_deliveries d SET status = 'abandoned', last_error = 'endpoint deleted' \
+             FROM (SELECT outbox_id FROM endpoint_deliveries \
+                    WHERE endpoint_id = $1 AND status = '{status}' LIMIT $2) p \
+             WHERE d.outbox_id = p.outbox_id AND d.endpoint_id = $1 RETURNING d.outbox_id"
+        );
+        let abandoned: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(&id)
+            .bind(chunk)
+            .fetch_all(&mut tx)
+            .await?;
+        settle(&mut tx, &abandoned).await?;
+        changed += abandoned.len() as u64;
+    }
+    changed += sqlx::query(
+        "DELETE FROM delivery_attempts WHERE ctid = ANY (ARRAY( \
+             SELECT ctid FROM delivery_attempts WHERE endpoint_id = $1 LIMIT $2))",
+    )
+    .bind(&id)
+    .bind(chunk)
+    .execute(&mut tx)
+    .await?
+    .rows_affected();
+    if changed == 0 {
+        sqlx::query("DELETE FROM endpoints_deleted WHERE id = $1")
+            .bind(&id)
+            .execute(&mut tx)
+            .await?;
+        changed = 1;
+    }
+    tx.commit().await?;
+    Ok(changed)
 }
 
 /// Makes a new secret the one that signs; the one before keeps signing

@@ -61,6 +61,7 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
         || (a == 100 && (64..128).contains(&b)) // shared address space (CGNAT)
         || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
         || (a == 198 && (b == 18 || b == 19)) // benchmarking
+        || (a == 192 && b == 88 && c == 99) // 6to4 relay anycast (deprecated)
         || a >= 240; // reserved
     !refused
 }
@@ -69,15 +70,23 @@ fn is_public_v6(ip: Ipv6Addr) -> bool {
     if let Some(v4) = embedded_v4(ip) {
         return is_public_v4(v4);
     }
-    let first = ip.segments()[0];
+    let [first, second, ..] = ip.segments();
     let refused = ip.is_unspecified()
         || ip.is_loopback()
         || ip.is_multicast()
         || (first & 0xfe00) == 0xfc00 // unique local fc00::/7
         || (first & 0xffc0) == 0xfe80 // link-local fe80::/10
         || (first & 0xffc0) == 0xfec0 // site-local (deprecated) fec0::/10
-        || (first == 0x2001 && ip.segments()[1] == 0x0db8) // documentation
-        || first == 0x0100; // discard-only 100::/64
+        || (first == 0x2001 && second == 0x0db8) // documentation
+        || (first == 0x2001 && second == 0) // Teredo: an IPv4 address inside, obfuscated
+        || (first == 0x2001 && second == 0x0002) // benchmarking 2001:2::/48
+        || (first == 0x2001 && (second & 0xfff0) == 0x0010) // ORCHID 2001:10::/28
+        || (first == 0x2001 && (second & 0xfff0) == 0x0020) // ORCHIDv2 2001:20::/28
+        || (first & 0xfff0) == 0x3ff0 // documentation 3fff::/20
+        || first == 0x5f00 // segment routing 5f00::/16
+        || first == 0x0100 // discard-only 100::/64
+        || (first == 0x0064 && second == 0xff9b && ip.segments()[2] != 0) // local-use NAT64 64:ff9b:1::/48
+        || (first & 0xe000) != 0x2000; // outside global unicast 2000::/3
     !refused
 }
 
@@ -89,6 +98,10 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     let low = || Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
     if let Some(v4) = ip.to_ipv4_mapped() {
         return Some(v4);
+    }
+    // IPv4-translated (SIIT) ::ffff:0:a.b.c.d
+    if s[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        return Some(low());
     }
     if s[..6] == [0, 0, 0, 0, 0, 0] && !ip.is_loopback() && !ip.is_unspecified() {
         return Some(low());
@@ -132,6 +145,9 @@ pub fn parse(raw: &str, policy: UrlPolicy) -> Result<url::Url, Refused> {
     let Some(host) = url.host().filter(|_| !authority.starts_with('/')) else {
         return Err(Refused("the URL names no host".into()));
     };
+    if url.port() == Some(0) {
+        return Err(Refused("the URL names port 0".into()));
+    }
     if !policy.allow_private {
         let literal = match host {
             url::Host::Ipv4(v4) => Some(IpAddr::V4(v4)),
@@ -264,6 +280,15 @@ mod tests {
             "::127.0.0.1",
             "64:ff9b::a9fe:a9fe",
             "2002:7f00:1::",
+            "::ffff:0:7f00:1",
+            "::ffff:0:a00:1",
+            "64:ff9b:1::a00:1",
+            "2001::1",
+            "2001:2::1",
+            "2001:10::1",
+            "3fff::1",
+            "5f00::1",
+            "192.88.99.1",
         ] {
             let ip: IpAddr = inside.parse().expect(inside);
             assert!(!is_public(ip), "{inside} counted as public");
@@ -294,6 +319,7 @@ mod tests {
             "file:///etc/passwd",
             "https://example.com/#x",
             "https:///nohost",
+            "http://8.8.8.8:0/",
         ] {
             assert!(parse(url, STRICT).is_err(), "{url} accepted");
         }
