@@ -705,7 +705,8 @@ async fn deleting_an_endpoint_with_a_backlog_is_quick_and_abandons_it_for_that_e
     assert_eq!(response.status(), StatusCode::NO_CONTENT);
     target.set(Mode::Answer(200));
     let kept = accept(&app, &other, "KEEP", 0).await;
-    app.wait_for_status(&kept, "committed", Duration::from_secs(10)).await;
+    app.wait_for_status(&kept, "committed", Duration::from_secs(10))
+        .await;
     until(Duration::from_secs(60), "the deleted endpoint's backlog abandoned", async || {
         let unsettled: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM id_outbox WHERE tenant_code = 'DEL' AND routed AND status = 'pending'",

@@ -23,6 +23,7 @@ use crate::features::documents::delivery_queue::{
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Target {
     pub id: String,
+    pub project: String,
     pub url: String,
     pub secret: String,
     /// The previous secret while it still signs.
@@ -52,7 +53,7 @@ pub async fn targets(db: &Db) -> Result<Vec<Target>, sqlx::Error> {
                      WHERE d.status = 'pending' AND d.endpoint_id > t.id \
                      ORDER BY d.endpoint_id LIMIT 1) \
              FROM t WHERE t.id IS NOT NULL) \
-         SELECT e.id, e.url, e.secret, \
+         SELECT e.id, e.project, e.url, e.secret, \
                 CASE WHEN e.previous_expires_at > now() THEN e.previous_secret END AS previous_secret, \
                 e.consecutive_failures, \
                 extract(epoch FROM greatest(d.next_attempt_at, \

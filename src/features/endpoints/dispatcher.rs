@@ -68,6 +68,9 @@ const PREFETCH: usize = 4;
 /// One endpoint's deliveries on this instance.
 struct Lane {
     target: Arc<SigningTarget>,
+    project: String,
+    /// Its last attempts failed, as Postgres last said.
+    failed_lately: bool,
     /// Claimed, not yet sent (in due order).
     waiting: VecDeque<Claimed>,
     in_flight: usize,
@@ -84,7 +87,15 @@ impl Lane {
     fn held(&self) -> usize {
         self.in_flight + self.waiting.len()
     }
+
+    /// Its last attempt failed (here or as Postgres last said).
+    fn suspect(&self) -> bool {
+        self.streak > 0 || self.failed_lately
+    }
 }
+
+/// A project's lanes hold at most this fraction of the instance's budget.
+const PROJECT_SHARE: usize = 4;
 
 /// What a delivery is sent with: the target (URL and keys) and the URL as
 /// saved (to check its address again before each attempt).
@@ -289,9 +300,22 @@ impl Dispatcher {
     /// them, starting one further each round, within each endpoint's share
     /// (one probe for an endpoint whose circuit was open) and the total.
     fn hand_out(&self, due: &[&Target]) -> (Vec<String>, Vec<i32>) {
+        let budget = self.settings.in_flight * PREFETCH;
         let mut lanes = self.lanes();
         let held: usize = lanes.values().map(Lane::held).sum();
-        let mut total_room = (self.settings.in_flight * PREFETCH).saturating_sub(held);
+        let mut total_room = budget.saturating_sub(held);
+        // Endpoints that failed lately (hanging ones hold their room for a
+        // whole timeout) share half of it, and a project at most a
+        // quarter: endpoints that answer always find room.
+        let mut suspect_room = (budget / 2)
+            .saturating_sub(lanes.values().filter(|l| l.suspect()).map(Lane::held).sum());
+        let mut project_room: HashMap<String, usize> = HashMap::new();
+        for lane in lanes.values() {
+            let left = project_room
+                .entry(lane.project.clone())
+                .or_insert(budget / PROJECT_SHARE);
+            *left = left.saturating_sub(lane.held());
+        }
         let after = self.settings.judgement.circuit_after;
         let mut room: Vec<usize> = due
             .iter()
@@ -301,6 +325,7 @@ impl Dispatcher {
                     .or_insert_with(|| self.new_lane(t));
                 // Secrets may have rotated since the lane was made.
                 lane.target = self.signing_target(t);
+                lane.failed_lately = t.consecutive_failures > 0;
                 lane.cap = match t.consecutive_failures >= after || lane.streak >= after {
                     true => 1,
                     false => self.settings.per_endpoint,
@@ -308,16 +333,34 @@ impl Dispatcher {
                 (lane.cap * PREFETCH).saturating_sub(lane.held())
             })
             .collect();
+        let suspect: Vec<bool> = due
+            .iter()
+            .map(|t| lanes.get(&t.id).is_some_and(Lane::suspect))
+            .collect();
         drop(lanes);
         let mut given = vec![0usize; due.len()];
         let start = self.turn.fetch_add(1, Ordering::Relaxed);
-        while total_room > 0 && room.iter().any(|r| *r > 0) {
+        let mut progress = true;
+        while total_room > 0 && progress {
+            progress = false;
             for k in 0..due.len() {
                 let i = (start + k) % due.len();
-                if total_room > 0 && room[i] > 0 {
+                let project = project_room
+                    .entry(due[i].project.clone())
+                    .or_insert(budget / PROJECT_SHARE);
+                let fits = total_room > 0
+                    && room[i] > 0
+                    && *project > 0
+                    && (!suspect[i] || suspect_room > 0);
+                if fits {
                     room[i] -= 1;
                     given[i] += 1;
                     total_room -= 1;
+                    *project -= 1;
+                    if suspect[i] {
+                        suspect_room -= 1;
+                    }
+                    progress = true;
                 }
             }
         }
@@ -331,6 +374,8 @@ impl Dispatcher {
     fn new_lane(&self, target: &Target) -> Lane {
         Lane {
             target: self.signing_target(target),
+            project: target.project.clone(),
+            failed_lately: target.consecutive_failures > 0,
             waiting: VecDeque::new(),
             in_flight: 0,
             cap: match target.consecutive_failures >= self.settings.judgement.circuit_after {
