@@ -312,10 +312,10 @@ async fn two_instances_behind_a_transaction_pooler_keep_every_promise() {
     }
 }
 
-/// Deliveries keep their transaction open while the target answers; behind
-/// a pooler each holds a server connection every instance shares. One
-/// tenant's backlog to a slow target takes at most the delivery slots of
-/// them, and another tenant is served throughout.
+/// Behind a pooler every server connection is shared by every instance. A
+/// webhook's batch holds none while the target answers (its claim is
+/// committed before anything is sent), so one tenant's backlog to a slow
+/// target takes none of them, and another tenant is served throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
     let bouncer = PgBouncer::start("transaction", 4);
@@ -325,7 +325,8 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
     env.sink = SinkConfig::Webhook(webhook.url.clone());
     env.outbox_poll_ms = 50;
     // Small batches: every delivery loop of both instances has rows to
-    // claim, and would hold a server connection with them.
+    // claim, and would hold a server connection with them if it held one
+    // while the target answers.
     env.outbox_batch = 5;
     let (a, b) = tokio::join!(env.spawn(), env.spawn());
 
@@ -366,9 +367,12 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
         .expect("held");
         most_held = most_held.max(held);
     }
-    assert!(most_held >= 1, "no delivery was seen holding a connection");
+    assert_eq!(
+        most_held, 0,
+        "deliveries held server connections while the target answered"
+    );
     assert!(
-        most_held <= i64::from(idpool::features::documents::delivery_queue::DELIVERY_SLOTS),
-        "{most_held} deliveries held server connections at once"
+        !webhook.received().is_empty(),
+        "the backlog was being delivered meanwhile"
     );
 }
