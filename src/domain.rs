@@ -1,7 +1,9 @@
-//! The concepts, with no I/O: sequences and their formats, numbers, the clock.
+//! The concepts, with no I/O: sequences and their formats, numbers, the clock,
+//! VERI*FACTU's record fingerprints.
 
 pub mod clock;
 pub mod json_number;
 pub mod numbers;
 pub mod sequence;
 pub mod text;
+pub mod verifactu;
