@@ -1000,10 +1000,25 @@ async fn documents_in_flight_on_a_frozen_instance_take_other_numbers_once_theirs
     )
     .await;
     let pid = Pid::from_raw(frozen.child.id() as i32);
-    kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
-    let leased = numbers_of(&ledger_rows(&attaching.db, "FZ", "lease").await);
-    let written = documents().await;
-    let free: Vec<i64> = leased.difference(&written).copied().collect();
+    // Frozen with numbers of its leases still free: a stop that lands
+    // just as its leases ran out leaves nothing to attach, so the
+    // instance is let go and frozen again.
+    let free = eventually(
+        Duration::from_secs(30),
+        "frozen while a lease holds free numbers",
+        async || {
+            kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+            let leased = numbers_of(&ledger_rows(&attaching.db, "FZ", "lease").await);
+            let written = documents().await;
+            let free: Vec<i64> = leased.difference(&written).copied().collect();
+            if free.is_empty() {
+                kill(pid, Signal::SIGCONT).expect("SIGCONT");
+                return None;
+            }
+            Some(free)
+        },
+    )
+    .await;
     let attaches = futures::future::join_all(free.iter().map(|seq| {
         let body =
             json!({"project": "FZ", "type": "1", "id": format!("FZ-1-{seq}"), "metadata": {}});
