@@ -326,7 +326,9 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
     env.outbox_poll_ms = 50;
     // Small batches: every delivery loop of both instances has rows to
     // claim, and would hold a server connection with them if it held one
-    // while the target answers.
+    // while the target answers (1.5 s). A claim's own transaction is idle
+    // for a moment between its statements; one idle for over 0.5 s waits
+    // on something else.
     env.outbox_batch = 5;
     let (a, b) = tokio::join!(env.spawn(), env.spawn());
 
@@ -360,7 +362,8 @@ async fn a_backlog_to_a_slow_target_leaves_the_pooler_to_other_tenants() {
         assert_eq!(status, StatusCode::OK, "request {i} of the other tenant");
         let held: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state = 'idle in transaction' AND query LIKE '%id_outbox%'",
+             AND state = 'idle in transaction' AND query LIKE '%id_outbox%' \
+             AND state_change < clock_timestamp() - interval '500 milliseconds'",
         )
         .fetch_one(&a.db)
         .await
