@@ -3,7 +3,9 @@
 
 pub mod clock;
 pub mod json_number;
+pub mod merkle;
 pub mod numbers;
 pub mod sequence;
+pub mod signed_note;
 pub mod text;
 pub mod verifactu;
