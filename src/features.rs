@@ -4,3 +4,4 @@
 pub mod documents;
 pub mod endpoints;
 pub mod gaps;
+pub mod registers;

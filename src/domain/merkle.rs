@@ -74,7 +74,7 @@ impl Nodes for NodesWanted {
 /// anything else split as the RFC splits it.
 fn range_hash(nodes: &mut impl Nodes, from: u64, to: u64) -> Option<Hash> {
     let n = to - from;
-    if n.is_power_of_two() && from % n == 0 {
+    if n.is_power_of_two() && from.is_multiple_of(n) {
         let level = n.trailing_zeros();
         return nodes.node(NodeId {
             level,
@@ -371,7 +371,10 @@ mod tests {
                     dirs.push(path);
                 } else {
                     let text = std::fs::read_to_string(&path).unwrap();
-                    out.push((path.display().to_string(), serde_json::from_str(&text).unwrap()));
+                    out.push((
+                        path.display().to_string(),
+                        serde_json::from_str(&text).unwrap(),
+                    ));
                 }
             }
         }
@@ -387,7 +390,9 @@ mod tests {
     }
 
     fn raw(v: &Value) -> Vec<u8> {
-        STANDARD.decode(v.as_str().unwrap_or_default()).unwrap_or_default()
+        STANDARD
+            .decode(v.as_str().unwrap_or_default())
+            .unwrap_or_default()
     }
 
     fn hashes(v: &Value) -> Option<Vec<Hash>> {
@@ -403,7 +408,10 @@ mod tests {
         let mut nodes = all_nodes(&refs);
         let mut generated = 0;
         for (name, v) in vectors("inclusion") {
-            let (index, size) = (v["leafIdx"].as_u64().unwrap(), v["treeSize"].as_u64().unwrap());
+            let (index, size) = (
+                v["leafIdx"].as_u64().unwrap(),
+                v["treeSize"].as_u64().unwrap(),
+            );
             let want_err = v["wantErr"].as_bool().unwrap();
             let ok = match (hash(&v["leafHash"]), hashes(&v["proof"])) {
                 (Some(leaf), Some(proof)) => {
@@ -474,7 +482,10 @@ mod tests {
             for first in 1..size {
                 let r1 = root(&mut nodes, first).unwrap();
                 let proof = consistency_proof(&mut nodes, first, size).unwrap();
-                assert!(verify_consistency(first, size, &r1, &r, &proof), "{first} {size}");
+                assert!(
+                    verify_consistency(first, size, &r1, &r, &proof),
+                    "{first} {size}"
+                );
                 assert!(!verify_consistency(first, size, &r, &r1, &proof));
             }
         }

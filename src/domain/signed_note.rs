@@ -65,7 +65,9 @@ impl NoteSigner {
     /// A key from 32 secret bytes.
     pub fn from_seed(name: &str, seed: [u8; 32]) -> Result<Self, NoteError> {
         if !valid_name(name) {
-            return Err(NoteError::Key("a key name is not empty and has no space or +"));
+            return Err(NoteError::Key(
+                "a key name is not empty and has no space or +",
+            ));
         }
         Ok(Self {
             name: name.to_owned(),
@@ -82,8 +84,7 @@ impl NoteSigner {
             .ok_or(NoteError::Key("a private key starts with PRIVATE+KEY+"))?;
         // The key's base64 may hold a + of its own.
         let mut parts = rest.splitn(3, '+');
-        let (Some(name), Some(hash), Some(key)) = (parts.next(), parts.next(), parts.next())
-        else {
+        let (Some(name), Some(hash), Some(key)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(NoteError::Key("PRIVATE+KEY+<name>+<hash>+<key>"));
         };
         let bytes = STANDARD
@@ -153,12 +154,13 @@ impl NoteVerifier {
     /// `<name>+<hash>+<base64(0x01 ‖ key)>`.
     pub fn parse(text: &str) -> Result<Self, NoteError> {
         let mut parts = text.trim().splitn(3, '+');
-        let (Some(name), Some(hash), Some(key)) = (parts.next(), parts.next(), parts.next())
-        else {
+        let (Some(name), Some(hash), Some(key)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(NoteError::Key("<name>+<hash>+<key>"));
         };
         if !valid_name(name) {
-            return Err(NoteError::Key("a key name is not empty and has no space or +"));
+            return Err(NoteError::Key(
+                "a key name is not empty and has no space or +",
+            ));
         }
         let bytes = STANDARD
             .decode(key)
@@ -207,14 +209,18 @@ impl NoteVerifier {
             .ok_or(NoteError::Malformed("no blank line before the signatures"))?;
         let (text, signatures) = (&note[..split + 1], &note[split + 2..]);
         if !signatures.ends_with('\n') {
-            return Err(NoteError::Malformed("the signatures do not end in a newline"));
+            return Err(NoteError::Malformed(
+                "the signatures do not end in a newline",
+            ));
         }
         if text.chars().any(|c| c.is_control() && c != '\n') {
             return Err(NoteError::Malformed("control characters in the text"));
         }
         for line in signatures.lines() {
             let Some(rest) = line.strip_prefix("\u{2014} ") else {
-                return Err(NoteError::Malformed("a signature line starts with an em dash"));
+                return Err(NoteError::Malformed(
+                    "a signature line starts with an em dash",
+                ));
             };
             let Some((name, sig)) = rest.split_once(' ') else {
                 return Err(NoteError::Malformed("a signature line names its key"));
@@ -312,7 +318,8 @@ mod tests {
 
     #[test]
     fn a_changed_byte_or_another_key_does_not_verify() {
-        let note = signer().sign("example.com/log\n42\nCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQk=\n");
+        let note =
+            signer().sign("example.com/log\n42\nCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQk=\n");
         let verifier = signer().verifier();
         let changed = note.replacen("42", "43", 1);
         assert_eq!(
@@ -331,9 +338,10 @@ mod tests {
     /// name agrees with the key, as an independent implementation made it.
     #[test]
     fn the_go_note_packages_example_keys_read() {
-        let signer =
-            NoteSigner::parse("PRIVATE+KEY+PeterNeumann+c74f20a3+AYEKFALVFGyNhPJEMzD1QIDr+Y7hfZx09iUvxdXHKDFz")
-                .unwrap();
+        let signer = NoteSigner::parse(
+            "PRIVATE+KEY+PeterNeumann+c74f20a3+AYEKFALVFGyNhPJEMzD1QIDr+Y7hfZx09iUvxdXHKDFz",
+        )
+        .unwrap();
         assert_eq!(
             signer.verifier().text(),
             "PeterNeumann+c74f20a3+ARpc2QcUPDhMQegwxbzhKqiBfsVkmqq/LDE4izWy10TW"

@@ -83,6 +83,146 @@ impl Anulacion<'_> {
     }
 }
 
+const ALTA_FIELDS: [&str; 8] = [
+    "IDEmisorFactura",
+    "NumSerieFactura",
+    "FechaExpedicionFactura",
+    "TipoFactura",
+    "CuotaTotal",
+    "ImporteTotal",
+    "Huella",
+    "FechaHoraHusoGenRegistro",
+];
+const ANULACION_FIELDS: [&str; 5] = [
+    "IDEmisorFacturaAnulada",
+    "NumSerieFacturaAnulada",
+    "FechaExpedicionFacturaAnulada",
+    "Huella",
+    "FechaHoraHusoGenRegistro",
+];
+
+/// What a record's text says, read back: whether it is an alta, its
+/// invoice number, and the huella it chains to. None when its fields are
+/// not an alta's or an anulación's, in AEAT's order.
+pub fn read_record(text: &str) -> Option<RecordRead<'_>> {
+    let pairs: Vec<(&str, &str)> = text
+        .split('&')
+        .map(|pair| pair.split_once('='))
+        .collect::<Option<_>>()?;
+    let names: Vec<&str> = pairs.iter().map(|(n, _)| *n).collect();
+    let alta = if names == ALTA_FIELDS {
+        true
+    } else if names == ANULACION_FIELDS {
+        false
+    } else {
+        return None;
+    };
+    let value = |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+    Some(RecordRead {
+        alta,
+        number: value(if alta {
+            "NumSerieFactura"
+        } else {
+            "NumSerieFacturaAnulada"
+        })?,
+        previous: value("Huella")?,
+    })
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordRead<'a> {
+    pub alta: bool,
+    pub number: &'a str,
+    pub previous: &'a str,
+}
+
+/// A record's huella: SHA-256 of its exact text, 64 uppercase hex digits.
+pub fn huella_of_text(text: &str) -> String {
+    huella_of(text)
+}
+
+/// The invoice fields a VERI*FACTU document carries, as sent.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Invoice {
+    /// `FechaExpedicionFactura`: the date of issue, `dd-mm-yyyy`.
+    #[schema(example = "01-01-2024", pattern = r"^\d{2}-\d{2}-\d{4}$")]
+    pub date: String,
+    /// `TipoFactura`: F1, F2, F3, R1, R2, R3, R4 or R5.
+    #[serde(rename = "type")]
+    #[schema(example = "F1")]
+    pub invoice_type: String,
+    /// `CuotaTotal`, kept exactly as sent (`150` and `150.00` hash apart).
+    #[schema(example = "12.35", pattern = r"^-?\d{1,12}(\.\d{1,2})?$")]
+    pub tax_total: String,
+    /// `ImporteTotal`, kept exactly as sent.
+    #[schema(example = "123.45", pattern = r"^-?\d{1,12}(\.\d{1,2})?$")]
+    pub total: String,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum InvoiceError {
+    #[error("invoice.date must be a date written dd-mm-yyyy, got {0:?}")]
+    Date(String),
+    #[error("invoice.type must be one of F1, F2, F3, R1, R2, R3, R4, R5, got {0:?}")]
+    Type(String),
+    #[error(
+        "invoice.{0} must be an amount of up to 12 digits and 2 decimals (such as 123.45), got {1:?}"
+    )]
+    Amount(&'static str, String),
+}
+
+const INVOICE_TYPES: [&str; 8] = ["F1", "F2", "F3", "R1", "R2", "R3", "R4", "R5"];
+
+fn is_amount(text: &str) -> bool {
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    let (whole, fraction) = match digits.split_once('.') {
+        Some((w, f)) => (w, Some(f)),
+        None => (digits, None),
+    };
+    (1..=12).contains(&whole.len())
+        && whole.bytes().all(|b| b.is_ascii_digit())
+        && fraction
+            .is_none_or(|f| (1..=2).contains(&f.len()) && f.bytes().all(|b| b.is_ascii_digit()))
+}
+
+impl Invoice {
+    pub fn check(&self) -> Result<(), InvoiceError> {
+        let date_ok = self.date.len() == 10
+            && chrono::NaiveDate::parse_from_str(&self.date, "%d-%m-%Y").is_ok();
+        if !date_ok {
+            return Err(InvoiceError::Date(self.date.clone()));
+        }
+        if !INVOICE_TYPES.contains(&self.invoice_type.as_str()) {
+            return Err(InvoiceError::Type(self.invoice_type.clone()));
+        }
+        if !is_amount(&self.tax_total) {
+            return Err(InvoiceError::Amount("tax_total", self.tax_total.clone()));
+        }
+        if !is_amount(&self.total) {
+            return Err(InvoiceError::Amount("total", self.total.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// AEAT's QR verification URL of an invoice (*ValidarQR*).
+pub const QR_BASE: &str = "https://www2.agenciatributaria.gob.es/wlpl/TIKE-CONT/ValidarQR";
+
+/// The invoice's ValidarQR URL: issuer, number, date of issue and total,
+/// each percent-encoded as a query value.
+pub fn qr_url(issuer: &str, number: &str, invoice: &Invoice) -> String {
+    use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+    let value = |v: &str| utf8_percent_encode(v, NON_ALPHANUMERIC).to_string();
+    format!(
+        "{QR_BASE}?nif={}&numserie={}&fecha={}&importe={}",
+        value(issuer),
+        value(number),
+        value(&invoice.date),
+        value(&invoice.total)
+    )
+}
+
 fn joined(fields: &[(&str, &str)]) -> String {
     fields
         .iter()
@@ -149,6 +289,62 @@ mod tests {
         assert_eq!(
             cancelled.huella(),
             "177547C0D57AC74748561D054A9CEC14B4C4EA23D1BEFD6F2E69E3A388F90C68"
+        );
+    }
+
+    #[test]
+    fn records_read_back_and_invoices_are_checked() {
+        let text = "IDEmisorFactura=89890001K&NumSerieFactura=12345678/G33&FechaExpedicionFactura=01-01-2024\
+             &TipoFactura=F1&CuotaTotal=12.35&ImporteTotal=123.45&Huella=\
+             &FechaHoraHusoGenRegistro=2024-01-01T19:20:30+01:00";
+        assert_eq!(
+            read_record(text),
+            Some(RecordRead {
+                alta: true,
+                number: "12345678/G33",
+                previous: ""
+            })
+        );
+        assert_eq!(read_record(&text.replace("TipoFactura", "Tipo")), None);
+        let invoice = Invoice {
+            date: "31-12-2024".into(),
+            invoice_type: "F1".into(),
+            tax_total: "-1.5".into(),
+            total: "150".into(),
+        };
+        assert_eq!(invoice.check(), Ok(()));
+        for bad in [
+            Invoice {
+                date: "31-02-2024".into(),
+                ..invoice.clone()
+            },
+            Invoice {
+                date: "1-1-2024".into(),
+                ..invoice.clone()
+            },
+            Invoice {
+                invoice_type: "X1".into(),
+                ..invoice.clone()
+            },
+            Invoice {
+                total: "1.234".into(),
+                ..invoice.clone()
+            },
+            Invoice {
+                total: " 1".into(),
+                ..invoice.clone()
+            },
+            Invoice {
+                tax_total: "1e3".into(),
+                ..invoice.clone()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            qr_url("89890001K", "12345678/G33", &invoice),
+            "https://www2.agenciatributaria.gob.es/wlpl/TIKE-CONT/ValidarQR?nif=89890001K\
+             &numserie=12345678%2FG33&fecha=31%2D12%2D2024&importe=150"
         );
     }
 

@@ -44,6 +44,12 @@ enum Command {
     Openapi,
     /// Import legacy documents (JSON lines or CSV) through the batch API.
     Import(ImportArgs),
+    /// Registers: write a project's evidence bundle, or check one with
+    /// no database.
+    Register {
+        #[command(subcommand)]
+        action: RegisterAction,
+    },
     /// API keys: create (the secret is shown once), list, revoke.
     Keys {
         #[command(flatten)]
@@ -139,6 +145,34 @@ enum KeysAction {
 }
 
 #[derive(Debug, Subcommand)]
+enum RegisterAction {
+    /// Write a project's evidence bundle: its entries, checkpoints and
+    /// public keys (JSON lines).
+    Export {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The project whose registers to export.
+        #[arg(long)]
+        project: String,
+        /// Where the bundle goes.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
+    /// Check a bundle with no database: every chain, the tree at every
+    /// checkpoint, every signature. Exit 0, or 1 naming the first bad
+    /// entry.
+    Verify {
+        /// The bundle (`idpool register export`).
+        file: std::path::PathBuf,
+        /// A verifier key to trust (`<name>+<hash>+<key>`, as
+        /// `GET /api/v1/registers/public-key` lists them; repeat for
+        /// more). Without one, the bundle's own keys are trusted.
+        #[arg(long = "key", value_name = "VERIFIER")]
+        keys: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum DbAction {
     /// Create the database if it does not exist and apply the migrations.
     Migrate {
@@ -160,6 +194,42 @@ pub fn run() -> ExitCode {
         None => serve(cli.config),
         Some(Command::Serve(config)) => serve(config),
         Some(Command::Import(args)) => import(args),
+        Some(Command::Register {
+            action: RegisterAction::Verify { file, keys },
+        }) => verify_bundle(&file, &keys),
+        Some(Command::Register {
+            action:
+                RegisterAction::Export {
+                    database,
+                    project,
+                    out,
+                },
+        }) => with_runtime(async move {
+            check_database_url(&database.database_url)?;
+            let project =
+                ProjectCode::parse(&project).map_err(|e| anyhow::anyhow!("--project: {e}"))?;
+            let options = db::connect_options(&database.database_url)?;
+            let pool = db::pool(
+                options,
+                2,
+                db::Limits::default().for_background(),
+                database.pg_pooler,
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach the database of DATABASE_URL: {e}"))?;
+            require_migrated(&pool).await?;
+            let file = std::fs::File::create(&out)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+            let mut writer = std::io::BufWriter::new(file);
+            let written =
+                crate::features::registers::bundle::export(&pool, project.as_str(), &mut writer)
+                    .await?;
+            eprintln!(
+                "{written} entries of {project} written to {}",
+                out.display()
+            );
+            Ok(())
+        }),
         Some(Command::Keys { database, action }) => with_runtime(async move {
             check_database_url(&database.database_url)?;
             // Keys live in a database `serve` or `db migrate` made: a
@@ -212,6 +282,31 @@ fn serve(config: Config) -> ExitCode {
         stop_on_signals(app.stop_token());
         app.run_until_stopped().await
     })
+}
+
+/// `idpool register verify`: exit 0 when the bundle holds, 1 naming the
+/// first thing wrong, 2 when it cannot be read.
+fn verify_bundle(file: &std::path::Path, keys: &[String]) -> ExitCode {
+    let reader = match std::fs::File::open(file) {
+        Ok(f) => std::io::BufReader::with_capacity(1 << 20, f),
+        Err(e) => {
+            eprintln!("{}: {e}", file.display());
+            return ExitCode::from(2);
+        }
+    };
+    match crate::features::registers::bundle::verify(reader, keys) {
+        Ok(checked) => {
+            println!(
+                "ok: {} entries in {} chains; {} checkpoints verified, signed up to {} entries",
+                checked.entries, checked.chains, checked.checkpoints, checked.signed_size
+            );
+            ExitCode::SUCCESS
+        }
+        Err(bad) => {
+            println!("bad: {bad}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn check_database_url(url: &str) -> anyhow::Result<()> {

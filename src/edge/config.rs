@@ -349,6 +349,46 @@ pub struct Config {
     )]
     pub endpoint_circuit_max_s: u64,
 
+    /// A file holding the registers' signing key (a note signer's private
+    /// key, `PRIVATE+KEY+<name>+<hash>+<key>`). Without it or
+    /// IDPOOL_REGISTER_KEY, the installation makes a key once and keeps it
+    /// in Postgres.
+    #[arg(
+        long = "idpool-register-key-file",
+        env = "IDPOOL_REGISTER_KEY_FILE",
+        value_name = "IDPOOL_REGISTER_KEY_FILE"
+    )]
+    pub register_key_file: Option<std::path::PathBuf>,
+
+    /// The registers' signing key itself (as in IDPOOL_REGISTER_KEY_FILE).
+    #[arg(
+        long = "idpool-register-key",
+        env = "IDPOOL_REGISTER_KEY",
+        value_name = "IDPOOL_REGISTER_KEY",
+        hide_env_values = true
+    )]
+    pub register_key: Option<String>,
+
+    /// The first part of each project's log origin (`<origin>/<project>`),
+    /// and the name of a key the installation makes.
+    #[arg(
+        long = "idpool-register-origin",
+        env = "IDPOOL_REGISTER_ORIGIN",
+        value_name = "IDPOOL_REGISTER_ORIGIN",
+        default_value = "idpool"
+    )]
+    pub register_origin: String,
+
+    /// Seconds between signed checkpoints of a log that grew.
+    #[arg(
+        long = "idpool-checkpoint-interval-s",
+        env = "IDPOOL_CHECKPOINT_INTERVAL_S",
+        value_name = "IDPOOL_CHECKPOINT_INTERVAL_S",
+        default_value_t = 5,
+        value_parser = clap::value_parser!(u64).range(1..=3_600),
+    )]
+    pub checkpoint_interval_s: u64,
+
     /// Run the reconciliation job in this process.
     #[arg(
         long = "idpool-reconcile",
@@ -648,6 +688,26 @@ impl Config {
             batch_size: self.outbox_batch,
             ..Default::default()
         }
+    }
+
+    /// The registers' settings, the key read from its file.
+    pub fn register_settings(
+        &self,
+    ) -> anyhow::Result<crate::features::registers::RegisterSettings> {
+        let key = match (&self.register_key_file, &self.register_key) {
+            (Some(_), Some(_)) => {
+                anyhow::bail!("give IDPOOL_REGISTER_KEY_FILE or IDPOOL_REGISTER_KEY, not both")
+            }
+            (Some(path), None) => Some(std::fs::read_to_string(path).map_err(|e| {
+                anyhow::anyhow!("IDPOOL_REGISTER_KEY_FILE {}: {e}", path.display())
+            })?),
+            (None, key) => key.clone(),
+        };
+        Ok(crate::features::registers::RegisterSettings {
+            key,
+            origin: self.register_origin.clone(),
+            checkpoint_interval: Duration::from_secs(self.checkpoint_interval_s),
+        })
     }
 
     pub fn endpoint_settings(&self) -> crate::features::endpoints::EndpointSettings {

@@ -21,6 +21,7 @@ use crate::features::documents::{Documents, HandoutWaits};
 use crate::features::endpoints::Endpoints;
 use crate::features::endpoints::dispatcher::{DeliveriesWake, Dispatcher};
 use crate::features::gaps::reconcile::{ReconcileSettings, Reconciler};
+use crate::features::registers::Registers;
 use crate::infra::backoff::Backoff;
 use crate::infra::fair::FairSlots;
 use crate::infra::log_limit::Repeated;
@@ -235,6 +236,8 @@ struct Parts {
     /// Attaches waiting for handout records, looked at together.
     handout_waits: Arc<HandoutWaits>,
     reconciler: Arc<Reconciler>,
+    /// Registers' entries, proofs and checkpoints.
+    registers: Arc<Registers>,
     instance_id: String,
 }
 
@@ -311,9 +314,18 @@ impl Parts {
         )
         .await?;
         let handout_waits = HandoutWaits::spawn(db.clone(), &tasks);
+        let registers = Arc::new(
+            Registers::start(
+                db.clone(),
+                background_db.clone(),
+                &config.register_settings()?,
+            )
+            .await?,
+        );
         Ok(Self {
             db,
             background_db,
+            registers,
             handout_waits,
             stats,
             keys,
@@ -451,6 +463,13 @@ impl Parts {
             let (issuer, stop) = (issuer.clone(), expiry_stop.clone());
             async move { issuer.reservations().expire_reservations(stop).await }
         });
+        let (registers, checkpoint_stop) = (self.registers.clone(), stop.clone());
+        let interval = Duration::from_secs(config.checkpoint_interval_s);
+        supervisor.spawn("register checkpoints", move || {
+            registers
+                .clone()
+                .run_checkpoints(interval, checkpoint_stop.clone())
+        });
         let (prune_db, prune_stop) = (self.background_db.clone(), stop.clone());
         supervisor.spawn("idempotency pruning", move || {
             idempotency::prune_periodically(prune_db.clone(), prune_stop.clone())
@@ -560,6 +579,7 @@ impl Parts {
             issuer: self.issuer,
             endpoints: Endpoints::new(self.db.clone(), config.endpoint_settings()),
             reconciler: self.reconciler,
+            registers: self.registers,
             sequences: self.sequences,
             pools: self.pools,
             stats: self.stats,

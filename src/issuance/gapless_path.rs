@@ -122,6 +122,12 @@ impl GaplessPath {
         via: Via,
     ) -> Result<Issued, IssueError> {
         let (sequence, period) = (&placement.sequence, &placement.period);
+        if via == Via::Ids && sequence.definition.register.issuer().is_some() {
+            return Err(IssueError::ReservationsNotAllowed {
+                project: sequence.project.to_string(),
+                doc_type: sequence.doc_type.to_string(),
+            });
+        }
         let taken = self
             .counter
             .take_gapless(&mut *conn, sequence, period, count as i64)

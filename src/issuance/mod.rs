@@ -100,6 +100,11 @@ pub enum IssueError {
     )]
     PostgresMoved,
     #[error(
+        "{project}/{doc_type} is a VERI*FACTU register: its numbers are taken only by documents \
+         (POST /documents with \"invoice\"), never reserved"
+    )]
+    ReservationsNotAllowed { project: String, doc_type: String },
+    #[error(
         "gapless sequence {project}/{doc_type} holds at most {max} reservations open at once; \
          {open} are open and {asked} more were asked for: ask for at most {room} \
          (confirm or void open ones, or wait for them to expire, to make room)",

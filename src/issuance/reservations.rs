@@ -130,6 +130,13 @@ impl Reservations {
             id: id.to_owned(),
             sequence: name.clone(),
         };
+        if sequence.definition.register.issuer().is_some() {
+            // A VERI*FACTU register numbers documents only; voiding one
+            // appends its anulación record.
+            return annul(conn, sequence, id, reason)
+                .await?
+                .ok_or_else(not_found);
+        }
         let Some(reservation) = reservations::lock(&mut *conn, sequence.id, seq, id).await? else {
             // A document numbered when it was written.
             return Err(if carries_id(&mut *conn, sequence.id, id).await? {
@@ -193,4 +200,30 @@ impl Reservations {
             }
         }
     }
+}
+
+/// The anulación of VERI*FACTU document `id`: appended now, or the one
+/// appended before (a void answers the same again). None when the ID
+/// carries no document of the sequence.
+async fn annul(
+    conn: &mut Tx<'_>,
+    sequence: &Sequence,
+    id: &str,
+    reason: &str,
+) -> Result<Option<Voided>, VoidError> {
+    let voided = |(reason, voided_at): (String, DateTime<Utc>)| Voided {
+        id: id.to_owned(),
+        reason,
+        voided_at,
+    };
+    if let Some(earlier) = reservations::annulment(&mut *conn, sequence.id, id).await? {
+        return Ok(Some(voided(earlier)));
+    }
+    if let Some(at) = reservations::annul(&mut *conn, sequence.id, id, reason).await? {
+        return Ok(Some(voided((reason.to_owned(), at))));
+    }
+    // Annulled meanwhile by a concurrent void, or no document of it.
+    Ok(reservations::annulment(&mut *conn, sequence.id, id)
+        .await?
+        .map(voided))
 }

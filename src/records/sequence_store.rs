@@ -20,7 +20,7 @@ use chrono::{DateTime, Utc};
 use crate::domain::sequence::pattern::{Part, Pattern};
 use crate::domain::sequence::{
     CounterFloor, DEFAULT_FORMAT, Definition, DefinitionError, Layout, Numbering, ProjectCode,
-    Reset, Sequence, Template, TypeCode,
+    Register, Reset, Sequence, Template, TypeCode,
 };
 
 /// Postgres channel that tells every instance a definition changed.
@@ -76,6 +76,10 @@ pub enum PutError {
     )]
     NumberingInUse,
     #[error(
+        "the sequence has taken numbers; \"register\" and \"issuer\" cannot change, even with \"force\""
+    )]
+    RegisterInUse,
+    #[error(
         "the gapless sequence has taken numbers; its format, layout, reset, timezone, start and numbering cannot change, even with \"force\""
     )]
     GaplessInUse,
@@ -122,6 +126,8 @@ struct SequenceRow {
     pool_size: i32,
     refill_at: f64,
     numbering: String,
+    register: Option<String>,
+    register_issuer: Option<String>,
     version: i32,
     identity_version: i32,
     counter_floor: Option<i64>,
@@ -139,8 +145,8 @@ macro_rules! sequence_rows {
         sqlx::query_as!(
             SequenceRow,
             $before + " id, project, doc_type, format, layout, epoch, start_seq, max_seq, \
-             reset, timezone, pool_size, refill_at, numbering, version, identity_version, \
-             counter_floor, floor_until, created_at, updated_at " + $sql
+             reset, timezone, pool_size, refill_at, numbering, register, register_issuer, version, \
+             identity_version, counter_floor, floor_until, created_at, updated_at " + $sql
             $(, $arg)*
         )
     };
@@ -170,6 +176,8 @@ impl SequenceRow {
                 pool_size: u32::try_from(self.pool_size).map_err(|_| corrupt("pool_size"))?,
                 refill_at: self.refill_at,
                 numbering: Numbering::parse(&self.numbering).ok_or_else(|| corrupt("numbering"))?,
+                register: Register::parse(self.register.as_deref(), self.register_issuer)
+                    .ok_or_else(|| corrupt("register"))?,
             },
             version: self.version,
             identity_version: self.identity_version,

@@ -321,6 +321,7 @@ async fn a_poisoned_request_fails_alone_when_it_shares_a_commit() {
             metadata: metadata.into(),
             id: None,
             source_id: None,
+            invoice: None,
         }));
         async move { (matches!(i % 32, 7 | 9), accepted.await) }
     });
@@ -429,6 +430,7 @@ async fn a_number_two_requests_of_one_shared_write_hold_is_recorded_for_one() {
                 seq_number: 5000,
                 payload: "{}".into(),
                 source_id: None,
+                invoice: None,
             }],
             unnumbered: vec![],
         },

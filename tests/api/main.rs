@@ -20,6 +20,7 @@ mod leases;
 mod operations;
 mod pooler;
 mod pools;
+mod registers;
 mod resilience;
 mod sequences;
 mod support;

@@ -79,6 +79,72 @@ impl Numbering {
     }
 }
 
+/// What a gapless sequence's events are chained into (SPEC "Registers an
+/// auditor can verify").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RegisterKind {
+    /// A hash chain of its own, one RFC 8785 entry per event.
+    Chain,
+    /// VERI*FACTU's records (alta, anulación), chained per issuer.
+    Verifactu,
+}
+
+/// A sequence's register, as defined.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Register {
+    #[default]
+    None,
+    Chain,
+    /// With the issuer's NIF.
+    Verifactu {
+        issuer: String,
+    },
+}
+
+impl Register {
+    pub fn kind(&self) -> Option<RegisterKind> {
+        match self {
+            Register::None => None,
+            Register::Chain => Some(RegisterKind::Chain),
+            Register::Verifactu { .. } => Some(RegisterKind::Verifactu),
+        }
+    }
+
+    pub fn issuer(&self) -> Option<&str> {
+        match self {
+            Register::Verifactu { issuer } => Some(issuer),
+            _ => None,
+        }
+    }
+
+    /// As stored: the kind's word and the issuer.
+    pub fn parse(kind: Option<&str>, issuer: Option<String>) -> Option<Self> {
+        match (kind, issuer) {
+            (None, None) => Some(Register::None),
+            (Some("chain"), None) => Some(Register::Chain),
+            (Some("verifactu"), Some(issuer)) => Some(Register::Verifactu { issuer }),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&'static str> {
+        match self {
+            Register::None => None,
+            Register::Chain => Some("chain"),
+            Register::Verifactu { .. } => Some("verifactu"),
+        }
+    }
+}
+
+/// A NIF as AEAT writes it: nine letters and digits, upper case.
+pub fn valid_issuer(issuer: &str) -> bool {
+    issuer.len() == 9
+        && issuer
+            .bytes()
+            .all(|b| b.is_ascii_digit() || b.is_ascii_uppercase())
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Layout {
     Text,
@@ -138,6 +204,13 @@ pub struct DefinitionInput {
     /// `pooled` (default) or `gapless`; cannot change once numbers were
     /// issued, even with `force`.
     pub numbering: Option<Numbering>,
+    /// `chain` or `verifactu` (gapless sequences only): every event of a
+    /// number appends a hash-chained entry; cannot change once numbers
+    /// were taken.
+    pub register: Option<RegisterKind>,
+    /// The issuer's NIF (nine letters and digits), for `verifactu`.
+    #[schema(example = "89890001K")]
+    pub issuer: Option<String>,
     /// Allow changing `format`, `layout`, `reset` or `timezone` after numbers were issued.
     #[serde(default)]
     pub force: bool,
@@ -168,6 +241,14 @@ pub enum DefinitionError {
     PeriodNotInFormat(&'static str, &'static str, &'static str),
     #[error("IDs would be up to {0} characters long; the limit is {MAX_ID_LEN}")]
     TooLong(usize),
+    #[error("a register needs \"numbering\": \"gapless\"")]
+    RegisterNotGapless,
+    #[error("a verifactu register needs \"issuer\", the issuer's NIF (nine letters and digits)")]
+    Issuer,
+    #[error("\"issuer\" belongs to a verifactu register only")]
+    IssuerWithoutVerifactu,
+    #[error("a verifactu register's IDs are invoice numbers: its format may not contain & or =")]
+    VerifactuFormat,
 }
 
 /// A validated sequence definition.
@@ -182,6 +263,7 @@ pub struct Definition {
     pub pool_size: u32,
     pub refill_at: f64,
     pub numbering: Numbering,
+    pub register: Register,
 }
 
 impl Definition {
@@ -208,7 +290,8 @@ impl Definition {
             }
             (Layout::Text, reset) => reset.unwrap_or_default(),
         };
-        let format = Template::parse(input.format.as_deref().unwrap_or(DEFAULT_FORMAT))?;
+        let format_text = input.format.as_deref().unwrap_or(DEFAULT_FORMAT);
+        let format = Template::parse(format_text)?;
         let tz_name = input.timezone.as_deref().unwrap_or("UTC");
         let timezone: Tz = tz_name
             .parse()
@@ -244,10 +327,33 @@ impl Definition {
             pool_size,
             refill_at,
             numbering: input.numbering.unwrap_or_default(),
+            register: Self::register_of(input, format_text)?,
         };
+        if definition.register != Register::None && definition.numbering != Numbering::Gapless {
+            return Err(DefinitionError::RegisterNotGapless);
+        }
         definition.check_periods_distinct()?;
         definition.check_pattern(project, doc_type)?;
         Ok(definition)
+    }
+
+    fn register_of(input: &DefinitionInput, format: &str) -> Result<Register, DefinitionError> {
+        match (input.register, &input.issuer) {
+            (None, None) => Ok(Register::None),
+            (Some(RegisterKind::Chain), None) => Ok(Register::Chain),
+            (Some(RegisterKind::Verifactu), Some(issuer)) if valid_issuer(issuer) => {
+                // AEAT's text joins `campo=valor` with &: an ID holding
+                // either would read two ways.
+                if format.contains(['&', '=']) {
+                    return Err(DefinitionError::VerifactuFormat);
+                }
+                Ok(Register::Verifactu {
+                    issuer: issuer.clone(),
+                })
+            }
+            (Some(RegisterKind::Verifactu), _) => Err(DefinitionError::Issuer),
+            (_, Some(_)) => Err(DefinitionError::IssuerWithoutVerifactu),
+        }
     }
 
     pub fn defaults(project: &ProjectCode, doc_type: &TypeCode) -> Result<Self, DefinitionError> {

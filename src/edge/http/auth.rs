@@ -15,10 +15,12 @@ use super::problem::ApiError;
 use crate::infra::fair::FairSlots;
 use crate::records::auth::{Authenticator, Caller, Rejected, Verdict};
 
-/// Every route but `/healthz`, `/readyz`, `/metrics`, `/openapi.json` and
-/// `/docs` (SPEC "Security").
+/// Every route but `/healthz`, `/readyz`, `/metrics`, `/openapi.json`,
+/// `/docs` (SPEC "Security") and the registers' public key (anyone may
+/// check a signature).
 pub fn is_protected(path: &str) -> bool {
-    path == "/ids" || path == "/documents" || path == "/api/v1" || path.starts_with("/api/v1/")
+    (path == "/ids" || path == "/documents" || path == "/api/v1" || path.starts_with("/api/v1/"))
+        && path != "/api/v1/registers/public-key"
 }
 
 pub async fn authenticate(

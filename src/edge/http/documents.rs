@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::domain::verifactu::Invoice;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -55,6 +56,9 @@ pub struct CreateDocument {
         example = "PROJ-9012-1001"
     )]
     pub id: Option<String>,
+    /// The invoice fields, for a VERI*FACTU register's documents (and only
+    /// for them): strings, kept exactly as sent.
+    pub invoice: Option<Invoice>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -70,6 +74,8 @@ pub struct BatchItem {
     /// An ID this project got from `POST /ids` and has not attached yet.
     #[schema(min_length = 1, max_length = 64, pattern = r"^[^\u0000]*$")]
     pub id: Option<String>,
+    /// The invoice fields, for a VERI*FACTU register's documents.
+    pub invoice: Option<Invoice>,
     /// Makes this item idempotent: sent again, it returns its first result.
     #[schema(
         pattern = r"^[ -~]{1,255}$",
@@ -137,8 +143,14 @@ fn document_input(
     doc_type: &str,
     metadata: &RawValue,
     id: Option<&str>,
+    invoice: Option<&Invoice>,
 ) -> Result<DocumentInput, ApiError> {
     let (project, doc_type) = parse_codes(project, doc_type)?;
+    if let Some(invoice) = invoice {
+        invoice
+            .check()
+            .map_err(|e| ApiError::bad_request("invalid_invoice", e.to_string()))?;
+    }
     let raw = metadata.get();
     if !raw.trim_start().starts_with('{') {
         return Err(ApiError::bad_request(
@@ -198,6 +210,7 @@ fn document_input(
         metadata: Arc::from(raw),
         id: id.map(str::to_owned),
         source_id: None,
+        invoice: invoice.map(|i| Arc::new(i.clone())),
     })
 }
 
@@ -216,6 +229,10 @@ fn fingerprint(input: &DocumentInput) -> Result<Vec<u8>, ApiError> {
     // fingerprints stored before.
     if let Some(source_id) = &input.source_id {
         canonical["source_id"] = serde_json::Value::from(source_id.as_ref());
+    }
+    if let Some(invoice) = &input.invoice {
+        canonical["invoice"] =
+            serde_json::to_value(invoice.as_ref()).map_err(ApiError::internal)?;
     }
     Ok(idempotency::fingerprint("document", &canonical))
 }
@@ -285,6 +302,7 @@ pub async fn create_document(
         &body.doc_type,
         &body.metadata,
         body.id.as_deref(),
+        body.invoice.as_ref(),
     )?;
     within_scope(&caller, input.project.as_str())?;
     if key.is_none() && input.id.is_none() {
@@ -411,6 +429,19 @@ pub struct AcceptedDocument {
     pub seq: i64,
     pub status: DocumentStatus,
     pub created_at: DateTime<Utc>,
+    /// A VERI*FACTU register's alta record of the document.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verifactu: Option<VerifactuView>,
+}
+
+/// A document's VERI*FACTU alta record.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VerifactuView {
+    /// The record's huella: 64 uppercase hex digits.
+    #[schema(example = "3C464DAF61ACB827C65FDA19F352A4E3BDC2C640E9E9FC4CC058073F38F12F60")]
+    pub huella: String,
+    /// AEAT's ValidarQR URL of the invoice, for its QR code.
+    pub qr_url: String,
 }
 
 impl From<&Accepted> for AcceptedDocument {
@@ -422,6 +453,10 @@ impl From<&Accepted> for AcceptedDocument {
             seq: accepted.seq,
             status: accepted.status,
             created_at: accepted.created_at,
+            verifactu: accepted.verifactu.as_ref().map(|v| VerifactuView {
+                huella: v.huella.clone(),
+                qr_url: v.qr_url.clone(),
+            }),
         }
     }
 }
@@ -515,6 +550,7 @@ fn batch_item(
         &item.doc_type,
         &item.metadata,
         item.id.as_deref(),
+        item.invoice.as_ref(),
     )?;
     within_scope(caller, input.project.as_str())?;
     let input = DocumentInput {

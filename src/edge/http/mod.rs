@@ -14,6 +14,7 @@ pub mod ids;
 mod outbox;
 mod page;
 pub mod problem;
+mod registers;
 mod responses;
 mod schema;
 mod sequences;
@@ -61,6 +62,8 @@ pub struct AppInner {
     pub reconciler: Arc<Reconciler>,
     /// Projects' own delivery endpoints.
     pub endpoints: crate::features::endpoints::Endpoints,
+    /// Registers an auditor can verify.
+    pub registers: Arc<crate::features::registers::Registers>,
     pub sequences: Arc<SequenceStore>,
     pub pools: Arc<PoolService>,
     pub stats: Arc<Stats>,
@@ -114,6 +117,7 @@ impl std::ops::Deref for AppState {
         (name = "documents", description = "Accept documents through the transactional outbox"),
         (name = "outbox", description = "Outbox operations: dead letters"),
         (name = "endpoints", description = "A project's own delivery endpoints, their secrets and attempts"),
+        (name = "registers", description = "Hash-chained registers, signed checkpoints and proofs"),
         (name = "gaps", description = "Every number that carries no document, and why"),
         (name = "sequences", description = "Sequence definitions"),
         (name = "operations", description = "Health, readiness, metrics"),
@@ -130,6 +134,7 @@ pub fn api_router() -> OpenApiRouter<AppState> {
         .merge(documents::router())
         .merge(outbox::router())
         .merge(endpoints::router())
+        .merge(registers::router())
         .merge(gaps::router())
         .merge(sequences::router())
         .merge(health::router())

@@ -196,9 +196,10 @@ impl From<StoreError> for ApiError {
 impl From<PutError> for ApiError {
     fn from(e: PutError) -> Self {
         match e {
-            PutError::InUse | PutError::NumberingInUse | PutError::GaplessInUse => {
-                Self::conflict("sequence_in_use", e.to_string())
-            }
+            PutError::InUse
+            | PutError::NumberingInUse
+            | PutError::GaplessInUse
+            | PutError::RegisterInUse => Self::conflict("sequence_in_use", e.to_string()),
             PutError::Store(e) => e.into(),
         }
     }
@@ -224,6 +225,9 @@ impl From<IssueError> for ApiError {
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             IssueError::TooManyReservations { .. } => {
                 Self::conflict("too_many_reservations", e.to_string())
+            }
+            IssueError::ReservationsNotAllowed { .. } => {
+                Self::conflict("reservations_not_allowed", e.to_string())
             }
             IssueError::Store(e) => e.into(),
             IssueError::Ledger(e) => e.into(),
@@ -374,6 +378,12 @@ impl From<DocumentError> for ApiError {
                 Self::bad_request("duplicate_source_id", e.to_string())
             }
             DocumentError::SourceIdInUse => Self::conflict("source_id_in_use", e.to_string()),
+            DocumentError::InvoiceMissing(_) => {
+                Self::bad_request("invoice_required", e.to_string())
+            }
+            DocumentError::InvoiceUnexpected(_) => {
+                Self::bad_request("invoice_not_expected", e.to_string())
+            }
             DocumentError::Db(e) => db_error(e),
         }
     }

@@ -16,7 +16,7 @@ use super::page::Page;
 use super::problem::{ApiError, Problem, db_error};
 use super::responses::JsonBodyProblems;
 use crate::domain::sequence::{
-    Definition, DefinitionInput, LayoutKind, Numbering, Reset, Sequence,
+    Definition, DefinitionInput, LayoutKind, Numbering, RegisterKind, Reset, Sequence,
 };
 use crate::records::auth::Caller;
 
@@ -40,6 +40,10 @@ pub struct SequenceView {
     pub pool_size: u32,
     pub refill_at: f64,
     pub numbering: Numbering,
+    /// `chain` or `verifactu`; null for none.
+    pub register: Option<RegisterKind>,
+    /// The VERI*FACTU issuer's NIF; null otherwise.
+    pub issuer: Option<String>,
     /// Bumped by every PUT.
     pub version: i32,
     pub created_at: DateTime<Utc>,
@@ -81,6 +85,8 @@ impl SequenceView {
             pool_size: d.pool_size,
             refill_at: d.refill_at,
             numbering: d.numbering,
+            register: d.register.kind(),
+            issuer: d.register.issuer().map(str::to_owned),
             version: sequence.version,
             created_at: sequence.created_at,
             updated_at: sequence.updated_at,

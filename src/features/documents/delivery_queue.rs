@@ -47,6 +47,7 @@ impl KnownSource {
             seq: self.seq,
             status: self.status,
             created_at: self.created_at,
+            verifactu: None,
         }
     }
 }

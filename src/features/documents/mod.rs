@@ -15,7 +15,9 @@ use std::sync::Arc;
 use crate::infra::db::Tx;
 use chrono::{DateTime, Utc};
 
-use crate::domain::sequence::{IdShape, Numbering, ProjectCode, TypeCode};
+use crate::domain::sequence::{IdShape, Numbering, ProjectCode, Register, Sequence, TypeCode};
+use crate::domain::verifactu::Invoice;
+use crate::infra::db::Link;
 use crate::issuance::Placement;
 use crate::issuance::{IssueError, Issuer, Want};
 use crate::records::ledger::outbox_rows::{Attachment, DocumentStatus, OutboxRow};
@@ -104,6 +106,8 @@ pub struct DocumentInput {
     /// The document's legacy id: a document with this one already in the
     /// project and type is answered instead of writing another.
     pub source_id: Option<Arc<str>>,
+    /// The invoice fields of a document of a VERI*FACTU register (checked).
+    pub invoice: Option<Arc<Invoice>>,
 }
 
 impl DocumentInput {
@@ -114,6 +118,10 @@ impl DocumentInput {
             doc_type: self.doc_type.to_string(),
             payload: self.metadata.clone(),
             source_id: self.source_id.clone(),
+            invoice: self
+                .invoice
+                .as_ref()
+                .map(|i| Arc::from(serde_json::to_string(i.as_ref()).unwrap_or_default())),
         }
     }
 }
@@ -128,6 +136,15 @@ pub struct Accepted {
     pub seq: i64,
     pub status: DocumentStatus,
     pub created_at: DateTime<Utc>,
+    /// A VERI*FACTU register's record of it.
+    pub verifactu: Option<VerifactuRecord>,
+}
+
+/// The alta record a VERI*FACTU document got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifactuRecord {
+    pub huella: String,
+    pub qr_url: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -148,8 +165,47 @@ pub enum DocumentError {
     /// A concurrent request wrote a document with the same source id.
     #[error("another request is writing a document with the same source_id; send this again")]
     SourceIdInUse,
+    /// A document of a VERI*FACTU register came without its invoice.
+    #[error(
+        "{0} is a VERI*FACTU register: its documents carry \"invoice\" (date, type, tax_total, total)"
+    )]
+    InvoiceMissing(String),
+    /// An invoice for a sequence that is no VERI*FACTU register.
+    #[error("{0} is not a VERI*FACTU register: \"invoice\" would be ignored")]
+    InvoiceUnexpected(String),
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),
+}
+
+/// Whether `input` carries an invoice exactly when its sequence is a
+/// VERI*FACTU register.
+fn check_invoice(sequence: &Sequence, input: &DocumentInput) -> Result<(), DocumentError> {
+    let name = || format!("{}/{}", sequence.project, sequence.doc_type);
+    match (&sequence.definition.register, &input.invoice) {
+        (Register::Verifactu { .. }, None) => Err(DocumentError::InvoiceMissing(name())),
+        (Register::Verifactu { .. }, Some(_)) | (_, None) => Ok(()),
+        (_, Some(_)) => Err(DocumentError::InvoiceUnexpected(name())),
+    }
+}
+
+/// The alta record of document `id` of `sequence` (a VERI*FACTU
+/// register), written by the insert's trigger in the same transaction.
+async fn verifactu_record<'e>(
+    executor: impl sqlx::Executor<'e, Database = sqlx::Postgres>,
+    sequence: &Sequence,
+    input: &DocumentInput,
+    id: &str,
+) -> Result<Option<VerifactuRecord>, DocumentError> {
+    let (Register::Verifactu { issuer }, Some(invoice)) =
+        (&sequence.definition.register, &input.invoice)
+    else {
+        return Ok(None);
+    };
+    let huella = crate::features::registers::store::alta_hash(executor, sequence.id, id).await?;
+    Ok(huella.map(|huella| VerifactuRecord {
+        huella,
+        qr_url: crate::domain::verifactu::qr_url(issuer, id, invoice),
+    }))
 }
 
 impl From<LedgerError> for DocumentError {
@@ -209,6 +265,7 @@ fn accepted(row: &OutboxRow, created_at: DateTime<Utc>) -> Accepted {
         seq: row.seq_number,
         status: DocumentStatus::Pending,
         created_at,
+        verifactu: None,
     }
 }
 
@@ -218,6 +275,8 @@ impl Documents {
     /// concurrent requests.
     pub async fn accept(&self, input: Arc<DocumentInput>) -> Result<Accepted, DocumentError> {
         let placement = self.issuer.place(&input.project, &input.doc_type).await?;
+        check_invoice(&placement.sequence, &input)?;
+        let sequence = placement.sequence.clone();
         let attachment = Arc::new(input.attachment());
         let issued = self
             .issuer
@@ -226,7 +285,14 @@ impl Documents {
         let (row, created_at) = issued
             .document
             .ok_or_else(|| DocumentError::from(LedgerError::Closed))?;
-        Ok(accepted(&row, created_at))
+        let mut answer = accepted(&row, created_at);
+        if sequence.definition.register.issuer().is_some() {
+            // Committed already: its record is read after, on a
+            // connection of the pool (VERI*FACTU registers only).
+            answer.verifactu =
+                verifactu_record(self.issuer.db(), &sequence, &input, &row.document_id).await?;
+        }
+        Ok(answer)
     }
 
     /// Where each input's number comes from, decided before the caller's
@@ -339,6 +405,9 @@ impl Documents {
         let placement_of = |input: &DocumentInput| {
             &placements[&(input.project.to_string(), input.doc_type.to_string())]
         };
+        for (index, input) in inputs.iter().enumerate() {
+            check_invoice(&placement_of(input).sequence, input).map_err(BatchError::at(index))?;
+        }
         // One outbox row per item, in request order, filled in below.
         let mut rows: Vec<Option<PlacedRow>> = vec![None; inputs.len()];
         for (index, input) in inputs.iter().enumerate() {
@@ -373,7 +442,16 @@ impl Documents {
                 .await?;
         }
         let rows: Vec<PlacedRow> = rows.into_iter().flatten().collect();
-        write_rows(conn, &rows).await
+        let mut written = write_rows(conn, &rows).await?;
+        for (index, (input, answer)) in inputs.iter().zip(written.iter_mut()).enumerate() {
+            let sequence = &placement_of(input).sequence;
+            if sequence.definition.register.issuer().is_some() {
+                answer.verifactu = verifactu_record(conn.statements(), sequence, input, &answer.id)
+                    .await
+                    .map_err(BatchError::at(index))?;
+            }
+        }
+        Ok(written)
     }
 
     /// Numbers for the items `members` of one sequence period, recorded in
@@ -616,6 +694,7 @@ fn attached_row(input: &DocumentInput, id: &str, seq: i64, shape: &IdShape) -> O
         seq_number: shape.number(seq),
         payload: input.metadata.clone(),
         source_id: input.source_id.clone(),
+        invoice: input.attachment().invoice,
     }
 }
 

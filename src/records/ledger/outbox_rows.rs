@@ -29,6 +29,8 @@ pub struct Attachment {
     pub payload: Arc<str>,
     /// The document's legacy id, unique per project and type.
     pub source_id: Option<Arc<str>>,
+    /// A VERI*FACTU document's invoice fields (JSON), as sent.
+    pub invoice: Option<Arc<str>>,
 }
 
 impl Attachment {
@@ -42,6 +44,7 @@ impl Attachment {
             seq_number: shape.number(seq),
             payload: self.payload.clone(),
             source_id: self.source_id.clone(),
+            invoice: self.invoice.clone(),
         }
     }
 }
@@ -58,6 +61,8 @@ pub struct OutboxRow {
     pub payload: Arc<str>,
     /// The document's legacy id (`idpool import`), if it has one.
     pub source_id: Option<Arc<str>>,
+    /// A VERI*FACTU document's invoice fields (JSON).
+    pub invoice: Option<Arc<str>>,
 }
 
 #[derive(
@@ -119,13 +124,14 @@ pub async fn insert(
         .iter()
         .map(|(_, _, r)| r.source_id.as_deref())
         .collect();
+    let invoices: Vec<Option<&str>> = rows.iter().map(|(_, _, r)| r.invoice.as_deref()).collect();
     let created = sqlx::query!(
         "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, sequence_id, period, seq, seq_number, source_id, \
-                                routed, next_retry_at) \
-         SELECT d, p, t, j::jsonb, s, pe, n, sn, so, r.routed, \
+                                invoice, routed, next_retry_at) \
+         SELECT d, p, t, j::jsonb, s, pe, n, sn, so, inv::jsonb, r.routed, \
                 CASE WHEN r.routed THEN 'infinity'::timestamptz ELSE now() END \
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[], $9::text[]) \
-              AS u(d, p, t, j, s, pe, n, sn, so) \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bigint[], $8::bigint[], $9::text[], $10::text[]) \
+              AS u(d, p, t, j, s, pe, n, sn, so, inv) \
          CROSS JOIN LATERAL (SELECT EXISTS (SELECT 1 FROM endpoints e \
               WHERE e.project = u.p AND NOT e.disabled AND (e.types IS NULL OR u.t = ANY (e.types))) AS routed) r \
          RETURNING document_id, created_at",
@@ -138,6 +144,7 @@ pub async fn insert(
         &seqs,
         &numbers,
         &sources as &[Option<&str>],
+        &invoices as &[Option<&str>],
     )
     .fetch_all(conn.statements())
     .await?;

@@ -269,3 +269,36 @@ pub async fn last_taken_and_voids(
     .await?;
     Ok((row.last, row.voids))
 }
+
+/// Appends the anulación of VERI*FACTU document `id` of the sequence with
+/// the caller's reason, in the caller's transaction; its time. None when
+/// the ID carries no document of it, or was annulled already.
+pub async fn annul(
+    conn: &mut impl Link,
+    sequence_id: i64,
+    id: &str,
+    reason: &str,
+) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    sqlx::query_scalar("SELECT idpool_register_annul($1, $2, $3)")
+        .bind(sequence_id)
+        .bind(id)
+        .bind(reason)
+        .fetch_one(conn.statements())
+        .await
+}
+
+/// When document `id` of the sequence was annulled, and why.
+pub async fn annulment(
+    conn: &mut impl Link,
+    sequence_id: i64,
+    id: &str,
+) -> Result<Option<(String, DateTime<Utc>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT coalesce(note, ''), at FROM register_entries \
+          WHERE sequence_id = $1 AND id = $2 AND event = 'annulled'",
+    )
+    .bind(sequence_id)
+    .bind(id)
+    .fetch_optional(conn.statements())
+    .await
+}

@@ -106,6 +106,12 @@ pub(super) async fn replace_definition(
 ) -> Result<Option<Arc<Sequence>>, PutError> {
     let changes_identity = current.definition.changes_identity(next);
     let mut replaced_identity = None;
+    // A register's chain covers every number from the first: one begun
+    // or ended part way would certify a history it never saw.
+    if current.definition.register != next.register && numbers_taken(&mut *conn, current.id).await?
+    {
+        return Err(PutError::RegisterInUse);
+    }
     // A gapless register keeps its numbering rules once it has numbers: a
     // new format, reset, time zone or start (forced or not) would leave
     // holes nobody could account for, or strand open reservations.
@@ -189,7 +195,9 @@ macro_rules! with_definition_columns {
             $d.timezone.name(),
             $d.pool_size as i32,
             $d.refill_at,
-            $d.numbering.as_str()
+            $d.numbering.as_str(),
+            $d.register.as_str(),
+            $d.register.issuer()
             $(, $after)*
         )
     };
@@ -204,8 +212,8 @@ pub(super) async fn insert_definition(
     Ok(with_definition_columns!(
         sequence_rows!(
             "INSERT INTO sequences (project, doc_type, format, layout, epoch, start_seq, max_seq, \
-             reset, timezone, pool_size, refill_at, numbering) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING",
+             reset, timezone, pool_size, refill_at, numbering, register, register_issuer) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) RETURNING",
             ""
         ),
         [project.as_str(), doc_type.as_str()],
@@ -226,7 +234,8 @@ pub(super) async fn update_definition(
         sqlx::query!(
             "UPDATE sequences SET format = $2, layout = $3, epoch = $4, start_seq = $5, \
              max_seq = $6, reset = $7, timezone = $8, pool_size = $9, refill_at = $10, \
-             numbering = $11, version = version + 1, identity_version = identity_version + $12::int, \
+             numbering = $11, register = $12, register_issuer = $13, version = version + 1, \
+             identity_version = identity_version + $14::int, \
              updated_at = now() WHERE id = $1"
         ),
         [id],

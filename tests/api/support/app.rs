@@ -289,6 +289,8 @@ pub struct TestEnv {
     pub endpoint_disable_after_s: u64,
     pub max_endpoints_per_project: i64,
     pub secret_overlap_s: u64,
+    /// `IDPOOL_CHECKPOINT_INTERVAL_S`: short, so tests see checkpoints soon.
+    pub checkpoint_interval_s: u64,
 }
 
 /// The signing key of test webhooks: `whsec_` and base64 of 32 bytes.
@@ -327,6 +329,7 @@ impl TestEnv {
             redis_start_wait_ms: 5000,
             leases: true,
             reservation_ttl_s: 300,
+            checkpoint_interval_s: 1,
             extra_env: Vec::new(),
             pg_pooler: idpool::infra::db::Pooler::None,
             pg_listen_url: None,
@@ -405,6 +408,10 @@ impl TestEnv {
             (
                 "IDPOOL_RESERVATION_TTL_S",
                 self.reservation_ttl_s.to_string(),
+            ),
+            (
+                "IDPOOL_CHECKPOINT_INTERVAL_S",
+                self.checkpoint_interval_s.to_string(),
             ),
             (
                 "IDPOOL_ENDPOINTS_ALLOW_PRIVATE",
@@ -500,6 +507,10 @@ impl TestEnv {
             redis_start_wait_ms: self.redis_start_wait_ms,
             leases: if self.leases { Switch::On } else { Switch::Off },
             reservation_ttl_s: self.reservation_ttl_s,
+            register_key_file: None,
+            register_key: None,
+            register_origin: "idpool".into(),
+            checkpoint_interval_s: self.checkpoint_interval_s,
         }
     }
 

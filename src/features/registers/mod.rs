@@ -1,0 +1,507 @@
+//! Registers an auditor can verify (SPEC "Registers an auditor can
+//! verify"): gapless sequences whose every event appends a hash-chained
+//! entry (the triggers of `0016_registers.sql` write them, in the commit of
+//! the event), each project's entries the leaves of an RFC 6962 tree whose
+//! checkpoints are signed here ([`Registers::sign_checkpoints`]), with
+//! proofs, online verification, and an evidence bundle checked offline
+//! ([`bundle`]).
+
+pub mod bundle;
+pub mod store;
+pub mod verify;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use utoipa::ToSchema;
+
+use crate::domain::merkle::{self, Hash, NodeId, Nodes, NodesWanted};
+use crate::domain::sequence::{Register, Sequence};
+use crate::domain::signed_note::{Checkpoint, NoteSigner, NoteVerifier};
+use crate::infra::db::Db;
+use verify::{ChainCheck, Entry};
+
+/// Where the signing key comes from (`IDPOOL_REGISTER_KEY_FILE`,
+/// `IDPOOL_REGISTER_KEY`): a note signer's private key text. Without one,
+/// the installation makes a key and keeps it in Postgres.
+#[derive(Debug, Clone, Default)]
+pub struct RegisterSettings {
+    pub key: Option<String>,
+    /// The first part of every log's origin line: `<origin>/<project>`.
+    pub origin: String,
+    pub checkpoint_interval: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the project's log has {size} entries; {what}")]
+    OutOfRange { size: i64, what: String },
+    #[error("the register's data is incomplete: {0}")]
+    Incomplete(String),
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// An entry as the API shows it.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EntryView {
+    /// Its position in its chain (1, 2, ...).
+    pub seq: i64,
+    /// The ID the event is about.
+    pub id: String,
+    /// The number it prints.
+    pub number: i64,
+    /// `attached`, `voided`, `expired` or `annulled` (VERI*FACTU).
+    pub event: String,
+    /// The exact bytes hashed (RFC 8785 JSON, or AEAT's text).
+    pub body: String,
+    pub prev_hash: String,
+    pub hash: String,
+    /// Its leaf's index in the project's tree.
+    pub index: i64,
+    pub at: DateTime<Utc>,
+}
+
+impl From<store::EntryRow> for EntryView {
+    fn from(row: store::EntryRow) -> Self {
+        Self {
+            seq: row.seq,
+            id: row.id,
+            number: row.number,
+            event: row.event,
+            body: row.body,
+            prev_hash: row.prev_hash,
+            hash: row.hash,
+            index: row.log_index,
+            at: row.at,
+        }
+    }
+}
+
+/// What verifying a chain found.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Verification {
+    pub ok: bool,
+    /// Entries checked and found good.
+    pub entries: i64,
+    /// The last good entry's hash (empty when there is none).
+    pub head: String,
+    /// The first entry that is not what it should be.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_bad_seq: Option<i64>,
+    /// The ID of that entry, when it is there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_bad_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
+}
+
+/// A signing key as published.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PublicKey {
+    /// The key's name, as checkpoint signatures name it.
+    pub name: String,
+    /// The verifier key, `<name>+<hash>+<base64>` (Go's `note` format).
+    #[schema(example = "idpool+1a2b3c4d+AQ...")]
+    pub verifier: String,
+    /// When the installation first signed with it.
+    pub first_used: DateTime<Utc>,
+    /// Whether it signs new checkpoints.
+    pub current: bool,
+}
+
+/// The chain a register's sequence links into.
+pub fn chain_of(sequence: &Sequence) -> Option<String> {
+    match &sequence.definition.register {
+        Register::None => None,
+        Register::Chain => Some(format!("s:{}", sequence.id)),
+        Register::Verifactu { issuer } => Some(format!("v:{issuer}")),
+    }
+}
+
+/// Entries read per statement while verifying or exporting.
+const PAGE: i64 = 10_000;
+
+pub struct Registers {
+    /// Requests' reads.
+    db: Db,
+    /// The checkpoints' signing.
+    background_db: Db,
+    signer: NoteSigner,
+    origin: String,
+    /// Verifications running at once on this instance: each reads a whole
+    /// chain.
+    verifying: Semaphore,
+    /// The published keys, read again at most every few seconds: the route
+    /// is open to anyone, so no caller makes it read Postgres more often.
+    published: tokio::sync::Mutex<Option<(std::time::Instant, Vec<PublicKey>)>>,
+}
+
+/// How long the published keys are served from memory.
+const PUBLISHED_FOR: Duration = Duration::from_secs(10);
+
+impl Registers {
+    /// The service, with its signing key: the configured one, or the
+    /// installation's own (made once, kept in Postgres). A key not seen
+    /// before is recorded, published from then on beside the older ones.
+    pub async fn start(
+        db: Db,
+        background_db: Db,
+        settings: &RegisterSettings,
+    ) -> anyhow::Result<Self> {
+        let signer = match &settings.key {
+            Some(text) => NoteSigner::parse(text)
+                .map_err(|e| anyhow::anyhow!("IDPOOL_REGISTER_KEY(_FILE): {e}"))?,
+            None => match store::generated_key(&db).await? {
+                Some(row) => NoteSigner::parse(row.private_key.as_deref().unwrap_or_default())
+                    .map_err(|e| anyhow::anyhow!("the installation's register key: {e}"))?,
+                None => {
+                    let seed: [u8; 32] = rand::random();
+                    let made = NoteSigner::from_seed(&settings.origin, seed)
+                        .map_err(|e| anyhow::anyhow!("IDPOOL_REGISTER_ORIGIN: {e}"))?;
+                    store::record_key(
+                        &db,
+                        &key_id(&made),
+                        &made.verifier().text(),
+                        Some(&made.private_text()),
+                    )
+                    .await?;
+                    // Two instances starting at once: the first one's key.
+                    let kept = store::generated_key(&db)
+                        .await?
+                        .ok_or_else(|| anyhow::anyhow!("the register key was not kept"))?;
+                    NoteSigner::parse(kept.private_key.as_deref().unwrap_or_default())
+                        .map_err(|e| anyhow::anyhow!("the installation's register key: {e}"))?
+                }
+            },
+        };
+        store::record_key(&db, &key_id(&signer), &signer.verifier().text(), None).await?;
+        Ok(Self {
+            db,
+            background_db,
+            signer,
+            origin: settings.origin.clone(),
+            verifying: Semaphore::new(2),
+            published: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    fn origin_of(&self, project: &str) -> String {
+        format!("{}/{project}", self.origin)
+    }
+
+    /// Up to `limit` entries of the sequence's chain from position `from`.
+    pub async fn entries(
+        &self,
+        sequence: &Sequence,
+        from: i64,
+        limit: i64,
+    ) -> Result<Vec<EntryView>, RegisterError> {
+        let Some(chain) = chain_of(sequence) else {
+            return Ok(Vec::new());
+        };
+        let rows =
+            store::chain_page(&self.db, sequence.project.as_str(), &chain, from, limit).await?;
+        Ok(rows.into_iter().map(EntryView::from).collect())
+    }
+
+    /// Checks the sequence's chain from its first entry: each entry's
+    /// position, hash, link and body, and that each is the leaf of the
+    /// project's tree at its index; then that the latest checkpoint's
+    /// signature holds and its root is the tree's.
+    pub async fn verify(&self, sequence: &Sequence) -> Result<Verification, RegisterError> {
+        let Some(chain) = chain_of(sequence) else {
+            return Err(RegisterError::Invalid("not a register".into()));
+        };
+        let _turn = self.verifying.acquire().await;
+        let project = sequence.project.as_str();
+        let mut check = ChainCheck::new(&chain);
+        let mut after = (0, -1);
+        loop {
+            let page =
+                store::chain_page_with_leaves(&self.db, project, &chain, after, PAGE).await?;
+            let Some((last, _)) = page.last() else { break };
+            after = (last.seq, last.log_index);
+            for (row, leaf) in page {
+                let leaf_ok =
+                    leaf.as_deref() == Some(merkle::leaf_hash(row.body.as_bytes()).as_slice());
+                let seq = row.seq;
+                let entry = Entry::from(row);
+                if let Err(broken) = check.check(&entry) {
+                    return Ok(self.broken(&check, broken.seq, broken.id, broken.why));
+                }
+                if !leaf_ok {
+                    return Ok(self.broken(
+                        &check,
+                        seq,
+                        Some(entry.id),
+                        "its body is not the tree's leaf at its index".into(),
+                    ));
+                }
+            }
+        }
+        if let Some(why) = self.checkpoint_problem(project).await? {
+            return Ok(Verification {
+                ok: false,
+                entries: check.checked(),
+                head: check.head().to_owned(),
+                first_bad_seq: None,
+                first_bad_id: None,
+                why: Some(why),
+            });
+        }
+        Ok(Verification {
+            ok: true,
+            entries: check.checked(),
+            head: check.head().to_owned(),
+            first_bad_seq: None,
+            first_bad_id: None,
+            why: None,
+        })
+    }
+
+    fn broken(
+        &self,
+        check: &ChainCheck,
+        seq: i64,
+        id: Option<String>,
+        why: String,
+    ) -> Verification {
+        Verification {
+            ok: false,
+            entries: check.checked(),
+            head: check.head().to_owned(),
+            first_bad_seq: Some(seq),
+            first_bad_id: id,
+            why: Some(why),
+        }
+    }
+
+    /// What is wrong with the project's latest checkpoint, if anything:
+    /// a signature that does not verify by the key it names, or a root
+    /// that is not the stored tree's.
+    async fn checkpoint_problem(&self, project: &str) -> Result<Option<String>, RegisterError> {
+        let Some(latest) = store::latest_checkpoint(&self.db, project).await? else {
+            return Ok(None);
+        };
+        let keys = store::keys(&self.db).await?;
+        let Some(key) = keys.iter().find(|k| k.key_name == latest.key_name) else {
+            return Ok(Some(format!(
+                "checkpoint {} names an unknown key",
+                latest.size
+            )));
+        };
+        let verifier = NoteVerifier::parse(&key.verifier)
+            .map_err(|e| RegisterError::Incomplete(e.to_string()))?;
+        let Ok(text) = verifier.verify(&latest.note) else {
+            return Ok(Some(format!(
+                "checkpoint {}'s signature does not verify",
+                latest.size
+            )));
+        };
+        let signed =
+            Checkpoint::parse(text).map_err(|e| RegisterError::Incomplete(e.to_string()))?;
+        let root = self.root(project, latest.size).await?;
+        if signed.root != root || signed.size != latest.size as u64 {
+            return Ok(Some(format!(
+                "the tree's root at size {} is not the signed checkpoint's",
+                latest.size
+            )));
+        }
+        Ok(None)
+    }
+
+    /// Computes from stored perfect subtrees (two round trips: which
+    /// nodes, then the computation).
+    async fn computed_from_nodes<T>(
+        &self,
+        project: &str,
+        compute: impl Fn(&mut dyn FnMut(NodeId) -> Option<Hash>) -> Option<T>,
+    ) -> Result<T, RegisterError> {
+        let mut wanted = NodesWanted::default();
+        compute(&mut |id| wanted.node(id));
+        let mut found = store::nodes(&self.db, project, &wanted.0).await?;
+        compute(&mut |id| found.node(id))
+            .ok_or_else(|| RegisterError::Incomplete("a node of the tree is missing".into()))
+    }
+
+    async fn root(&self, project: &str, size: i64) -> Result<Hash, RegisterError> {
+        self.computed_from_nodes(project, |nodes| {
+            merkle::root(&mut FnNodes(nodes), size as u64)
+        })
+        .await
+    }
+
+    async fn log_size(&self, project: &str) -> Result<i64, RegisterError> {
+        Ok(store::log_size(&self.db, project).await?.unwrap_or(0))
+    }
+
+    /// The inclusion proof of leaf `index` in the tree of `size` leaves.
+    pub async fn inclusion(
+        &self,
+        project: &str,
+        index: i64,
+        size: i64,
+    ) -> Result<Vec<Hash>, RegisterError> {
+        let log = self.log_size(project).await?;
+        if !(0 <= index && index < size && size <= log) {
+            return Err(RegisterError::OutOfRange {
+                size: log,
+                what: "index must be below tree_size, and tree_size at most that".into(),
+            });
+        }
+        self.computed_from_nodes(project, |nodes| {
+            merkle::inclusion_proof(&mut FnNodes(nodes), index as u64, size as u64)
+        })
+        .await
+    }
+
+    /// The consistency proof from the tree of `from` leaves to `to`.
+    pub async fn consistency(
+        &self,
+        project: &str,
+        from: i64,
+        to: i64,
+    ) -> Result<Vec<Hash>, RegisterError> {
+        let log = self.log_size(project).await?;
+        if !(0 < from && from <= to && to <= log) {
+            return Err(RegisterError::OutOfRange {
+                size: log,
+                what: "0 < from ≤ to ≤ that".into(),
+            });
+        }
+        self.computed_from_nodes(project, |nodes| {
+            merkle::consistency_proof(&mut FnNodes(nodes), from as u64, to as u64)
+        })
+        .await
+    }
+
+    /// The project's latest signed checkpoint (the note's text).
+    pub async fn checkpoint(&self, project: &str) -> Result<Option<String>, RegisterError> {
+        Ok(store::latest_checkpoint(&self.db, project)
+            .await?
+            .map(|c| c.note))
+    }
+
+    /// Every key that ever signed, the current one marked.
+    pub async fn public_keys(&self) -> Result<Vec<PublicKey>, RegisterError> {
+        let mut published = self.published.lock().await;
+        if let Some((at, keys)) = &*published
+            && at.elapsed() < PUBLISHED_FOR
+        {
+            return Ok(keys.clone());
+        }
+        let keys = self.read_public_keys().await?;
+        *published = Some((std::time::Instant::now(), keys.clone()));
+        Ok(keys)
+    }
+
+    async fn read_public_keys(&self) -> Result<Vec<PublicKey>, RegisterError> {
+        let current = key_id(&self.signer);
+        Ok(store::keys(&self.db)
+            .await?
+            .into_iter()
+            .map(|k| PublicKey {
+                current: k.key_name == current,
+                name: NoteVerifier::parse(&k.verifier)
+                    .map(|v| v.name().to_owned())
+                    .unwrap_or_default(),
+                verifier: k.verifier,
+                first_used: k.first_used,
+            })
+            .collect())
+    }
+
+    /// Signs a checkpoint of every project whose log grew since its last
+    /// one; how many were signed.
+    pub async fn sign_checkpoints(&self) -> Result<usize, RegisterError> {
+        let mut signed = 0;
+        loop {
+            let logs = store::logs_to_checkpoint(&self.background_db, 500).await?;
+            if logs.is_empty() {
+                return Ok(signed);
+            }
+            for (project, size, frontier) in logs {
+                let checkpoint = Checkpoint {
+                    origin: self.origin_of(&project),
+                    size: size as u64,
+                    root: root_of_frontier(&frontier),
+                };
+                let note = self.signer.sign(&checkpoint.text());
+                store::insert_checkpoint(
+                    &self.background_db,
+                    &project,
+                    size,
+                    &checkpoint.root,
+                    &note,
+                    &key_id(&self.signer),
+                )
+                .await?;
+                signed += 1;
+            }
+        }
+    }
+
+    /// Signs checkpoints every `interval` while entries arrive (woken
+    /// early by appends' notifications), until `stop`.
+    pub async fn run_checkpoints(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = self.sign_checkpoints().await {
+                tracing::warn!(error = %e, "signing register checkpoints failed; next try in an interval");
+            }
+        }
+    }
+
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+}
+
+/// A key's row name: its verifier's name and hash (a rotated key of the
+/// same name is another key).
+fn key_id(signer: &NoteSigner) -> String {
+    let text = signer.verifier().text();
+    let mut parts = text.splitn(3, '+');
+    format!(
+        "{}+{}",
+        parts.next().unwrap_or_default(),
+        parts.next().unwrap_or_default()
+    )
+}
+
+/// The root from a log's frontier as stored (`frontier[l]`: the perfect
+/// subtree of 2^l leaves, where bit l of the size is set).
+fn root_of_frontier(frontier: &[Option<Vec<u8>>]) -> Hash {
+    let mut acc: Option<Hash> = None;
+    for subtree in frontier.iter().flatten() {
+        let Ok(subtree) = Hash::try_from(subtree.as_slice()) else {
+            continue;
+        };
+        acc = Some(match acc {
+            None => subtree,
+            Some(right) => merkle::node_hash(&subtree, &right),
+        });
+    }
+    acc.unwrap_or_else(merkle::empty_root)
+}
+
+/// A closure as a node source.
+struct FnNodes<'a>(&'a mut dyn FnMut(NodeId) -> Option<Hash>);
+
+impl Nodes for FnNodes<'_> {
+    fn node(&mut self, id: NodeId) -> Option<Hash> {
+        (self.0)(id)
+    }
+}
