@@ -27,6 +27,7 @@ MAPPED = [
     "## Limits and isolation",
     "### High availability and operations",
     "## Delivery endpoints per project",
+    "## Registers an auditor can verify",
 ]
 # Headings whose items a row may name too.
 NAMEABLE = MAPPED + ["## Gapless sequences", "## Security"]

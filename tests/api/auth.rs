@@ -120,6 +120,31 @@ fn aim(operation: &str, project: &str) -> Option<Aimed> {
             format!("/api/v1/documents/{document}/deliveries"),
             None,
         ),
+        "list_entries" => (
+            Method::GET,
+            format!("/api/v1/registers/{project}/T/entries"),
+            None,
+        ),
+        "verify_register" => (
+            Method::GET,
+            format!("/api/v1/registers/{project}/T/verify"),
+            None,
+        ),
+        "get_checkpoint" => (
+            Method::GET,
+            format!("/api/v1/registers/{project}/checkpoint"),
+            None,
+        ),
+        "inclusion_proof" => (
+            Method::GET,
+            format!("/api/v1/registers/{project}/proofs/inclusion?index=0&tree_size=1"),
+            None,
+        ),
+        "consistency_proof" => (
+            Method::GET,
+            format!("/api/v1/registers/{project}/proofs/consistency?from=1&to=1"),
+            None,
+        ),
         _ => return None,
     };
     Some(Aimed { method, path, body })
