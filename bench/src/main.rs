@@ -11,6 +11,7 @@ mod endpoints;
 mod load;
 mod neighbour;
 mod pooler;
+mod registers;
 mod services;
 mod webhook;
 
@@ -31,8 +32,8 @@ use load::{Call, Outcome, Until};
 use services::{Idpool, Postgres, Redis, RedisTopology};
 
 /// The projects the scenarios use; every bench key may use all of them.
-const PROJECTS: [&str; 8] = [
-    "BENCH", "IDLE", "DOCB", "DOCS", "DRAIN", "HOSTILE", "GAPP", "GAPL",
+const PROJECTS: [&str; 11] = [
+    "BENCH", "IDLE", "DOCB", "DOCS", "DRAIN", "HOSTILE", "GAPP", "GAPL", "GAPU", "GAPR", "GAPM",
 ];
 /// API keys, one per load connection (64 at most).
 const KEYS: usize = 64;
@@ -52,6 +53,7 @@ const SCENARIOS: &[&str] = &[
     "poolers",
     "webhooks",
     "endpoints",
+    "registers",
 ];
 
 #[derive(Parser)]
@@ -62,7 +64,7 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// gapless, drain, neighbour, poolers, webhooks, endpoints.
+    /// gapless, drain, neighbour, poolers, webhooks, endpoints, registers.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
@@ -505,6 +507,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("endpoints") {
         endpoints::deliveries(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
+    }
+    if wanted("registers") {
+        registers::chained(&mut bench, &idpool, &args.binary, &database, &sizes).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =
