@@ -58,12 +58,14 @@ CREATE TABLE register_entries (
 -- A chain's head and its pages (no uniqueness: a tampered table must
 -- still be readable, so verification can name what is wrong with it).
 CREATE INDEX register_entries_chain ON register_entries (project, chain, seq);
+-- A document's entries (its alta's huella, its annulment).
+CREATE INDEX register_entries_by_id ON register_entries (sequence_id, id);
 -- A VERI*FACTU number is annulled at most once.
 CREATE UNIQUE INDEX register_entries_annulled ON register_entries (sequence_id, period, number)
     WHERE event = 'annulled';
 
--- Every perfect subtree of each project's tree: level 0 are the leaf
--- hashes. A proof reads O(log² n) of them.
+-- Every perfect subtree of 2 or more leaves of each project's tree (a
+-- leaf's hash is its entry's body's). A proof reads O(log² n) of them.
 CREATE TABLE register_nodes (
     project TEXT NOT NULL,
     level   SMALLINT NOT NULL,
@@ -112,6 +114,7 @@ DECLARE
     v_size     BIGINT;
     v_frontier BYTEA[];
     v_seq      RECORD;
+    v_seq_id   BIGINT := NULL;
     v_chain    TEXT;
     head_chain TEXT := NULL;
     head_seq   BIGINT;
@@ -144,8 +147,11 @@ BEGIN
               FROM register_logs l WHERE l.project = v_project FOR UPDATE;
             head_chain := NULL;
         END IF;
-        SELECT s.project, s.doc_type, s.register, s.register_issuer, s.timezone
-          INTO v_seq FROM sequences s WHERE s.id = sequence_ids[i];
+        IF v_seq_id IS DISTINCT FROM sequence_ids[i] THEN
+            SELECT s.project, s.doc_type, s.register, s.register_issuer, s.timezone
+              INTO v_seq FROM sequences s WHERE s.id = sequence_ids[i];
+            v_seq_id := sequence_ids[i];
+        END IF;
         v_chain := CASE v_seq.register WHEN 'verifactu' THEN 'v:' || v_seq.register_issuer
                                        ELSE 's:' || sequence_ids[i] END;
         IF head_chain IS DISTINCT FROM v_chain THEN
@@ -211,12 +217,11 @@ BEGIN
         e_prev := e_prev || head_hash; e_hash := e_hash || v_hash; e_note := e_note || reasons[i];
         head_seq := head_seq + 1;
         head_hash := v_hash;
-        -- RFC 6962: the leaf, then every perfect subtree it completes.
+        -- RFC 6962: the leaf, then every perfect subtree it completes
+        -- (leaves themselves are not stored: an entry's body is its leaf).
         h := sha256('\x00'::bytea || convert_to(v_body, 'UTF8'));
         v_idx := v_size;
         v_level := 0;
-        n_project := n_project || v_project; n_level := n_level || 0::smallint;
-        n_idx := n_idx || v_idx; n_hash := n_hash || h;
         WHILE v_idx % 2 = 1 LOOP
             h := sha256('\x01'::bytea || v_frontier[v_level + 1] || h);
             v_frontier[v_level + 1] := NULL;

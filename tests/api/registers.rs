@@ -267,6 +267,48 @@ async fn tamper(app: &TestApp, sql: &str) {
         .expect("tampering");
 }
 
+/// Rewrites entry `seq` of the project's chain (`from` becomes `to` in
+/// its body) and every later entry's link, each hash recomputed: a chain
+/// that reads whole, as a forger with write access would leave it.
+async fn rehash_from(app: &TestApp, project: &str, seq: i64, from: &str, to: &str) {
+    use sha2::Digest;
+    let rows: Vec<(i64, String, String, String)> = sqlx::query_as(
+        "SELECT seq, body, prev_hash, hash FROM register_entries WHERE project = $1 ORDER BY seq",
+    )
+    .bind(project)
+    .fetch_all(&app.db)
+    .await
+    .expect("entries");
+    let mut new_prev: Option<(String, String)> = None;
+    for (position, body, prev, hash) in rows {
+        if position < seq {
+            continue;
+        }
+        let mut body = body.replace(from, to);
+        let mut prev_hash = prev.clone();
+        if let Some((old, new)) = &new_prev {
+            body = body.replace(old.as_str(), new.as_str());
+            prev_hash = new.clone();
+        }
+        let new_hash = hex::encode(sha2::Sha256::digest(body.as_bytes()));
+        sqlx::query(
+            "UPDATE register_entries SET body = $3, prev_hash = $4, hash = $5, \
+                    id = replace(id, $6, $7) WHERE project = $1 AND seq = $2",
+        )
+        .bind(project)
+        .bind(position)
+        .bind(&body)
+        .bind(&prev_hash)
+        .bind(&new_hash)
+        .bind(from)
+        .bind(to)
+        .execute(&app.db)
+        .await
+        .expect("rehashed");
+        new_prev = Some((hash, new_hash));
+    }
+}
+
 async fn export(app: &TestApp, project: &str) -> Vec<u8> {
     let mut out = Vec::new();
     bundle::export(app.state.registers.db(), project, &mut out)
@@ -367,6 +409,19 @@ async fn a_changed_byte_a_deleted_entry_and_two_swapped_are_each_named_online_an
         tamper(&app, mend_it).await;
         assert_eq!(verify(&app, "TM", "1").await["ok"], true, "{what} mended");
     }
+
+    // An entry changed and every later link rehashed to match: the chain
+    // reads whole, the signed tree does not.
+    rehash_from(&app, "TM", 2, "TM-1-0002", "TM-1-0077").await;
+    let online = verify(&app, "TM", "1").await;
+    assert_eq!(online["ok"], false, "{online}");
+    assert!(
+        online["why"].as_str().unwrap_or_default().contains("signed"),
+        "{online}"
+    );
+    let (code, printed) = verify_offline(&export(&app, "TM").await, std::slice::from_ref(&key));
+    assert_eq!(code, 1, "{printed}");
+    assert!(printed.contains("root"), "{printed}");
 
     // A bundle changed after export: a byte, a line removed, two lines
     // swapped, all named.

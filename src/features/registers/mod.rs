@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
 use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -125,9 +126,6 @@ pub fn chain_of(sequence: &Sequence) -> Option<String> {
     }
 }
 
-/// Entries read per statement while verifying or exporting.
-const PAGE: i64 = 10_000;
-
 pub struct Registers {
     /// Requests' reads.
     db: Db,
@@ -211,58 +209,59 @@ impl Registers {
         Ok(rows.into_iter().map(EntryView::from).collect())
     }
 
-    /// Checks the sequence's chain from its first entry: each entry's
-    /// position, hash, link and body, and that each is the leaf of the
-    /// project's tree at its index; then that the latest checkpoint's
-    /// signature holds and its root is the tree's.
+    /// Checks the sequence's chain from its first entry (each entry's
+    /// position, hash, link and body) while it reads the whole project's
+    /// log in order, growing its tree as an auditor's verifier does: the
+    /// tree of the latest checkpoint's size must have the checkpoint's
+    /// root, and the checkpoint a signature by the key it names. So an
+    /// entry changed and its chain rehashed after it shows too.
     pub async fn verify(&self, sequence: &Sequence) -> Result<Verification, RegisterError> {
         let Some(chain) = chain_of(sequence) else {
             return Err(RegisterError::Invalid("not a register".into()));
         };
         let _turn = self.verifying.acquire().await;
         let project = sequence.project.as_str();
+        let signed = self.signed_checkpoint(project).await?;
         let mut check = ChainCheck::new(&chain);
-        let mut after = (0, -1);
-        loop {
-            let page =
-                store::chain_page_with_leaves(&self.db, project, &chain, after, PAGE).await?;
-            let Some((last, _)) = page.last() else { break };
-            after = (last.seq, last.log_index);
-            for (row, leaf) in page {
-                let leaf_ok =
-                    leaf.as_deref() == Some(merkle::leaf_hash(row.body.as_bytes()).as_slice());
-                let seq = row.seq;
-                let entry = Entry::from(row);
-                if let Err(broken) = check.check(&entry) {
-                    return Ok(self.broken(&check, broken.seq, broken.id, broken.why));
-                }
-                if !leaf_ok {
-                    return Ok(self.broken(
-                        &check,
-                        seq,
-                        Some(entry.id),
-                        "its body is not the tree's leaf at its index".into(),
-                    ));
-                }
+        let mut tree = merkle::Frontier::default();
+        let mut tree_problem = None;
+        let mut entries = store::project_entries(&self.db, project);
+        while let Some(row) = entries.try_next().await? {
+            tree.push(row.body.as_bytes());
+            if let Ok(Some(signed)) = &signed
+                && tree.size() == signed.size
+                && tree.root() != signed.root
+            {
+                tree_problem = Some(format!(
+                    "the tree of the project's first {} entries does not have the signed \
+                     checkpoint's root: an entry before index {} was changed",
+                    signed.size, signed.size
+                ));
+            }
+            if row.chain != chain {
+                continue;
+            }
+            let entry = Entry::from(row);
+            if let Err(broken) = check.check(&entry) {
+                return Ok(self.broken(&check, broken.seq, broken.id, broken.why));
             }
         }
-        if let Some(why) = self.checkpoint_problem(project).await? {
-            return Ok(Verification {
-                ok: false,
-                entries: check.checked(),
-                head: check.head().to_owned(),
-                first_bad_seq: None,
-                first_bad_id: None,
-                why: Some(why),
-            });
-        }
+        let problem = match signed {
+            Err(why) => Some(why),
+            Ok(Some(signed)) if tree.size() < signed.size => Some(format!(
+                "the signed checkpoint covers {} entries; the log holds {}: entries were removed",
+                signed.size,
+                tree.size()
+            )),
+            Ok(_) => tree_problem,
+        };
         Ok(Verification {
-            ok: true,
+            ok: problem.is_none(),
             entries: check.checked(),
             head: check.head().to_owned(),
             first_bad_seq: None,
             first_bad_id: None,
-            why: None,
+            why: problem,
         })
     }
 
@@ -283,38 +282,35 @@ impl Registers {
         }
     }
 
-    /// What is wrong with the project's latest checkpoint, if anything:
-    /// a signature that does not verify by the key it names, or a root
-    /// that is not the stored tree's.
-    async fn checkpoint_problem(&self, project: &str) -> Result<Option<String>, RegisterError> {
+    /// The project's latest checkpoint as signed (None before the first),
+    /// or what is wrong with it: a signature that does not verify by the
+    /// key it names, or a checkpoint of another log.
+    async fn signed_checkpoint(
+        &self,
+        project: &str,
+    ) -> Result<Result<Option<Checkpoint>, String>, RegisterError> {
         let Some(latest) = store::latest_checkpoint(&self.db, project).await? else {
-            return Ok(None);
+            return Ok(Ok(None));
         };
         let keys = store::keys(&self.db).await?;
         let Some(key) = keys.iter().find(|k| k.key_name == latest.key_name) else {
-            return Ok(Some(format!(
-                "checkpoint {} names an unknown key",
-                latest.size
-            )));
+            return Ok(Err(format!("checkpoint {} names an unknown key", latest.size)));
         };
-        let verifier = NoteVerifier::parse(&key.verifier)
-            .map_err(|e| RegisterError::Incomplete(e.to_string()))?;
-        let Ok(text) = verifier.verify(&latest.note) else {
-            return Ok(Some(format!(
-                "checkpoint {}'s signature does not verify",
-                latest.size
-            )));
+        let Ok(verifier) = NoteVerifier::parse(&key.verifier) else {
+            return Ok(Err(format!("the key of checkpoint {} is not a key", latest.size)));
         };
-        let signed =
-            Checkpoint::parse(text).map_err(|e| RegisterError::Incomplete(e.to_string()))?;
-        let root = self.root(project, latest.size).await?;
-        if signed.root != root || signed.size != latest.size as u64 {
-            return Ok(Some(format!(
-                "the tree's root at size {} is not the signed checkpoint's",
+        let signed = verifier
+            .verify(&latest.note)
+            .ok()
+            .and_then(|text| Checkpoint::parse(text).ok())
+            .filter(|c| c.size == latest.size as u64 && c.origin == self.origin_of(project));
+        Ok(match signed {
+            Some(signed) => Ok(Some(signed)),
+            None => Err(format!(
+                "checkpoint {}'s signature does not verify, or it is not this log's",
                 latest.size
-            )));
-        }
-        Ok(None)
+            )),
+        })
     }
 
     /// Computes from stored perfect subtrees (two round trips: which
@@ -329,13 +325,6 @@ impl Registers {
         let mut found = store::nodes(&self.db, project, &wanted.0).await?;
         compute(&mut |id| found.node(id))
             .ok_or_else(|| RegisterError::Incomplete("a node of the tree is missing".into()))
-    }
-
-    async fn root(&self, project: &str, size: i64) -> Result<Hash, RegisterError> {
-        self.computed_from_nodes(project, |nodes| {
-            merkle::root(&mut FnNodes(nodes), size as u64)
-        })
-        .await
     }
 
     async fn log_size(&self, project: &str) -> Result<i64, RegisterError> {

@@ -65,41 +65,6 @@ pub async fn chain_page(
         .await
 }
 
-/// A chain's entries with each one's leaf in the tree (None when the tree
-/// has no leaf at its index), in chain order after position `after` and
-/// log index `after_index`: a page of verification.
-pub async fn chain_page_with_leaves(
-    db: &Db,
-    project: &str,
-    chain: &str,
-    after: (i64, i64),
-    limit: i64,
-) -> Result<Vec<(EntryRow, Option<Vec<u8>>)>, sqlx::Error> {
-    let sql = format!(
-        "SELECT {}, n.hash AS leaf FROM register_entries e \
-           LEFT JOIN register_nodes n ON n.project = e.project AND n.level = 0 AND n.idx = e.log_index \
-          WHERE e.project = $1 AND e.chain = $2 AND (e.seq, e.log_index) > ($3, $4) \
-          ORDER BY e.seq, e.log_index LIMIT $5",
-        ENTRY_COLUMNS
-            .split(", ")
-            .map(|c| format!("e.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let rows: Vec<sqlx::postgres::PgRow> = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(project)
-        .bind(chain)
-        .bind(after.0)
-        .bind(after.1)
-        .bind(limit)
-        .fetch_all(db)
-        .await?;
-    use sqlx::{FromRow, Row};
-    rows.iter()
-        .map(|row| Ok((EntryRow::from_row(row)?, row.try_get("leaf")?)))
-        .collect()
-}
-
 /// Every entry of a project in log order, streamed (the export).
 pub fn project_entries<'a>(
     db: &'a Db,
@@ -123,14 +88,36 @@ pub async fn log_size(db: &Db, project: &str) -> Result<Option<i64>, sqlx::Error
         .await
 }
 
-/// The perfect subtrees asked for; missing ones are left out.
+/// The perfect subtrees asked for; missing ones are left out. A leaf's
+/// hash is computed from its entry's body (leaves are not stored twice).
 pub async fn nodes(
     db: &Db,
     project: &str,
     ids: &[NodeId],
 ) -> Result<HashMap<NodeId, Hash>, sqlx::Error> {
-    let levels: Vec<i16> = ids.iter().map(|n| n.level as i16).collect();
-    let indexes: Vec<i64> = ids.iter().map(|n| n.index as i64).collect();
+    let (leaves, inner): (Vec<&NodeId>, Vec<&NodeId>) = ids.iter().partition(|n| n.level == 0);
+    let leaf_indexes: Vec<i64> = leaves.iter().map(|n| n.index as i64).collect();
+    let bodies: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT log_index, body FROM register_entries WHERE project = $1 AND log_index = ANY($2)",
+    )
+    .bind(project)
+    .bind(&leaf_indexes)
+    .fetch_all(db)
+    .await?;
+    let mut found: HashMap<NodeId, Hash> = bodies
+        .into_iter()
+        .map(|(index, body)| {
+            (
+                NodeId {
+                    level: 0,
+                    index: index as u64,
+                },
+                crate::domain::merkle::leaf_hash(body.as_bytes()),
+            )
+        })
+        .collect();
+    let levels: Vec<i16> = inner.iter().map(|n| n.level as i16).collect();
+    let indexes: Vec<i64> = inner.iter().map(|n| n.index as i64).collect();
     let rows: Vec<(i16, i64, Vec<u8>)> = sqlx::query_as(
         "SELECT n.level, n.idx, n.hash FROM register_nodes n \
            JOIN UNNEST($2::smallint[], $3::bigint[]) AS w(level, idx) \
@@ -142,18 +129,16 @@ pub async fn nodes(
     .bind(&indexes)
     .fetch_all(db)
     .await?;
-    Ok(rows
-        .into_iter()
-        .filter_map(|(level, idx, hash)| {
-            Some((
-                NodeId {
-                    level: level as u32,
-                    index: idx as u64,
-                },
-                Hash::try_from(hash).ok()?,
-            ))
-        })
-        .collect())
+    found.extend(rows.into_iter().filter_map(|(level, idx, hash)| {
+        Some((
+            NodeId {
+                level: level as u32,
+                index: idx as u64,
+            },
+            Hash::try_from(hash).ok()?,
+        ))
+    }));
+    Ok(found)
 }
 
 /// A signed checkpoint as kept.
