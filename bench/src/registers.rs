@@ -89,7 +89,11 @@ async fn export_and_verify(
     database: &str,
     sizes: &Sizes,
 ) -> anyhow::Result<()> {
-    let entries: i64 = if sizes.scale < 1.0 { 100_000 } else { 1_000_000 };
+    let entries: i64 = if sizes.scale < 1.0 {
+        100_000
+    } else {
+        1_000_000
+    };
     let label = if entries == 1_000_000 {
         "1,000,000"
     } else {
@@ -128,11 +132,10 @@ async fn export_and_verify(
     // The checkpoint that covers them all, within two intervals.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let signed: Option<i64> = sqlx::query_scalar(
-            "SELECT max(size) FROM register_checkpoints WHERE project = 'GAPM'",
-        )
-        .fetch_one(&bench.db)
-        .await?;
+        let signed: Option<i64> =
+            sqlx::query_scalar("SELECT max(size) FROM register_checkpoints WHERE project = 'GAPM'")
+                .fetch_one(&bench.db)
+                .await?;
         if signed == Some(entries) {
             break;
         }

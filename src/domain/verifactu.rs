@@ -188,7 +188,13 @@ fn is_amount(text: &str) -> bool {
 
 impl Invoice {
     pub fn check(&self) -> Result<(), InvoiceError> {
-        let date_ok = self.date.len() == 10
+        let shape_ok = self.date.len() == 10
+            && self.date.bytes().enumerate().all(|(i, b)| match i {
+                2 | 5 => b == b'-',
+                _ => b.is_ascii_digit(),
+            });
+        let date_ok = shape_ok
+            && !self.date.ends_with("0000")
             && chrono::NaiveDate::parse_from_str(&self.date, "%d-%m-%Y").is_ok();
         if !date_ok {
             return Err(InvoiceError::Date(self.date.clone()));

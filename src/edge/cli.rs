@@ -169,6 +169,11 @@ enum RegisterAction {
         /// more). Without one, the bundle's own keys are trusted.
         #[arg(long = "key", value_name = "VERIFIER")]
         keys: Vec<String>,
+        /// A signed checkpoint kept from before (a file holding
+        /// `GET /api/v1/registers/{project}/checkpoint`'s note; repeat for
+        /// more): the bundle must reach its size with its root.
+        #[arg(long = "checkpoint", value_name = "FILE")]
+        checkpoints: Vec<std::path::PathBuf>,
     },
 }
 
@@ -195,8 +200,13 @@ pub fn run() -> ExitCode {
         Some(Command::Serve(config)) => serve(config),
         Some(Command::Import(args)) => import(args),
         Some(Command::Register {
-            action: RegisterAction::Verify { file, keys },
-        }) => verify_bundle(&file, &keys),
+            action:
+                RegisterAction::Verify {
+                    file,
+                    keys,
+                    checkpoints,
+                },
+        }) => verify_bundle(&file, &keys, &checkpoints),
         Some(Command::Register {
             action:
                 RegisterAction::Export {
@@ -286,26 +296,48 @@ fn serve(config: Config) -> ExitCode {
 
 /// `idpool register verify`: exit 0 when the bundle holds, 1 naming the
 /// first thing wrong, 2 when it cannot be read.
-fn verify_bundle(file: &std::path::Path, keys: &[String]) -> ExitCode {
+fn verify_bundle(
+    file: &std::path::Path,
+    keys: &[String],
+    checkpoints: &[std::path::PathBuf],
+) -> ExitCode {
+    use crate::features::registers::bundle::{self, Fault};
+    let unusable = |what: String| {
+        eprintln!("{what}");
+        ExitCode::from(2)
+    };
+    let mut kept = Vec::new();
+    for path in checkpoints {
+        match std::fs::read_to_string(path) {
+            Ok(note) => kept.push(note),
+            Err(e) => return unusable(format!("--checkpoint {}: {e}", path.display())),
+        }
+    }
     let reader = match std::fs::File::open(file) {
         Ok(f) => std::io::BufReader::with_capacity(1 << 20, f),
-        Err(e) => {
-            eprintln!("{}: {e}", file.display());
-            return ExitCode::from(2);
-        }
+        Err(e) => return unusable(format!("{}: {e}", file.display())),
     };
-    match crate::features::registers::bundle::verify(reader, keys) {
+    match bundle::verify(reader, keys, &kept) {
         Ok(checked) => {
+            let unsigned = checked.entries - checked.signed_size;
             println!(
-                "ok: {} entries in {} chains; {} checkpoints verified, signed up to {} entries",
-                checked.entries, checked.chains, checked.checkpoints, checked.signed_size
+                "ok: {} entries in {} chains; {} checkpoints verified, signed up to {} entries{}",
+                checked.entries,
+                checked.chains,
+                checked.checkpoints,
+                checked.signed_size,
+                match unsigned {
+                    0 => String::new(),
+                    n => format!(" ({n} later entries chained but not signed yet)"),
+                }
             );
             ExitCode::SUCCESS
         }
-        Err(bad) => {
-            println!("bad: {bad}");
+        Err(Fault::Bad(why)) => {
+            println!("bad: {why}");
             ExitCode::from(1)
         }
+        Err(Fault::Unusable(why)) => unusable(why),
     }
 }
 

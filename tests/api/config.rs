@@ -85,7 +85,10 @@ fn help_never_prints_the_value_of_a_url_or_secret() {
             ("DATABASE_URL", "postgres://app:hunter2db@127.0.0.1/app"),
             ("REDIS_URL", "redis://:hunter2redis@127.0.0.1:6379"),
             ("IDPOOL_WEBHOOK_SECRET", "whsec_hunter2webhook"),
-            ("IDPOOL_REGISTER_KEY", "PRIVATE+KEY+hunter2key+00000000+AQ=="),
+            (
+                "IDPOOL_REGISTER_KEY",
+                "PRIVATE+KEY+hunter2key+00000000+AQ==",
+            ),
         ],
     );
     assert!(output.status.success());

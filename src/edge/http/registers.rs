@@ -176,6 +176,7 @@ pub async fn verify_register(
     Path((project, doc_type)): Path<(String, String)>,
 ) -> Result<axum::Json<Verification>, ApiError> {
     let sequence = register(&state, &caller, &project, &doc_type).await?;
+    let _verifying = state.registers.verify_turn(caller.id()).await;
     let _turn = state.db_turn(&caller).await;
     let found = state
         .registers

@@ -140,6 +140,10 @@ pub struct Accepted {
     pub verifactu: Option<VerifactuRecord>,
 }
 
+/// How long a written VERI*FACTU document's answer waits to read its
+/// record before it goes without.
+const RECORD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The alta record a VERI*FACTU document got.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerifactuRecord {
@@ -287,12 +291,39 @@ impl Documents {
             .ok_or_else(|| DocumentError::from(LedgerError::Closed))?;
         let mut answer = accepted(&row, created_at);
         if sequence.definition.register.issuer().is_some() {
-            // Committed already: its record is read after, on a
-            // connection of the pool (VERI*FACTU registers only).
-            answer.verifactu =
-                verifactu_record(self.issuer.db(), &sequence, &input, &row.document_id).await?;
+            answer.verifactu = self
+                .committed_verifactu_record(&sequence, &input, &row.document_id)
+                .await;
         }
         Ok(answer)
+    }
+
+    /// The alta record of a VERI*FACTU document the shared commit wrote:
+    /// committed already, so the answer is 202 whatever happens now. Read
+    /// on a pool connection, tried for up to `RECORD_PATIENCE`; past that
+    /// the answer goes without it (the register's entries show it).
+    async fn committed_verifactu_record(
+        &self,
+        sequence: &Sequence,
+        input: &DocumentInput,
+        id: &str,
+    ) -> Option<VerifactuRecord> {
+        let deadline = std::time::Instant::now() + RECORD_PATIENCE;
+        let mut pause = std::time::Duration::from_millis(50);
+        loop {
+            match verifactu_record(self.issuer.db(), sequence, input, id).await {
+                Ok(record) => return record,
+                Err(e) if std::time::Instant::now() + pause < deadline => {
+                    tracing::debug!(error = %e, id, "reading a VERI*FACTU record again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_millis(500));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, id, "a VERI*FACTU document was written; its record could not be read for the answer");
+                    return None;
+                }
+            }
+        }
     }
 
     /// Where each input's number comes from, decided before the caller's

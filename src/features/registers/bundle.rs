@@ -92,24 +92,36 @@ pub struct Checked {
     pub signed_size: u64,
 }
 
-/// The first thing wrong with a bundle.
+/// Why a bundle does not verify: it is wrong (evidence of a change), or
+/// it, or what came with it, cannot be used (an unreadable file, a key
+/// that is no key).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct Bad(pub String);
+pub enum Fault {
+    #[error("{0}")]
+    Bad(String),
+    #[error("{0}")]
+    Unusable(String),
+}
+
+fn bad(why: String) -> Fault {
+    Fault::Bad(why)
+}
 
 /// Checks a bundle read from `input`. With `trusted` keys (verifier
 /// texts), every checkpoint must be signed by one of them; without, by one
-/// of the bundle's own.
-pub fn verify(input: impl BufRead, trusted: &[String]) -> Result<Checked, Bad> {
+/// of the bundle's own. `kept` are signed checkpoints the auditor kept
+/// from before: the bundle must reach each one's size with its root (a
+/// bundle rebuilt with fewer or other checkpoints does not).
+pub fn verify(input: impl BufRead, trusted: &[String], kept: &[String]) -> Result<Checked, Fault> {
     let mut lines = input.lines();
     let header_line = lines
         .next()
-        .ok_or_else(|| Bad("the bundle is empty".into()))?
-        .map_err(|e| Bad(format!("reading the bundle: {e}")))?;
+        .ok_or_else(|| bad("the bundle is empty".into()))?
+        .map_err(|e| Fault::Unusable(format!("reading the bundle: {e}")))?;
     let header: Header =
-        serde_json::from_str(&header_line).map_err(|e| Bad(format!("the bundle's header: {e}")))?;
+        serde_json::from_str(&header_line).map_err(|e| bad(format!("the bundle's header: {e}")))?;
     if header.format != FORMAT {
-        return Err(Bad(format!("not a bundle of format {FORMAT}")));
+        return Err(bad(format!("not a bundle of format {FORMAT}")));
     }
     let key_texts: Vec<&String> = match trusted.is_empty() {
         true => header.keys.iter().map(|k| &k.verifier).collect(),
@@ -117,33 +129,45 @@ pub fn verify(input: impl BufRead, trusted: &[String]) -> Result<Checked, Bad> {
     };
     let verifiers: Vec<NoteVerifier> = key_texts
         .iter()
-        .map(|k| NoteVerifier::parse(k).map_err(|e| Bad(format!("key {k}: {e}"))))
+        .map(|k| {
+            NoteVerifier::parse(k).map_err(|e| match trusted.is_empty() {
+                true => bad(format!("the bundle's key {k}: {e}")),
+                false => Fault::Unusable(format!("--key {k}: {e}")),
+            })
+        })
         .collect::<Result<_, _>>()?;
-    let mut checkpoints: Vec<(u64, Checkpoint)> = Vec::new();
-    for c in &header.checkpoints {
+    let signed_by_trusted = |note: &str, what: &str| -> Result<Checkpoint, Fault> {
         let text = verifiers
             .iter()
-            .find_map(|v| v.verify(&c.note).ok())
-            .ok_or_else(|| {
-                Bad(format!(
-                    "checkpoint {}: no trusted key's signature verifies",
-                    c.size
-                ))
-            })?;
-        let signed =
-            Checkpoint::parse(text).map_err(|e| Bad(format!("checkpoint {}: {e}", c.size)))?;
+            .find_map(|v| v.verify(note).ok())
+            .ok_or_else(|| bad(format!("{what}: no trusted key's signature verifies")))?;
+        let signed = Checkpoint::parse(text).map_err(|e| bad(format!("{what}: {e}")))?;
+        if !signed.origin.ends_with(&format!("/{}", header.project)) {
+            return Err(bad(format!(
+                "{what}: its origin {} is not project {}'s log",
+                signed.origin, header.project
+            )));
+        }
+        Ok(signed)
+    };
+    let mut checkpoints: Vec<(u64, Checkpoint)> = Vec::new();
+    for c in &header.checkpoints {
+        let signed = signed_by_trusted(&c.note, &format!("checkpoint {}", c.size))?;
         if signed.size != c.size as u64 {
-            return Err(Bad(format!(
+            return Err(bad(format!(
                 "checkpoint {}: its note says size {}",
                 c.size, signed.size
             )));
         }
-        if !signed.origin.ends_with(&format!("/{}", header.project)) {
-            return Err(Bad(format!(
-                "checkpoint {}: its origin {} is not project {}'s log",
-                c.size, signed.origin, header.project
-            )));
-        }
+        checkpoints.push((signed.size, signed));
+    }
+    for (n, note) in kept.iter().enumerate() {
+        let signed = signed_by_trusted(note, &format!("kept checkpoint {}", n + 1)).map_err(
+            |e| match e {
+                Fault::Bad(why) => Fault::Unusable(why),
+                other => other,
+            },
+        )?;
         checkpoints.push((signed.size, signed));
     }
     checkpoints.sort_by_key(|(size, _)| *size);
@@ -152,12 +176,15 @@ pub fn verify(input: impl BufRead, trusted: &[String]) -> Result<Checked, Bad> {
     let mut chains: HashMap<String, ChainCheck> = HashMap::new();
     let mut verified = 0;
     for line in lines {
-        let line = line.map_err(|e| Bad(format!("reading the bundle: {e}")))?;
+        let line = line.map_err(|e| Fault::Unusable(format!("reading the bundle: {e}")))?;
+        if line.trim().is_empty() {
+            continue;
+        }
         let index = tree.size();
         let entry: Entry = serde_json::from_str(&line)
-            .map_err(|e| Bad(format!("entry at index {index}: not an entry: {e}")))?;
+            .map_err(|e| bad(format!("entry at index {index}: not an entry: {e}")))?;
         if entry.index as u64 != index {
-            return Err(Bad(format!(
+            return Err(bad(format!(
                 "index {index}: the entry there says index {} (an entry removed or moved)",
                 entry.index
             )));
@@ -166,7 +193,7 @@ pub fn verify(input: impl BufRead, trusted: &[String]) -> Result<Checked, Bad> {
             .entry(entry.chain.clone())
             .or_insert_with(|| ChainCheck::new(&entry.chain));
         if let Err(broken) = check.check(&entry) {
-            return Err(Bad(format!(
+            return Err(bad(format!(
                 "chain {} entry {}{}: {}",
                 entry.chain,
                 broken.seq,
@@ -180,7 +207,7 @@ pub fn verify(input: impl BufRead, trusted: &[String]) -> Result<Checked, Bad> {
                 break;
             }
             if tree.root() != checkpoint.root {
-                return Err(Bad(format!(
+                return Err(bad(format!(
                     "the tree of the first {size} entries does not have checkpoint {size}'s root \
                      (an entry before index {size} was changed)"
                 )));
@@ -190,8 +217,14 @@ pub fn verify(input: impl BufRead, trusted: &[String]) -> Result<Checked, Bad> {
         }
     }
     if let Some((size, _)) = next_checkpoint.next() {
-        return Err(Bad(format!(
+        return Err(bad(format!(
             "checkpoint {size} covers more entries than the bundle's {} (entries removed)",
+            tree.size()
+        )));
+    }
+    if tree.size() > 0 && checkpoints.is_empty() {
+        return Err(bad(format!(
+            "no signed checkpoint covers any of the bundle's {} entries",
             tree.size()
         )));
     }

@@ -16,7 +16,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use serde::Serialize;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
@@ -24,6 +23,7 @@ use crate::domain::merkle::{self, Hash, NodeId, Nodes, NodesWanted};
 use crate::domain::sequence::{Register, Sequence};
 use crate::domain::signed_note::{Checkpoint, NoteSigner, NoteVerifier};
 use crate::infra::db::Db;
+use crate::infra::fair::{FairSlots, Turn};
 use verify::{ChainCheck, Entry};
 
 /// Where the signing key comes from (`IDPOOL_REGISTER_KEY_FILE`,
@@ -133,9 +133,9 @@ pub struct Registers {
     background_db: Db,
     signer: NoteSigner,
     origin: String,
-    /// Verifications running at once on this instance: each reads a whole
-    /// chain.
-    verifying: Semaphore,
+    /// Verifications running at once on this instance (each reads a
+    /// project's whole log): 2 in all, one per key, handed out fairly.
+    verifying: Arc<FairSlots>,
     /// The published keys, read again at most every few seconds: the route
     /// is open to anyone, so no caller makes it read Postgres more often.
     published: tokio::sync::Mutex<Option<(std::time::Instant, Vec<PublicKey>)>>,
@@ -185,7 +185,7 @@ impl Registers {
             background_db,
             signer,
             origin: settings.origin.clone(),
-            verifying: Semaphore::new(2),
+            verifying: FairSlots::new(2, 1),
             published: tokio::sync::Mutex::new(None),
         })
     }
@@ -215,11 +215,17 @@ impl Registers {
     /// tree of the latest checkpoint's size must have the checkpoint's
     /// root, and the checkpoint a signature by the key it names. So an
     /// entry changed and its chain rehashed after it shows too.
+    /// A turn to verify, for the key `caller`: taken before anything else
+    /// of the request (a database turn), so a key's queued verifications
+    /// hold nothing another key needs.
+    pub async fn verify_turn(&self, caller: &str) -> Turn {
+        self.verifying.acquire(caller).await
+    }
+
     pub async fn verify(&self, sequence: &Sequence) -> Result<Verification, RegisterError> {
         let Some(chain) = chain_of(sequence) else {
             return Err(RegisterError::Invalid("not a register".into()));
         };
-        let _turn = self.verifying.acquire().await;
         let project = sequence.project.as_str();
         let signed = self.signed_checkpoint(project).await?;
         let mut check = ChainCheck::new(&chain);
@@ -294,10 +300,16 @@ impl Registers {
         };
         let keys = store::keys(&self.db).await?;
         let Some(key) = keys.iter().find(|k| k.key_name == latest.key_name) else {
-            return Ok(Err(format!("checkpoint {} names an unknown key", latest.size)));
+            return Ok(Err(format!(
+                "checkpoint {} names an unknown key",
+                latest.size
+            )));
         };
         let Ok(verifier) = NoteVerifier::parse(&key.verifier) else {
-            return Ok(Err(format!("the key of checkpoint {} is not a key", latest.size)));
+            return Ok(Err(format!(
+                "the key of checkpoint {} is not a key",
+                latest.size
+            )));
         };
         let signed = verifier
             .verify(&latest.note)
