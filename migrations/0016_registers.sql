@@ -95,11 +95,6 @@ CREATE TABLE register_keys (
     first_used  TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 
--- RFC 8785 text of a JSON string.
-CREATE FUNCTION idpool_jcs_string(s TEXT) RETURNS TEXT LANGUAGE sql IMMUTABLE AS $$
-    SELECT to_json(s)::text
-$$;
-
 -- Appends the events (one per array position, in order) to their
 -- projects' logs. The caller passes them sorted by project: logs are
 -- locked in that order, so two appenders never wait on each other
@@ -115,6 +110,9 @@ DECLARE
     v_frontier BYTEA[];
     v_seq      RECORD;
     v_seq_id   BIGINT := NULL;
+    v_at_json  TEXT;
+    v_tail     TEXT;
+    v_bytes    BYTEA;
     v_chain    TEXT;
     head_chain TEXT := NULL;
     head_seq   BIGINT;
@@ -135,6 +133,7 @@ DECLARE
     n_project TEXT[] := '{}'; n_level SMALLINT[] := '{}'; n_idx BIGINT[] := '{}';
     n_hash BYTEA[] := '{}';
 BEGIN
+    v_at_json := to_json(to_char(v_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))::text;
     FOR i IN 1..n LOOP
         IF v_project IS DISTINCT FROM projects[i] THEN
             IF v_project IS NOT NULL THEN
@@ -142,15 +141,20 @@ BEGIN
                  WHERE project = v_project;
             END IF;
             v_project := projects[i];
-            INSERT INTO register_logs (project) VALUES (v_project) ON CONFLICT DO NOTHING;
             SELECT l.size, l.frontier INTO v_size, v_frontier
               FROM register_logs l WHERE l.project = v_project FOR UPDATE;
+            IF NOT FOUND THEN
+                INSERT INTO register_logs (project) VALUES (v_project) ON CONFLICT DO NOTHING;
+                SELECT l.size, l.frontier INTO v_size, v_frontier
+                  FROM register_logs l WHERE l.project = v_project FOR UPDATE;
+            END IF;
             head_chain := NULL;
         END IF;
         IF v_seq_id IS DISTINCT FROM sequence_ids[i] THEN
             SELECT s.project, s.doc_type, s.register, s.register_issuer, s.timezone
               INTO v_seq FROM sequences s WHERE s.id = sequence_ids[i];
             v_seq_id := sequence_ids[i];
+            v_tail := ',"type":' || to_json(v_seq.doc_type::text)::text || '}';
         END IF;
         v_chain := CASE v_seq.register WHEN 'verifactu' THEN 'v:' || v_seq.register_issuer
                                        ELSE 's:' || sequence_ids[i] END;
@@ -193,21 +197,25 @@ BEGIN
             IF v_body IS NULL THEN
                 RAISE EXCEPTION 'VERI*FACTU number % carries no invoice', ids[i];
             END IF;
-            v_hash := upper(encode(sha256(convert_to(v_body, 'UTF8')), 'hex'));
+            v_bytes := convert_to(v_body, 'UTF8');
+            v_hash := upper(encode(sha256(v_bytes), 'hex'));
         ELSE
-            -- RFC 8785: keys in order, no spaces, strings as JSON writes them.
-            v_body := '{"at":' || idpool_jcs_string(to_char(v_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
-                   || ',"event":' || idpool_jcs_string(events[i])
-                   || ',"id":' || idpool_jcs_string(ids[i])
+            -- RFC 8785: keys in order, no spaces, strings as to_json writes
+            -- them (the escapes RFC 8785 asks for); the event and hashes are
+            -- fixed words and hex.
+            v_body := '{"at":' || v_at_json
+                   || ',"event":"' || events[i]
+                   || '","id":' || to_json(ids[i])::text
                    || ',"number":' || numbers[i]
-                   || ',"period":' || idpool_jcs_string(periods[i])
-                   || ',"prev":' || idpool_jcs_string(head_hash)
-                   || ',"project":' || idpool_jcs_string(v_seq.project)
+                   || ',"period":' || to_json(periods[i])::text
+                   || ',"prev":"' || head_hash
+                   || '","project":' || to_json(v_seq.project::text)::text
                    || CASE WHEN reasons[i] IS NULL THEN ''
-                           ELSE ',"reason":' || idpool_jcs_string(reasons[i]) END
+                           ELSE ',"reason":' || to_json(reasons[i])::text END
                    || ',"seq":' || (head_seq + 1)
-                   || ',"type":' || idpool_jcs_string(v_seq.doc_type) || '}';
-            v_hash := encode(sha256(convert_to(v_body, 'UTF8')), 'hex');
+                   || v_tail;
+            v_bytes := convert_to(v_body, 'UTF8');
+            v_hash := encode(sha256(v_bytes), 'hex');
         END IF;
         e_project := e_project || v_project; e_index := e_index || v_size;
         e_chain := e_chain || v_chain; e_seq := e_seq || (head_seq + 1);
@@ -219,7 +227,7 @@ BEGIN
         head_hash := v_hash;
         -- RFC 6962: the leaf, then every perfect subtree it completes
         -- (leaves themselves are not stored: an entry's body is its leaf).
-        h := sha256('\x00'::bytea || convert_to(v_body, 'UTF8'));
+        h := sha256('\x00'::bytea || v_bytes);
         v_idx := v_size;
         v_level := 0;
         WHILE v_idx % 2 = 1 LOOP
@@ -245,7 +253,6 @@ BEGIN
            AS u(p, li, c, s, sq, pe, nu, id, ev, bo, pr, ha, no);
     INSERT INTO register_nodes (project, level, idx, hash)
     SELECT * FROM UNNEST(n_project, n_level, n_idx, n_hash);
-    PERFORM pg_notify('idpool_registers', '');
 END $$;
 
 -- A register's documents: every number attached, in the insert's commit.
@@ -254,15 +261,13 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM sequences WHERE register IS NOT NULL) THEN
         RETURN NULL;
     END IF;
-    PERFORM idpool_register_append(
-        array_agg(s.project ORDER BY s.project, i.sequence_id, i.period, i.seq),
-        array_agg(i.sequence_id ORDER BY s.project, i.sequence_id, i.period, i.seq),
-        array_agg(i.period ORDER BY s.project, i.sequence_id, i.period, i.seq),
-        array_agg(i.seq ORDER BY s.project, i.sequence_id, i.period, i.seq),
-        array_agg(i.document_id ORDER BY s.project, i.sequence_id, i.period, i.seq),
-        array_agg('attached'::text ORDER BY s.project, i.sequence_id, i.period, i.seq),
-        array_agg(NULL::text ORDER BY s.project, i.sequence_id, i.period, i.seq))
-      FROM inserted i JOIN sequences s ON s.id = i.sequence_id AND s.register IS NOT NULL
+    PERFORM idpool_register_append(array_agg(r.project), array_agg(r.sequence_id),
+                                   array_agg(r.period), array_agg(r.seq),
+                                   array_agg(r.document_id), array_agg('attached'::text),
+                                   array_agg(NULL::text))
+      FROM (SELECT s.project, i.sequence_id, i.period, i.seq, i.document_id
+              FROM inserted i JOIN sequences s ON s.id = i.sequence_id AND s.register IS NOT NULL
+             ORDER BY s.project, i.sequence_id, i.period, i.seq) r
     HAVING count(*) > 0;
     RETURN NULL;
 END $$;
@@ -276,20 +281,17 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM sequences WHERE register IS NOT NULL) THEN
         RETURN NULL;
     END IF;
-    PERFORM idpool_register_append(
-        array_agg(s.project ORDER BY s.project, n.sequence_id, n.period, n.seq),
-        array_agg(n.sequence_id ORDER BY s.project, n.sequence_id, n.period, n.seq),
-        array_agg(n.period ORDER BY s.project, n.sequence_id, n.period, n.seq),
-        array_agg(n.seq ORDER BY s.project, n.sequence_id, n.period, n.seq),
-        array_agg(n.id ORDER BY s.project, n.sequence_id, n.period, n.seq),
-        array_agg(CASE n.status WHEN 'voided' THEN 'voided' ELSE 'expired' END
-                  ORDER BY s.project, n.sequence_id, n.period, n.seq),
-        array_agg(CASE n.status WHEN 'voided' THEN n.reason END
-                  ORDER BY s.project, n.sequence_id, n.period, n.seq))
-      FROM new_rows n
-      JOIN old_rows o USING (sequence_id, period, seq)
-      JOIN sequences s ON s.id = n.sequence_id AND s.register IS NOT NULL
-     WHERE o.status = 'reserved' AND n.status IN ('voided', 'reservation_expired')
+    PERFORM idpool_register_append(array_agg(r.project), array_agg(r.sequence_id),
+                                   array_agg(r.period), array_agg(r.seq), array_agg(r.id),
+                                   array_agg(r.event), array_agg(r.reason))
+      FROM (SELECT s.project, n.sequence_id, n.period, n.seq, n.id,
+                   CASE n.status WHEN 'voided' THEN 'voided' ELSE 'expired' END AS event,
+                   CASE n.status WHEN 'voided' THEN n.reason END AS reason
+              FROM new_rows n
+              JOIN old_rows o USING (sequence_id, period, seq)
+              JOIN sequences s ON s.id = n.sequence_id AND s.register IS NOT NULL
+             WHERE o.status = 'reserved' AND n.status IN ('voided', 'reservation_expired')
+             ORDER BY s.project, n.sequence_id, n.period, n.seq) r
     HAVING count(*) > 0;
     RETURN NULL;
 END $$;
