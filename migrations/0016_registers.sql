@@ -255,25 +255,41 @@ BEGIN
     SELECT * FROM UNNEST(n_project, n_level, n_idx, n_hash);
 END $$;
 
--- A register's documents: every number attached, in the insert's commit.
-CREATE FUNCTION idpool_outbox_registered() RETURNS trigger LANGUAGE plpgsql AS $$
+-- The outbox's insert trigger of 0015, with the registers' appends: a
+-- register's documents, every number attached, in the insert's commit.
+-- One trigger and one function call per insert statement, as before
+-- registers; an installation without any register pays one index probe.
+CREATE OR REPLACE FUNCTION idpool_outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM sequences WHERE register IS NOT NULL) THEN
-        RETURN NULL;
+    IF EXISTS (SELECT 1 FROM sequences WHERE register IS NOT NULL) THEN
+        PERFORM idpool_register_append(array_agg(r.project), array_agg(r.sequence_id),
+                                       array_agg(r.period), array_agg(r.seq),
+                                       array_agg(r.document_id), array_agg('attached'::text),
+                                       array_agg(NULL::text))
+          FROM (SELECT s.project, i.sequence_id, i.period, i.seq, i.document_id
+                  FROM inserted i
+                  JOIN sequences s ON s.id = i.sequence_id AND s.register IS NOT NULL
+                 ORDER BY s.project, i.sequence_id, i.period, i.seq) r
+        HAVING count(*) > 0;
     END IF;
-    PERFORM idpool_register_append(array_agg(r.project), array_agg(r.sequence_id),
-                                   array_agg(r.period), array_agg(r.seq),
-                                   array_agg(r.document_id), array_agg('attached'::text),
-                                   array_agg(NULL::text))
-      FROM (SELECT s.project, i.sequence_id, i.period, i.seq, i.document_id
-              FROM inserted i JOIN sequences s ON s.id = i.sequence_id AND s.register IS NOT NULL
-             ORDER BY s.project, i.sequence_id, i.period, i.seq) r
-    HAVING count(*) > 0;
+    IF EXISTS (SELECT 1 FROM inserted WHERE routed) THEN
+        INSERT INTO endpoint_deliveries (outbox_id, endpoint_id)
+        SELECT i.id, e.id FROM inserted i
+          JOIN endpoints e ON e.project = i.tenant_code
+         WHERE i.routed AND NOT e.disabled
+           AND (e.types IS NULL OR i.entity_type_id = ANY (e.types));
+        UPDATE id_outbox o SET routed = false, next_retry_at = now()
+          FROM inserted i
+         WHERE o.id = i.id AND i.routed
+           AND NOT EXISTS (SELECT 1 FROM endpoint_deliveries d WHERE d.outbox_id = i.id);
+        PERFORM pg_notify('idpool_deliveries', '');
+    END IF;
+    IF EXISTS (SELECT 1 FROM inserted WHERE NOT routed) THEN
+        PERFORM pg_notify('idpool_outbox',
+            (SELECT string_agg(DISTINCT tenant_code, ',') FROM inserted WHERE NOT routed));
+    END IF;
     RETURN NULL;
 END $$;
-CREATE TRIGGER id_outbox_registered AFTER INSERT ON id_outbox
-    REFERENCING NEW TABLE AS inserted
-    FOR EACH STATEMENT EXECUTE FUNCTION idpool_outbox_registered();
 
 -- A register's voids and expiries, in the commit that records them.
 CREATE FUNCTION idpool_reservations_registered() RETURNS trigger LANGUAGE plpgsql AS $$
