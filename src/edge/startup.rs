@@ -314,14 +314,11 @@ impl Parts {
         )
         .await?;
         let handout_waits = HandoutWaits::spawn(db.clone(), &tasks);
-        let registers = Arc::new(
-            Registers::start(
-                db.clone(),
-                background_db.clone(),
-                &config.register_settings()?,
-            )
-            .await?,
-        );
+        let registers = Arc::new(Registers::new(
+            db.clone(),
+            background_db.clone(),
+            &config.register_settings()?,
+        )?);
         Ok(Self {
             db,
             background_db,

@@ -255,7 +255,7 @@ async fn every_event_of_a_register_is_chained_signed_and_provable() {
         "/api/v1/registers/RG/proofs/consistency?from=5&to=4",
     ] {
         let response = app.client.get(app.url(bad)).send().await.unwrap();
-        assert_problem(response, StatusCode::BAD_REQUEST, "out_of_range").await;
+        assert_problem(response, StatusCode::UNPROCESSABLE_ENTITY, "out_of_range").await;
     }
 }
 

@@ -32,7 +32,12 @@ pub fn router() -> OpenApiRouter<AppState> {
 fn register_error(e: RegisterError) -> ApiError {
     match e {
         RegisterError::Invalid(detail) => ApiError::bad_request("invalid_parameter", detail),
-        RegisterError::OutOfRange { .. } => ApiError::bad_request("out_of_range", e.to_string()),
+        // Well-formed, but past what the log holds.
+        RegisterError::OutOfRange { .. } => ApiError::new(
+            axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+            "out_of_range",
+            e.to_string(),
+        ),
         RegisterError::Incomplete(_) => ApiError::internal(e),
         RegisterError::Db(e) => db_error(e),
     }
@@ -279,7 +284,8 @@ fn proof(hashes: Vec<crate::domain::merkle::Hash>) -> axum::Json<Proof> {
     params(("project" = String, Path, pattern = r"^[A-Za-z0-9_]{1,32}$"), InclusionQuery),
     responses(
         (status = 200, description = "The proof", body = Proof),
-        (status = 400, description = "invalid_project, out_of_range (index ≥ tree_size, or tree_size past the log)", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "invalid_project, or a parameter that is not a number", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "out_of_range: index ≥ tree_size, or tree_size past the log", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -308,7 +314,8 @@ pub async fn inclusion_proof(
     params(("project" = String, Path, pattern = r"^[A-Za-z0-9_]{1,32}$"), ConsistencyQuery),
     responses(
         (status = 200, description = "The proof", body = Proof),
-        (status = 400, description = "invalid_project, out_of_range (not 0 < from ≤ to ≤ the log's size)", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "invalid_project, or a parameter that is not a number", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "out_of_range: not 0 < from ≤ to ≤ the log's size", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "project_not_found", body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -131,7 +131,10 @@ pub struct Registers {
     db: Db,
     /// The checkpoints' signing.
     background_db: Db,
-    signer: NoteSigner,
+    /// `IDPOOL_REGISTER_KEY(_FILE)`'s key, if one was given.
+    configured: Option<NoteSigner>,
+    /// The key that signs, once recorded (at the first checkpoint).
+    signer: tokio::sync::OnceCell<NoteSigner>,
     origin: String,
     /// Verifications running at once on this instance (each reads a
     /// project's whole log): 2 in all, one per key, handed out fairly.
@@ -145,49 +148,65 @@ pub struct Registers {
 const PUBLISHED_FOR: Duration = Duration::from_secs(10);
 
 impl Registers {
-    /// The service, with its signing key: the configured one, or the
-    /// installation's own (made once, kept in Postgres). A key not seen
-    /// before is recorded, published from then on beside the older ones.
-    pub async fn start(
-        db: Db,
-        background_db: Db,
-        settings: &RegisterSettings,
-    ) -> anyhow::Result<Self> {
-        let signer = match &settings.key {
-            Some(text) => NoteSigner::parse(text)
-                .map_err(|e| anyhow::anyhow!("IDPOOL_REGISTER_KEY(_FILE): {e}"))?,
-            None => match store::generated_key(&db).await? {
-                Some(row) => NoteSigner::parse(row.private_key.as_deref().unwrap_or_default())
-                    .map_err(|e| anyhow::anyhow!("the installation's register key: {e}"))?,
-                None => {
-                    let seed: [u8; 32] = rand::random();
-                    let made = NoteSigner::from_seed(&settings.origin, seed)
-                        .map_err(|e| anyhow::anyhow!("IDPOOL_REGISTER_ORIGIN: {e}"))?;
-                    store::record_key(
-                        &db,
-                        &key_id(&made),
-                        &made.verifier().text(),
-                        Some(&made.private_text()),
-                    )
-                    .await?;
-                    // Two instances starting at once: the first one's key.
-                    let kept = store::generated_key(&db)
-                        .await?
-                        .ok_or_else(|| anyhow::anyhow!("the register key was not kept"))?;
-                    NoteSigner::parse(kept.private_key.as_deref().unwrap_or_default())
-                        .map_err(|e| anyhow::anyhow!("the installation's register key: {e}"))?
-                }
-            },
+    /// The service. A configured key is read now (a malformed one stops
+    /// the start); nothing is written to Postgres until the first
+    /// checkpoint is signed, so an instance starts on a standby.
+    pub fn new(db: Db, background_db: Db, settings: &RegisterSettings) -> anyhow::Result<Self> {
+        let configured = match &settings.key {
+            Some(text) => Some(
+                NoteSigner::parse(text)
+                    .map_err(|e| anyhow::anyhow!("IDPOOL_REGISTER_KEY(_FILE): {e}"))?,
+            ),
+            None => None,
         };
-        store::record_key(&db, &key_id(&signer), &signer.verifier().text(), None).await?;
+        // A name made now, checked now: a key the installation makes
+        // carries it.
+        NoteSigner::from_seed(&settings.origin, [0; 32])
+            .map_err(|e| anyhow::anyhow!("IDPOOL_REGISTER_ORIGIN: {e}"))?;
         Ok(Self {
             db,
             background_db,
-            signer,
+            configured,
+            signer: tokio::sync::OnceCell::new(),
             origin: settings.origin.clone(),
             verifying: FairSlots::new(2, 1),
             published: tokio::sync::Mutex::new(None),
         })
+    }
+
+    /// The signing key, once recorded: the configured one, or the
+    /// installation's own (made once, kept in Postgres; two instances
+    /// making one at once keep the first). A key not seen before is
+    /// published from then on beside the older ones.
+    async fn signer(&self) -> Result<&NoteSigner, RegisterError> {
+        self.signer
+            .get_or_try_init(|| async {
+                let db = &self.background_db;
+                let signer = match &self.configured {
+                    Some(signer) => signer.clone(),
+                    None => {
+                        if store::generated_key(db).await?.is_none() {
+                            let made = NoteSigner::from_seed(&self.origin, rand::random())
+                                .map_err(|e| RegisterError::Invalid(e.to_string()))?;
+                            store::record_key(
+                                db,
+                                &key_id(&made),
+                                &made.verifier().text(),
+                                Some(&made.private_text()),
+                            )
+                            .await?;
+                        }
+                        let kept = store::generated_key(db).await?.ok_or_else(|| {
+                            RegisterError::Incomplete("the register key was not kept".into())
+                        })?;
+                        NoteSigner::parse(kept.private_key.as_deref().unwrap_or_default())
+                            .map_err(|e| RegisterError::Incomplete(e.to_string()))?
+                    }
+                };
+                store::record_key(db, &key_id(&signer), &signer.verifier().text(), None).await?;
+                Ok(signer)
+            })
+            .await
     }
 
     fn origin_of(&self, project: &str) -> String {
@@ -404,12 +423,22 @@ impl Registers {
     }
 
     async fn read_public_keys(&self) -> Result<Vec<PublicKey>, RegisterError> {
-        let current = key_id(&self.signer);
+        // The key that will sign is published before its first checkpoint
+        // (on a standby nothing can be recorded: the keys recorded so far).
+        if let Err(e) = self.signer().await {
+            tracing::debug!(error = %e, "the register key is not recorded yet");
+        }
+        // Which key signs: the one in use, the configured one, or the
+        // installation's own.
+        let current = match (self.signer.get(), &self.configured) {
+            (Some(signer), _) | (None, Some(signer)) => Some(key_id(signer)),
+            (None, None) => store::generated_key(&self.db).await?.map(|k| k.key_name),
+        };
         Ok(store::keys(&self.db)
             .await?
             .into_iter()
             .map(|k| PublicKey {
-                current: k.key_name == current,
+                current: Some(&k.key_name) == current.as_ref(),
                 name: NoteVerifier::parse(&k.verifier)
                     .map(|v| v.name().to_owned())
                     .unwrap_or_default(),
@@ -434,14 +463,15 @@ impl Registers {
                     size: size as u64,
                     root: root_of_frontier(&frontier),
                 };
-                let note = self.signer.sign(&checkpoint.text());
+                let signer = self.signer().await?;
+                let note = signer.sign(&checkpoint.text());
                 store::insert_checkpoint(
                     &self.background_db,
                     &project,
                     size,
                     &checkpoint.root,
                     &note,
-                    &key_id(&self.signer),
+                    &key_id(signer),
                 )
                 .await?;
                 signed += 1;
