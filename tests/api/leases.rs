@@ -791,10 +791,10 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
     let mut ids: Vec<(Instant, String)> = Vec::new();
     // Busy long enough to hold a good part of a lease: stalled then, it
     // answers for a while from memory alone. A lease carries 50 ms of
-    // traffic, so what it holds follows the machine's speed: 50 numbers
-    // are some 1,000 a second, reached within seconds even beside
-    // another test.
-    let deadline = Instant::now() + Duration::from_secs(90);
+    // traffic, so what it holds follows the machine's speed: 20 numbers
+    // (more than one for each of the 16 clients) are some 400 a second,
+    // reached within seconds even on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut most_held = 0.0_f64;
     loop {
         ids.push(answered.recv().await.expect("answers"));
@@ -806,12 +806,12 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
         }
         let now_held = held(&attaching.client, &base).await;
         most_held = most_held.max(now_held);
-        if now_held >= 50.0 {
+        if now_held >= 20.0 {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "the lease never held 50 numbers in 90 s (at most {most_held})"
+            "the lease never held 20 numbers in 60 s (at most {most_held})"
         );
     }
     proxy.stall();
