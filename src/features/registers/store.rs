@@ -165,21 +165,6 @@ pub async fn latest_checkpoint(
     .await
 }
 
-pub async fn checkpoint_at(
-    db: &Db,
-    project: &str,
-    size: i64,
-) -> Result<Option<CheckpointRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT project, size, root, note, key_name, signed_at FROM register_checkpoints \
-          WHERE project = $1 AND size = $2",
-    )
-    .bind(project)
-    .bind(size)
-    .fetch_optional(db)
-    .await
-}
-
 pub async fn all_checkpoints(db: &Db, project: &str) -> Result<Vec<CheckpointRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT project, size, root, note, key_name, signed_at FROM register_checkpoints \
