@@ -176,7 +176,7 @@ fn read_file(
     chunks: &tokio::sync::mpsc::Sender<Vec<(u64, Entry)>>,
     bytes_read: &std::sync::Arc<std::sync::atomic::AtomicU64>,
 ) -> anyhow::Result<()> {
-    let input: Box<dyn BufRead> = if settings.file == "-" {
+    let mut input: Box<dyn BufRead> = if settings.file == "-" {
         Box::new(std::io::BufReader::new(std::io::stdin()))
     } else {
         Box::new(std::io::BufReader::new(
@@ -184,6 +184,7 @@ fn read_file(
                 .with_context(|| format!("opening {}", settings.file))?,
         ))
     };
+    skip_byte_order_mark(&mut input).context("reading the input")?;
     let mut chunker = Chunker {
         settings,
         chunks,
@@ -197,9 +198,7 @@ fn read_file(
     if settings.file.to_ascii_lowercase().ends_with(".csv") {
         let mut reader = csv::ReaderBuilder::new().flexible(false).from_reader(input);
         let headers = reader.headers().context("reading the CSV header")?.clone();
-        let Some(source_column) = headers.iter().position(|h| h == "source_id") else {
-            bail!("the CSV file has no source_id column");
-        };
+        let source_column = csv_source_column(&headers)?;
         for (n, record) in reader.records().enumerate() {
             let parsed = match record {
                 Err(e) => Err((None, format!("not a CSV record: {e}"))),
@@ -211,17 +210,60 @@ fn read_file(
             chunker.push(n as u64 + 2, parsed)?;
         }
     } else {
+        // Lines as bytes: one that is not UTF-8 is a reject of its own,
+        // never the end of the run.
         let mut read = 0u64;
-        for (n, text) in input.lines().enumerate() {
-            let text = text.context("reading the input")?;
-            read += text.len() as u64 + 1;
+        for (n, bytes) in input.split(b'\n').enumerate() {
+            let mut bytes = bytes.context("reading the input")?;
+            read += bytes.len() as u64 + 1;
             set_read(read);
-            if !text.trim().is_empty() {
-                chunker.push(n as u64 + 1, json_document(&text))?;
+            if bytes.last() == Some(&b'\r') {
+                bytes.pop();
+            }
+            let line = n as u64 + 1;
+            match String::from_utf8(bytes) {
+                Ok(text) if text.trim().is_empty() => {}
+                Ok(text) => chunker.push(line, json_document(&text))?,
+                Err(e) => {
+                    let reason = format!("not UTF-8 text: {}", e.utf8_error());
+                    chunker.push(line, Err((None, reason)))?;
+                }
             }
         }
     }
     chunker.send()
+}
+
+/// A UTF-8 byte-order mark at the start of the input is no part of its
+/// first line (editors on Windows write one).
+fn skip_byte_order_mark(input: &mut dyn BufRead) -> std::io::Result<()> {
+    const MARK: &[u8] = b"\xEF\xBB\xBF";
+    if input.fill_buf()?.starts_with(MARK) {
+        input.consume(MARK.len());
+    }
+    Ok(())
+}
+
+/// Which column of a CSV header is `source_id`. A header that names a
+/// column twice is refused: one of the two would silently become the
+/// other's value (or a second `source_id` part of the metadata).
+fn csv_source_column(headers: &csv::StringRecord) -> anyhow::Result<usize> {
+    let mut seen = HashSet::new();
+    for (i, name) in headers.iter().enumerate() {
+        if !seen.insert(name) {
+            let first = headers.iter().position(|h| h == name).unwrap_or(i);
+            bail!(
+                "the CSV header names the column {name:?} twice (columns {} and {}); \
+                 each column must have a name of its own",
+                first + 1,
+                i + 1
+            );
+        }
+    }
+    headers
+        .iter()
+        .position(|h| h == "source_id")
+        .context("the CSV file has no source_id column")
 }
 
 /// A line read: `(source_id, metadata)`, or why it is no document.
@@ -304,7 +346,11 @@ impl Chunker<'_> {
     }
 }
 
+/// A line of a JSON lines file. Any other field is refused, as the HTTP
+/// API refuses unknown fields: a misspelt `metadata` must not import a
+/// document without its metadata.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct JsonLine<'a> {
     #[serde(borrow)]
     source_id: Option<&'a RawValue>,
@@ -314,8 +360,12 @@ struct JsonLine<'a> {
 
 /// `(source_id, metadata)` of a JSON line.
 fn json_document(text: &str) -> Result<(String, String), (Option<String>, String)> {
-    let line: JsonLine =
-        serde_json::from_str(text).map_err(|e| (None, format!("not a JSON object: {e}")))?;
+    let line: JsonLine = serde_json::from_str(text).map_err(|e| match e.classify() {
+        // A JSON object, with a field it may not have: its source id, if
+        // it has one, names the reject.
+        serde_json::error::Category::Data => (loose_source_id(text), e.to_string()),
+        _ => (None, format!("not a JSON object: {e}")),
+    })?;
     let source_id = match line
         .source_id
         .map(|raw| serde_json::from_str::<Value>(raw.get()))
@@ -332,6 +382,19 @@ fn json_document(text: &str) -> Result<(String, String), (Option<String>, String
         None => "{}".to_owned(),
     };
     Ok((source_id, metadata))
+}
+
+/// The `source_id` of a line refused for its other fields, when it is a
+/// string or a number.
+fn loose_source_id(text: &str) -> Option<String> {
+    let object: std::collections::HashMap<&str, &RawValue> = serde_json::from_str(text).ok()?;
+    let raw = object.get("source_id")?.get().trim();
+    match serde_json::from_str::<Value>(raw).ok()? {
+        Value::String(s) if !s.is_empty() => Some(s),
+        // As written, like an accepted line's.
+        Value::Number(_) => Some(raw.to_owned()),
+        _ => None,
+    }
 }
 
 /// A CSV record: `source_id` and the other columns as metadata strings.

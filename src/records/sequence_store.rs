@@ -83,6 +83,10 @@ pub enum PutError {
         "the gapless sequence has taken numbers; its format, layout, reset, timezone, start and numbering cannot change, even with \"force\""
     )]
     GaplessInUse,
+    #[error(
+        "the sequence has taken numbers and its max is {max}; a definition without \"max\" would remove it: send \"max\" again, or \"force\": true to remove it"
+    )]
+    MaxDropped { max: i64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -289,6 +289,103 @@ async fn a_csv_file_is_imported_with_its_columns_as_metadata() {
     );
 }
 
+/// What editors and exports get wrong about text: a byte-order mark, a
+/// line in another encoding, a misspelt field. Each is a line's fate at
+/// most, never the run's, and never silently dropped data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoding_marks_bad_bytes_and_unknown_fields_are_each_one_lines_fate() {
+    let app = TestEnv::new().spawn().await;
+    let key = create_key(&app.state, &["IMP"], false).await;
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("exported.jsonl");
+    let mut bytes = b"\xEF\xBB\xBF".to_vec();
+    bytes.extend_from_slice(br#"{"source_id": "e-1", "metadata": {"a": 1}}"#);
+    bytes.extend_from_slice(b"\r\n");
+    bytes.extend_from_slice(b"{\"source_id\": \"e-2\", \"metadata\": {\"name\": \"Mu\xF1oz\"}}\n");
+    bytes.extend_from_slice(br#"{"source_id": "e-3", "metdata": {"lost": true}}"#);
+    bytes.push(b'\n');
+    bytes.extend_from_slice(br#"{"source_id": "e-4", "metadata": {"a": 4}}"#);
+    bytes.push(b'\n');
+    std::fs::write(&input, &bytes).unwrap();
+    let out = work.path().join("map.jsonl");
+    let run = import(&app, &key, &input, &out, &[]).output().unwrap();
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "a rejected line, not the end of the run: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let sources: Vec<String> = mapping(&out)
+        .iter()
+        .map(|l| l["source_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(sources, ["e-1", "e-4"], "the lines past the bad ones too");
+    let rejects: Vec<(i64, Value, String)> = mapping(&work.path().join("map.rejects.jsonl"))
+        .iter()
+        .map(|r| {
+            let reason = r["reason"].as_str().unwrap().to_owned();
+            (r["line"].as_i64().unwrap(), r["source_id"].clone(), reason)
+        })
+        .collect();
+    assert_eq!(rejects.len(), 2, "{rejects:?}");
+    assert_eq!(rejects[0].0, 2, "{rejects:?}");
+    assert!(rejects[0].2.contains("UTF-8"), "{rejects:?}");
+    assert_eq!(rejects[1].0, 3, "{rejects:?}");
+    assert_eq!(rejects[1].1, json!("e-3"), "{rejects:?}");
+    assert!(
+        rejects[1].2.contains("unknown field `metdata`"),
+        "{rejects:?}"
+    );
+    let metadata: Value =
+        sqlx::query_scalar("SELECT payload FROM id_outbox WHERE source_id = 'e-1'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        metadata,
+        json!({"a": 1}),
+        "line 1 read past its byte-order mark"
+    );
+    assert_eq!(
+        count(
+            &app,
+            "SELECT count(*) FROM id_outbox WHERE tenant_code = 'IMP'"
+        )
+        .await,
+        2
+    );
+
+    // A CSV export with a byte-order mark before its header.
+    let csv = work.path().join("exported.csv");
+    std::fs::write(&csv, b"\xEF\xBB\xBFsource_id,title\nc-1,first\n").unwrap();
+    let run = import(&app, &key, &csv, &work.path().join("csv.jsonl"), &[])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // A header that names a column twice: refused before anything is sent,
+    // rather than one `source_id` taken and the other made metadata.
+    let twice = work.path().join("twice.csv");
+    std::fs::write(&twice, "source_id,title,source_id\nd-1,first,d-9\n").unwrap();
+    let run = import(&app, &key, &twice, &work.path().join("twice.jsonl"), &[])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(said.contains("\"source_id\" twice"), "{said}");
+    assert_eq!(
+        count(
+            &app,
+            "SELECT count(*) FROM id_outbox WHERE source_id LIKE 'd-%'"
+        )
+        .await,
+        0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_import_over_its_keys_rate_waits_and_retries_until_done() {
     let mut env = TestEnv::new();

@@ -311,6 +311,58 @@ async fn a_forced_change_never_prints_an_earlier_id_again() {
     );
 }
 
+/// PUT replaces a definition, and a field left out takes its default: a
+/// change of pool size sent without the `max` must not end a used
+/// sequence's exhaustion unnoticed, pooled or gapless.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_that_leaves_out_a_used_sequences_max_is_refused_unless_forced() {
+    let app = TestEnv::new().spawn().await;
+    let created = app
+        .put_sequence("MK", "1", json!({"pool_size": 10, "max": 3}))
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    app.issue("MK", "1", 1).await;
+    let dropped = app.put_sequence("MK", "1", json!({"pool_size": 20})).await;
+    assert_problem(dropped, StatusCode::CONFLICT, "sequence_in_use").await;
+    let kept = app
+        .put_sequence("MK", "1", json!({"pool_size": 20, "max": 3}))
+        .await;
+    assert_eq!(kept.status(), StatusCode::OK);
+    let (_, seqs) = app.issue("MK", "1", 2).await;
+    assert_eq!(seqs, [2, 3]);
+    let past = app.post_ids("MK", "1", 1).await;
+    assert_problem(past, StatusCode::CONFLICT, "sequence_exhausted").await;
+    // Said with force, the max goes.
+    let forced = app
+        .put_sequence("MK", "1", json!({"pool_size": 20, "force": true}))
+        .await;
+    assert_eq!(forced.status(), StatusCode::OK);
+    let view: Value = forced.json().await.unwrap();
+    assert_eq!(view["max"], Value::Null, "{view}");
+    assert_eq!(app.post_ids("MK", "1", 1).await.status(), StatusCode::OK);
+
+    // Gapless: the last invoice number stays the last.
+    let gapless = json!({"numbering": "gapless", "max": 1});
+    let created = app.put_sequence("MK", "2", gapless).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let document = json!({"project": "MK", "type": "2", "metadata": {}});
+    assert_eq!(
+        app.post_document(&document, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let dropped = app
+        .put_sequence("MK", "2", json!({"numbering": "gapless", "pool_size": 50}))
+        .await;
+    assert_problem(dropped, StatusCode::CONFLICT, "sequence_in_use").await;
+    let past = app.post_document(&document, None).await;
+    assert_problem(past, StatusCode::CONFLICT, "sequence_exhausted").await;
+    // A sequence with no number yet takes the definition as sent.
+    let created = app.put_sequence("MK", "3", json!({"max": 5})).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let replaced = app.put_sequence("MK", "3", json!({})).await;
+    assert_eq!(replaced.status(), StatusCode::OK);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lowering_max_takes_the_numbers_past_it_out_of_the_pool() {
     let app = TestEnv::new().spawn().await;

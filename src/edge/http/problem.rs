@@ -199,7 +199,8 @@ impl From<PutError> for ApiError {
             PutError::InUse
             | PutError::NumberingInUse
             | PutError::GaplessInUse
-            | PutError::RegisterInUse => Self::conflict("sequence_in_use", e.to_string()),
+            | PutError::RegisterInUse
+            | PutError::MaxDropped { .. } => Self::conflict("sequence_in_use", e.to_string()),
             PutError::Store(e) => e.into(),
         }
     }

@@ -249,7 +249,8 @@ async fn live_figures(
 /// Every field is optional and takes its default when left out. Changing
 /// `format`, `layout`, `reset` or `timezone` of a sequence that has issued
 /// numbers is refused with 409 unless `"force": true`; the pools of the old
-/// definition are then discarded.
+/// definition are then discarded. So is a definition that leaves out the
+/// `max` of a sequence that has taken numbers (it would end its exhaustion).
 #[utoipa::path(
     put,
     path = "/api/v1/sequences/{project}/{type}",
@@ -263,7 +264,7 @@ async fn live_figures(
         (status = 403, description = "forbidden: defining a sequence needs an admin key", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
         JsonBodyProblems,
-        (status = 409, description = "sequence_in_use (an identity change without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "sequence_in_use (an identity change, or a used sequence's max left out, without force), format_conflict (its IDs could read like another sequence's, or like this one's before), sequence_limit_reached", body = Problem, content_type = "application/problem+json"),
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]

@@ -120,6 +120,18 @@ pub(super) async fn replace_definition(
     if gapless_rules_change && numbers_taken(&mut *conn, current.id).await? {
         return Err(PutError::GaplessInUse);
     }
+    // PUT replaces the definition, and a left-out field takes its default:
+    // a change of pool size sent without the `max` would silently end the
+    // sequence's exhaustion (a 4-digit counter printing a fifth digit, a
+    // gapless register numbering past its last invoice number). Removing a
+    // max from a sequence with numbers is said with force.
+    if let Some(max) = current.definition.max
+        && next.max.is_none()
+        && !force
+        && numbers_taken(&mut *conn, current.id).await?
+    {
+        return Err(PutError::MaxDropped { max });
+    }
     if changes_identity {
         if current.definition.numbering != next.numbering
             && numbers_taken(&mut *conn, current.id).await?
