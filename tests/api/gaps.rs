@@ -463,6 +463,8 @@ struct Outcomes {
     documents: Vec<(String, String, i64)>,
     server_errors: Vec<u16>,
     client_errors: Vec<String>,
+    /// Requests to the instance that lives throughout that got no answer.
+    transport_errors: Vec<String>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -505,8 +507,14 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
                         .post(format!("{base}/documents"))
                         .json(&json!({"project": sequence, "type": "1", "metadata": {"w": w, "i": i, "fail": i % 10 == 1}}))
                 };
-                let Ok(response) = request.send().await else {
-                    continue; // the killed instance
+                let response = match request.send().await {
+                    Ok(response) => response,
+                    // The killed instance: its requests may end unanswered.
+                    Err(_) if base == b_url => continue,
+                    Err(e) => {
+                        out.transport_errors.push(e.to_string());
+                        continue;
+                    }
                 };
                 let status = response.status();
                 answered.fetch_add(1, Ordering::Relaxed);
@@ -566,7 +574,14 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
         outcomes.documents.extend(out.documents);
         outcomes.server_errors.extend(out.server_errors);
         outcomes.client_errors.extend(out.client_errors);
+        outcomes.transport_errors.extend(out.transport_errors);
     }
+    // Only the killed instance may leave a request unanswered.
+    assert!(
+        outcomes.transport_errors.is_empty(),
+        "requests to the instance that lived got no answer: {:?}",
+        &outcomes.transport_errors[..outcomes.transport_errors.len().min(5)]
+    );
     // Every request of the schedule is well formed: a 4xx is a defect.
     assert!(
         outcomes.client_errors.is_empty(),

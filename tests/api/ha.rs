@@ -202,15 +202,27 @@ async fn gaps_by_reason(client: &reqwest::Client, base: &str) -> BTreeMap<String
     by_reason
 }
 
-/// One reconciliation run (tried again while Postgres is not back).
+/// One reconciliation run, tried again while it is answered 503 (Postgres
+/// not back yet); any other answer, or none, fails the test.
 async fn reconcile(client: &reqwest::Client, base: &str) {
     let url = format!("{base}/api/v1/ids/gaps/reconcile");
     eventually(
         Duration::from_secs(30),
         "a reconciliation run",
         async || {
-            let answer = client.post(&url).send().await.ok()?;
-            (answer.status() == StatusCode::OK).then_some(())
+            let answer = client
+                .post(&url)
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("reconciliation got no answer: {e}"));
+            match answer.status() {
+                StatusCode::OK => Some(()),
+                StatusCode::SERVICE_UNAVAILABLE => None,
+                status => panic!(
+                    "reconciliation answered {status}: {}",
+                    answer.text().await.unwrap_or_default()
+                ),
+            }
         },
     )
     .await

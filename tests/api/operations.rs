@@ -183,6 +183,8 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         "idpool_test_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..16]
     );
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("idpool.log");
     let mut child = Command::new(env!("CARGO_BIN_EXE_idpool"))
         .arg("serve")
         .env(
@@ -195,7 +197,7 @@ async fn the_binary_stops_cleanly_on_sigterm() {
         .env("IDPOOL_AUTH", "off")
         .env("RUST_LOG", "warn")
         .stdout(crate::support::app::child_output())
-        .stderr(crate::support::app::child_output())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     let client = crate::support::app::client_with_key(None);
@@ -224,6 +226,8 @@ async fn the_binary_stops_cleanly_on_sigterm() {
     )
     .await;
     assert!(status.success(), "exit status {status}");
+    let errors = lines_at(&log, &["ERROR"]);
+    assert!(errors.is_empty(), "a clean start and stop: {errors:#?}");
 }
 
 /// The lines of a JSON log at `level` and above (WARN, ERROR).

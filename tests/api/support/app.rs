@@ -992,19 +992,36 @@ pub fn assert_distinct(seqs: &[i64], what: &str) {
 pub struct ServeProcess {
     pub child: std::process::Child,
     pub port: u16,
+    /// Where its logs go: read for ERROR lines when the test ends.
+    log: std::path::PathBuf,
+    /// The directory of a log the test did not ask for.
+    _log_dir: Option<tempfile::TempDir>,
 }
 
 impl ServeProcess {
     /// Starts the binary on `env` and waits until it answers /readyz.
     pub async fn start(env: &TestEnv) -> Self {
-        Self::launch(env, child_output(), None).await
+        let dir = tempfile::tempdir().expect("log directory");
+        let log = dir.path().join("idpool.log");
+        let file = std::fs::File::create(&log).expect("log file");
+        let stdout = file.try_clone().expect("log file");
+        let mut process = Self::launch_until(
+            env,
+            stdout.into(),
+            (file, None, log),
+            |status| status == StatusCode::OK,
+        )
+        .await;
+        process._log_dir = Some(dir);
+        process
     }
 
     /// The same, its logs (at `level`) written to `log`.
     pub async fn start_logging(env: &TestEnv, log: &std::path::Path, level: &str) -> Self {
         let file = std::fs::File::create(log).expect("log file");
         let stdout = file.try_clone().expect("log file");
-        Self::launch(env, stdout.into(), Some((file, level))).await
+        let log = (file, Some(level), log.to_owned());
+        Self::launch_until(env, stdout.into(), log, |status| status == StatusCode::OK).await
     }
 
     /// Starts the binary on `env`, its logs (at `level`) written to `log`,
@@ -1012,21 +1029,16 @@ impl ServeProcess {
     pub async fn start_unready(env: &TestEnv, log: &std::path::Path, level: &str) -> Self {
         let file = std::fs::File::create(log).expect("log file");
         let stdout = file.try_clone().expect("log file");
-        Self::launch_until(env, stdout.into(), Some((file, level)), |_| true).await
+        Self::launch_until(env, stdout.into(), (file, Some(level), log.to_owned()), |_| true).await
     }
 
-    async fn launch(
-        env: &TestEnv,
-        stdout: std::process::Stdio,
-        log: Option<(std::fs::File, &str)>,
-    ) -> Self {
-        Self::launch_until(env, stdout, log, |status| status == StatusCode::OK).await
-    }
-
+    /// Starts the binary, its output in `log`'s file (at `log`'s level, or
+    /// the environment's), and waits until /readyz answers as `answered`
+    /// wants.
     async fn launch_until(
         env: &TestEnv,
         stdout: std::process::Stdio,
-        log: Option<(std::fs::File, &str)>,
+        log: (std::fs::File, Option<&str>, std::path::PathBuf),
         answered: fn(StatusCode) -> bool,
     ) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -1039,16 +1051,18 @@ impl ServeProcess {
             .arg("serve")
             .envs(env.process_env(port))
             .stdout(stdout);
-        match log {
-            Some((file, level)) => {
-                command.stderr(file).env("RUST_LOG", level);
-            }
-            None => {
-                command.stderr(child_output());
-            }
+        let (file, level, log) = log;
+        command.stderr(file);
+        if let Some(level) = level {
+            command.env("RUST_LOG", level);
         }
         let child = command.spawn().expect("idpool binary starts");
-        let process = Self { child, port };
+        let process = Self {
+            child,
+            port,
+            log,
+            _log_dir: None,
+        };
         let client = client_with_key(None);
         let readyz = format!("http://127.0.0.1:{port}/readyz");
         eventually(
@@ -1084,8 +1098,32 @@ impl ServeProcess {
 }
 
 impl Drop for ServeProcess {
+    /// Ends the process, and fails the test on an ERROR line of its log
+    /// the test did not expect ([`expect_error_lines`]), as an in-process
+    /// app's drop does.
     fn drop(&mut self) {
         self.kill();
+        let written = std::fs::read_to_string(&self.log).unwrap_or_default();
+        if test_log() {
+            eprintln!("--- idpool serve on port {} ---\n{written}", self.port);
+        }
+        if std::thread::panicking() {
+            return;
+        }
+        let expected = EXPECTED_ERRORS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let unexpected: Vec<&str> = written
+            .lines()
+            .filter(|line| line.contains(r#""level":"ERROR""#))
+            .filter(|line| !expected.iter().any(|text| line.contains(text.as_str())))
+            .collect();
+        assert!(
+            unexpected.is_empty(),
+            "error lines of `idpool serve` (port {}) the test did not expect: {unexpected:#?}",
+            self.port
+        );
     }
 }
 
