@@ -150,9 +150,7 @@ async fn a_small_outbox_lists_in_the_time_of_its_page_beside_a_huge_one() {
             assert!(took < USUAL, "a listing of three documents took {took:?}");
         }
     }
-    neighbour
-        .assert_unharmed("sixty listings at once", USUAL)
-        .await;
+    neighbour.assert_unharmed("sixty listings at once").await;
 
     // Paging: the cursor names the small tenant's own document, nothing
     // else; another tenant's document as a cursor is refused exactly as a

@@ -1075,7 +1075,7 @@ async fn a_key_sending_slow_batch_bodies_holds_up_only_its_own_batches() {
             started.elapsed()
         );
     }
-    neighbour.assert_unharmed("slow batch bodies", USUAL).await;
+    neighbour.assert_unharmed("slow batch bodies").await;
     for trickle in trickles {
         trickle.abort();
     }

@@ -250,7 +250,7 @@ async fn bad_sequence_definitions_and_queries_get_their_problems() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
     let app = TestEnv::new().spawn().await;
-    let probe = Probe::start(&app);
+    let probe = Probe::start(&app).await;
     let documents = [
         r#"{"project":"P","type":"T","metadata":{"a":"x\u0000y"}}"#,
         r#"{"project":"P","type":"T","metadata":{"a":{"b":[1,{"c":"\u0000"}]}}}"#,
@@ -364,7 +364,7 @@ async fn strings_postgres_cannot_store_are_refused_wherever_they_appear() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numbers_printed_past_the_metadata_limit_are_refused_before_a_number_is_taken() {
     let app = TestEnv::new().spawn().await;
-    let probe = Probe::start(&app);
+    let probe = Probe::start(&app).await;
     let many: Vec<String> = (0..9000).map(|i| format!(r#""k{i}": 1e131000"#)).collect();
     let refused = [
         (

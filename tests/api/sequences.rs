@@ -134,7 +134,7 @@ async fn attaching_any_id_to_any_accepted_format_takes_one_pass() {
         .put_sequence("BT", "A", json!({ "format": format }))
         .await;
     assert_eq!(response.status(), StatusCode::CREATED);
-    let probe = Probe::start(&app);
+    let probe = Probe::start(&app).await;
     let hostile_ids = [
         "1".repeat(64),
         "2026".repeat(16),
@@ -176,7 +176,7 @@ async fn formats_that_read_more_than_one_way_or_grow_without_bound_are_refused()
             "characters long",
         ),
     ];
-    let probe = Probe::start(&app);
+    let probe = Probe::start(&app).await;
     for (format, mention) in &cases {
         let response = app
             .put_sequence("BT", "B", json!({ "format": format }))

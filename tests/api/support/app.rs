@@ -1005,12 +1005,9 @@ impl ServeProcess {
         let log = dir.path().join("idpool.log");
         let file = std::fs::File::create(&log).expect("log file");
         let stdout = file.try_clone().expect("log file");
-        let mut process = Self::launch_until(
-            env,
-            stdout.into(),
-            (file, None, log),
-            |status| status == StatusCode::OK,
-        )
+        let mut process = Self::launch_until(env, stdout.into(), (file, None, log), |status| {
+            status == StatusCode::OK
+        })
         .await;
         process._log_dir = Some(dir);
         process
@@ -1029,7 +1026,13 @@ impl ServeProcess {
     pub async fn start_unready(env: &TestEnv, log: &std::path::Path, level: &str) -> Self {
         let file = std::fs::File::create(log).expect("log file");
         let stdout = file.try_clone().expect("log file");
-        Self::launch_until(env, stdout.into(), (file, Some(level), log.to_owned()), |_| true).await
+        Self::launch_until(
+            env,
+            stdout.into(),
+            (file, Some(level), log.to_owned()),
+            |_| true,
+        )
+        .await
     }
 
     /// Starts the binary, its output in `log`'s file (at `log`'s level, or
