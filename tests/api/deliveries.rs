@@ -128,9 +128,28 @@ async fn a_small_outbox_lists_in_the_time_of_its_page_beside_a_huge_one() {
         app.wait_for_status(id, "committed", Duration::from_secs(10))
             .await;
     }
+    // The small tenant's largest listing, alone: the yardstick.
+    let listing = app.url("/api/v1/outbox?status=committed&limit=1000");
+    let alone = timed(10, async |_| {
+        let page: Value = small
+            .get(&listing)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            page["documents"].as_array().map(Vec::len),
+            Some(3),
+            "{page}"
+        );
+    })
+    .await;
     let neighbour = Neighbour::start(&app, "HUGE").await;
     // Rounds of the largest listings the small tenant may ask for, sixty
-    // at once: each costs its own page.
+    // at once: each costs its own page (sixty at once on two cores wait
+    // for each other: the slowest-answer bound, not the 90th percentile).
     for _ in 0..3 {
         let listings = (0..60).map(|_| {
             let small = small.clone();
@@ -147,7 +166,7 @@ async fn a_small_outbox_lists_in_the_time_of_its_page_beside_a_huge_one() {
                 Some(3),
                 "{page}"
             );
-            assert!(took < USUAL, "a listing of three documents took {took:?}");
+            assert_answer_within("sixty listings at once", "a listing of three", &alone, took);
         }
     }
     neighbour.assert_unharmed("sixty listings at once").await;

@@ -391,6 +391,15 @@ async fn postgres_failover(after_failover: AfterFailover) {
         metrics["idpool_fences_total"] >= 1.0,
         "the fence is counted where an operator looks"
     );
+    // And said in its log, once, as the error it is (an operator's first
+    // sign of a standby that missed commits).
+    crate::support::app::expect_error_lines("Postgres was behind Redis");
+    let said = serving.log_text();
+    assert!(
+        said.lines()
+            .any(|l| l.contains(r#""level":"ERROR""#) && l.contains("Postgres was behind Redis")),
+        "the fence is in the log:\n{said}"
+    );
 
     // Every number, the lost ones included, is explained.
     let reconcile = async || {
@@ -760,6 +769,8 @@ async fn an_instance_pointed_at_a_standby_is_not_ready_and_logs_quietly() {
     env.auth = false;
     env.extra_env
         .push(("IDPOOL_MIGRATE".to_owned(), "off".to_owned()));
+    // A standby refuses writes: the errors of Postgres trouble are logged.
+    crate::support::app::expect_postgres_trouble();
     let log = dir.path().join("idpool-on-standby.log");
     let instance = ServeProcess::start_unready(&env, &log, "warn").await;
     let client = client_with_key(None);
@@ -1066,6 +1077,7 @@ async fn a_redis_turned_replica_is_left_out_of_use_quietly_and_taken_back_once_w
     assert_eq!(mode().await, "pool");
     // A master demoted (a Sentinel failover, an operator's REPLICAOF): it
     // still answers PING and reads, but refuses every write.
+    crate::support::app::expect_redis_trouble();
     redis.cli(&["REPLICAOF", "127.0.0.1", "1"]);
     let observed = Instant::now();
     let mut served = 0;

@@ -300,6 +300,8 @@ async fn a_redis_prefix_of_another_database_is_named_at_once() {
     // Another database (a recreated one, say) with the same prefix.
     let mut second = TestEnv::new();
     second.prefix = first.prefix.clone();
+    // The prefix's owner is named as an error, which this test is after.
+    crate::support::app::expect_error_lines("belongs to another database");
     // Its database made and migrated by a process that is gone again.
     crate::support::app::ServeProcess::start(&second)
         .await

@@ -92,6 +92,9 @@ pub fn expect_redis_trouble() {
 /// What an app logs as an error while the test has Postgres stopped,
 /// read-only or moved (for longer than a write in doubt waits, too).
 pub fn expect_postgres_trouble() {
+    // The pools' watch reads Postgres too (a standby's "recovery is in
+    // progress" takes the pools out of use).
+    expect_error_lines("pools not in use");
     expect_error_lines("dependency unavailable");
     expect_error_lines("ledger writes in doubt: Postgres did not answer again in time");
     expect_error_lines("could not record discarded pool numbers");
@@ -1078,6 +1081,11 @@ impl ServeProcess {
         )
         .await;
         process
+    }
+
+    /// What it has logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// SIGTERM, and waits (up to 10 s) for a clean stop.

@@ -23,11 +23,6 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpSocket;
 use tokio::net::TcpStream;
 
-/// Slowest answer a well-behaved request may get while a hostile one runs,
-/// for the tests that still time an answer on its own (they take
-/// milliseconds; a service frozen by one request takes seconds).
-pub const USUAL: Duration = Duration::from_millis(1500);
-
 /// How much slower a well-behaved tenant's requests may be beside a hostile
 /// one than alone, measured in the same test on the same machine: at the
 /// 90th percentile, and at the slowest. A request queued behind the
@@ -42,6 +37,32 @@ pub const SLOWDOWN_SLOWEST: u32 = 200;
 pub const SCHEDULER_GRAIN: Duration = Duration::from_millis(5);
 /// Rounds of a well-behaved tenant measured alone, before the attack.
 const ALONE_ROUNDS: usize = 25;
+
+/// The time of each of `runs` runs of `request` (a well-behaved tenant's),
+/// one at a time.
+pub async fn timed(runs: usize, mut request: impl AsyncFnMut(usize)) -> Vec<Duration> {
+    let mut latencies = Vec::with_capacity(runs);
+    for n in 0..runs {
+        let started = Instant::now();
+        request(n).await;
+        latencies.push(started.elapsed());
+    }
+    latencies
+}
+
+/// Asserts one answer `took` beside an attack within the slowest answer
+/// [`assert_slowdown_within`] allows of the same requests `alone`.
+pub fn assert_answer_within(during: &str, who: &str, alone: &[Duration], took: Duration) {
+    assert!(!alone.is_empty(), "{during}: {who} was not measured alone");
+    let base = percentile(alone, 90).max(SCHEDULER_GRAIN);
+    assert!(
+        took <= base * SLOWDOWN_SLOWEST,
+        "{during}: {who} took {took:?} beside it; alone: 90th percentile {:?} of {} \
+         answers: over {SLOWDOWN_SLOWEST}× of {base:?}",
+        percentile(alone, 90),
+        alone.len()
+    );
+}
 
 /// The `pct`th percentile of `latencies`.
 pub fn percentile(latencies: &[Duration], pct: usize) -> Duration {
@@ -391,6 +412,12 @@ impl Report {
 }
 
 impl Neighbour {
+    /// Its answers' times alone, before the attack: the yardstick for
+    /// another request of a well-behaved tenant beside it.
+    pub fn alone(&self) -> &[Duration] {
+        &self.alone.latencies
+    }
+
     /// Measures the loop alone, with a key of `project` alone, then keeps
     /// it running beside whatever the test does next.
     pub async fn start(app: &TestApp, project: &'static str) -> Self {
