@@ -452,9 +452,18 @@ impl TransactionId {
     /// `IN_DOUBT_PATIENCE`.
     async fn committed(self, db: &Db) -> Option<bool> {
         once_answering(db, IN_DOUBT_PATIENCE, self.session, |mut conn| async move {
-            let status = sqlx::query_scalar!(r#"SELECT txid_status($1) AS status"#, self.xid)
+            let status = match sqlx::query_scalar!(r#"SELECT txid_status($1) AS status"#, self.xid)
                 .fetch_one(&mut conn)
-                .await?;
+                .await
+            {
+                Ok(status) => status,
+                // Past every id the server knows: after a crash the ids of
+                // transactions whose records never reached the disk are
+                // handed out again. Had it committed, its commit record
+                // would have carried the server past it: it did not.
+                Err(e) if beyond_the_servers_ids(&e) => return Ok(false),
+                Err(e) => return Err(e),
+            };
             match status.as_deref() {
                 Some("committed") => Ok(true),
                 Some("aborted") => Ok(false),
@@ -468,6 +477,13 @@ impl TransactionId {
         })
         .await
     }
+}
+
+/// `txid_status` of an id the server has not handed out (yet).
+fn beyond_the_servers_ids(e: &sqlx::Error) -> bool {
+    sqlstate::of(e).as_deref() == Some("22023")
+        && e.as_database_error()
+            .is_some_and(|d| d.message().contains("is in the future"))
 }
 
 /// Whether transaction `xid` (`txid_current()`), run by `session`,

@@ -371,10 +371,24 @@ impl Writer {
             return;
         };
         for ((i, numbered), landed) in numbered_writes.into_iter().zip(landed) {
-            if let ledger::Landed::Yes(mut recorded) = landed {
-                self.stats.in_doubt_settled.inc();
-                recorded.numbered = numbered.documents;
-                outcomes[i] = Ok(recorded);
+            match landed {
+                ledger::Landed::Yes(mut recorded) => {
+                    self.stats.in_doubt_settled.inc();
+                    recorded.numbered = numbered.documents;
+                    outcomes[i] = Ok(recorded);
+                }
+                // Its transaction id says committed, yet none of its rows
+                // is there: after a crash the id went to another
+                // transaction (ids whose records never reached the disk
+                // are handed out again). Had this one committed, its rows
+                // would be there: nothing of it was written.
+                ledger::Landed::No => {
+                    if let Err(LedgerError::Db(e)) = &outcomes[i] {
+                        self.stats.in_doubt_settled.inc();
+                        outcomes[i] = Err(LedgerError::NotCommitted(e.clone()));
+                    }
+                }
+                _ => {}
             }
         }
     }
