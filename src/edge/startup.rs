@@ -261,7 +261,7 @@ impl Parts {
             .sibling(
                 budget.writers,
                 crate::infra::db::Limits {
-                    lock: Duration::from_millis(200),
+                    lock: crate::infra::db::WRITER_LOCK_WAIT,
                     ..config.db_limits()
                 },
             )

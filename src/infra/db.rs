@@ -254,6 +254,12 @@ async fn ensure_database(options: &PgConnectOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long a statement of the shared write stage waits for a lock: a wait
+/// means another transaction holds a number it should not, and every
+/// request queued behind the write waits with it, so it gives up soon and
+/// the request at fault is found (`ledger::write_shared`).
+pub const WRITER_LOCK_WAIT: Duration = Duration::from_millis(200);
+
 /// How long a write whose commit is in doubt waits for the server to
 /// answer again before it is given up as unknown. About the outage of a
 /// Patroni failover (ttl 10 s) with room to spare: until then nothing could

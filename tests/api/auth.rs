@@ -193,6 +193,58 @@ async fn protected_operations(app: &TestApp) -> Vec<(String, bool)> {
     operations
 }
 
+/// No request path needs two pooled connections at once (SPEC, limits):
+/// every protected operation of the document, four of each at once, on
+/// the default pool's two turns for requests. A path that held one
+/// connection and waited for a second would, so many at once, wait out
+/// the acquire timeout and answer 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_protected_operation_at_once_needs_no_second_connection() {
+    let mut env = TestEnv::new();
+    env.processor = false;
+    let app = env.spawn().await;
+    app.issue("B", "T", 1).await;
+    for _ in 0..2 {
+        let response = app
+            .post_document(&json!({"project": "B", "type": "T", "metadata": {}}), None)
+            .await;
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+    }
+    sqlx::query("INSERT INTO endpoints (id, project, url, secret) VALUES ($1, 'B', 'http://127.0.0.1:9/in', $2)")
+        .bind(endpoint_id("B"))
+        .bind(idpool::features::endpoints::new_secret())
+        .execute(&app.db)
+        .await
+        .expect("B's endpoint");
+    let operations = protected_operations(&app).await;
+    let requests = operations.iter().flat_map(|(operation, _)| {
+        let aimed = aim(operation, "B").expect("aimed");
+        let app = &app;
+        (0..4).map(move |_| {
+            let aimed = Aimed {
+                method: aimed.method.clone(),
+                path: aimed.path.clone(),
+                body: aimed.body.clone(),
+            };
+            let operation = operation.clone();
+            async move {
+                let response = send(app, &app.client, &aimed).await;
+                let status = response.status();
+                (operation, status, response.text().await.unwrap_or_default())
+            }
+        })
+    });
+    let answers = futures::future::join_all(requests).await;
+    assert!(answers.len() >= 4 * 14, "{} requests", answers.len());
+    let unavailable: Vec<_> = answers
+        .iter()
+        .filter(|(_, status, _)| {
+            *status == StatusCode::SERVICE_UNAVAILABLE || status.is_server_error()
+        })
+        .collect();
+    assert!(unavailable.is_empty(), "{unavailable:#?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outside_its_projects() {
     let app = TestEnv::new().spawn().await;
@@ -428,6 +480,64 @@ async fn a_burst_over_the_rate_is_429_and_another_key_is_served_meanwhile() {
             "the calm key was throttled"
         );
     }
+}
+
+/// A request counts once toward its key's rate, however many numbers or
+/// documents it asks for: ten thousand numbers, or a batch of a thousand,
+/// each spend one token of the burst, and the burst's end is where it
+/// would be for requests of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_counts_once_toward_the_rate_whatever_it_asks_for() {
+    let mut env = TestEnv::new();
+    env.rate_limit = 1;
+    let app = env.spawn().await;
+    let key = client_with_key(Some(&create_key(&app.state, &["C"], false).await));
+    let started = Instant::now();
+    let many = key
+        .post(app.url("/ids"))
+        .json(&json!({"project": "C", "type": "1", "count": 10000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        many.status(),
+        StatusCode::OK,
+        "ten thousand numbers, one token"
+    );
+    let documents: Vec<Value> = (0..1000)
+        .map(|n| json!({"project": "C", "type": "2", "metadata": {"n": n}}))
+        .collect();
+    let batch = key
+        .post(app.url("/api/v1/documents/batch"))
+        .json(&json!({ "documents": documents }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        batch.status(),
+        StatusCode::ACCEPTED,
+        "a thousand documents, one token"
+    );
+    // The burst (twice the rate: 2) is spent by those two requests; what
+    // refilled meanwhile passes, and the next is refused.
+    let refilled = started.elapsed().as_secs_f64().floor() as usize;
+    let mut passed = 0;
+    loop {
+        let next = key.get(app.url("/api/v1/sequences")).send().await.unwrap();
+        if next.status() == StatusCode::TOO_MANY_REQUESTS {
+            break;
+        }
+        assert_eq!(next.status(), StatusCode::OK);
+        passed += 1;
+        assert!(
+            passed <= refilled + 1,
+            "{passed} passed after the burst was spent"
+        );
+    }
+    assert!(
+        passed <= started.elapsed().as_secs_f64().ceil() as usize,
+        "{passed} requests passed after a burst of 2 was spent by two requests"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -107,12 +107,20 @@ async fn a_request_that_finds_the_postgres_pool_taken_is_answered_503_at_once() 
         .timeout(Duration::from_secs(20))
         .build()
         .unwrap();
+    let asked = std::time::Instant::now();
     let refused = client
         .get(app.url(&format!("/api/v1/documents/{id}")))
         .bearer_auth(&app.admin_key)
         .send()
         .await
         .expect("an answer while the pool is taken");
+    // "At once rather than after 30 s": after the pool's acquire timeout
+    // (300 ms here), far from the request timeout (30 s).
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_secs(app.env.request_timeout_s) / 10,
+        "a request that found the pool taken was answered after {took:?}"
+    );
     assert!(
         refused.headers().contains_key("retry-after"),
         "{:?}",

@@ -54,6 +54,59 @@ async fn webhook_deliveries_are_signed_never_redirected_and_never_name_the_secre
     );
 }
 
+/// The credentials and query string of a webhook URL are secrets: no line
+/// of the instance's log names them, at any level, whatever the delivery
+/// met (accepted, refused, redirected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_log_line_names_a_webhook_urls_credentials_or_query() {
+    let (address, _received) = receiver().await;
+    let dir = tempfile::tempdir().unwrap();
+    for door in ["hook", "huge", "moved"] {
+        let mut env = TestEnv::new();
+        env.auth = false;
+        env.sink = idpool::features::documents::sink::SinkConfig::Webhook(format!(
+            "http://user:pw@{address}/{door}?token=s3cret"
+        ));
+        env.outbox_max_retries = 1;
+        env.outbox_poll_ms = 50;
+        let log = dir.path().join(format!("{door}.log"));
+        crate::support::app::expect_error_lines("dead letter");
+        let instance = crate::support::app::ServeProcess::start_logging(&env, &log, "debug").await;
+        let base = format!("http://127.0.0.1:{}", instance.port);
+        let client = client_with_key(None);
+        let accepted: Value = client
+            .post(format!("{base}/documents"))
+            .json(&json!({"project": "WL", "type": "1", "metadata": {}}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let url = format!(
+            "{base}/api/v1/documents/{}",
+            accepted["id"].as_str().unwrap()
+        );
+        until(Duration::from_secs(15), "the delivery ends", async || {
+            let document: Value = client.get(&url).send().await.unwrap().json().await.unwrap();
+            document["status"] != "pending"
+        })
+        .await;
+        let said = instance.log_text();
+        assert!(said.lines().count() > 10, "a debug log was written: {said}");
+        for secret in ["s3cret", "token=", "user:pw", ":pw@"] {
+            assert!(
+                !said.contains(secret),
+                "the log of a delivery to /{door} shows {secret}:\n{}",
+                said.lines()
+                    .filter(|l| l.contains(secret))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whatever_a_target_answers_every_due_document_ends_dead_lettered() {
     const GZIP: &[u8] = &[

@@ -434,6 +434,8 @@ impl Bench {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_failovers_cost_only_what_the_data_lost() {
+    // Failovers: a standby's refusals and lost connections are logged.
+    crate::support::app::expect_postgres_trouble();
     let cluster = PatroniCluster::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let mut env = TestEnv::new();

@@ -40,6 +40,30 @@ async fn health_readiness_and_metrics_answer() {
         response.headers().contains_key("x-request-id"),
         "every response carries a request id"
     );
+    // Without a key: the operations routes are open, the API is not.
+    let keyless = crate::support::app::client_with_key(None);
+    let mut open = Vec::new();
+    for path in ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"] {
+        let status = keyless.get(app.url(path)).send().await.unwrap().status();
+        open.push((path, status.as_u16()));
+    }
+    assert_eq!(
+        open,
+        [
+            ("/healthz", 200),
+            ("/readyz", 200),
+            ("/metrics", 200),
+            ("/openapi.json", 200),
+            ("/docs", 200)
+        ],
+        "open without a key"
+    );
+    let closed = keyless
+        .get(app.url("/api/v1/sequences"))
+        .send()
+        .await
+        .unwrap();
+    crate::support::app::assert_problem(closed, StatusCode::UNAUTHORIZED, "unauthorized").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

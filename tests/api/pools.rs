@@ -85,6 +85,48 @@ async fn a_busy_pool_grows_and_an_idle_one_shrinks_back() {
     assert_eq!(shrunk, grown / 2, "target after an idle spell");
 }
 
+/// However busy, a pool grows to at most `max_growth` times its defined
+/// size (SPEC: per-tenant growth is bounded, pool size too): Redis holds
+/// no more of one sequence than that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_pool_grows_no_further_than_its_bound() {
+    let env = TestEnv::new();
+    let settings = PoolSettings {
+        grow_within: Duration::from_millis(500),
+        max_growth: 4,
+        ..PoolSettings::default()
+    };
+    let clock = Arc::new(ManualClock::new(chrono::Utc::now()));
+    let app = env.spawn_with(clock.clone(), settings).await;
+    let created = app
+        .put_sequence("GROW", "1", json!({"pool_size": 100}))
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    // The traffic that grows an unbounded pool past 800 (above).
+    let mut seqs = Vec::new();
+    for _ in 0..40 {
+        seqs.extend(app.issue("GROW", "1", 80).await.1);
+    }
+    assert_distinct(&seqs, "GROW");
+    let grown = pool_target(&env, &app).await;
+    assert!(
+        (200..=400).contains(&grown),
+        "target after busy refills with a bound of 4 × 100: {grown}"
+    );
+    let view = app.ok_json("/api/v1/sequences/GROW/1").await;
+    let depth = view["live"]["pool_depth"].as_i64().unwrap();
+    assert!(
+        depth <= 400,
+        "{depth} numbers held in Redis for a bound of 400"
+    );
+    // A definition past the largest pool size is refused.
+    let refused = app
+        .put_sequence("GROW", "2", json!({"pool_size": 100_001}))
+        .await;
+    crate::support::app::assert_problem(refused, StatusCode::BAD_REQUEST, "invalid_definition")
+        .await;
+}
+
 /// A link of our own to `server`'s pools under `prefix`, up.
 async fn link_to(
     server: &crate::support::redis_server::RedisServer,

@@ -123,6 +123,33 @@ async fn the_sequence_list_pages_with_a_cursor() {
         .collect();
     assert_eq!(types, vec!["T0", "T1", "T2", "T3", "T4"]);
     assert_eq!(third["next_cursor"], serde_json::Value::Null);
+
+    // A scoped key's cursor names only its own rows: a cursor naming
+    // another project's sequence that exists is answered exactly as one
+    // naming a sequence that does not.
+    let scoped = crate::support::app::client_with_key(Some(
+        &crate::support::app::create_key(&app.state, &["MINE"], false).await,
+    ));
+    for i in 0..3 {
+        let r = app.put_sequence("MINE", &format!("T{i}"), json!({})).await;
+        assert_eq!(r.status(), StatusCode::CREATED);
+    }
+    let page_after = async |cursor: &str| {
+        let answer = scoped
+            .get(app.url(&format!("/api/v1/sequences?limit=2&cursor={cursor}")))
+            .send()
+            .await
+            .unwrap();
+        (answer.status(), answer.text().await.unwrap())
+    };
+    let foreign = page_after("LIST/T2").await;
+    let made_up = page_after("LISU/T2").await;
+    assert_eq!(foreign.0, StatusCode::OK, "{}", foreign.1);
+    assert_eq!(
+        foreign, made_up,
+        "another project's existing sequence as a cursor"
+    );
+    assert!(!foreign.1.contains("LIST"), "{}", foreign.1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

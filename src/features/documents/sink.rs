@@ -629,6 +629,45 @@ async fn read_answer(response: &mut reqwest::Response, keep: bool) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    /// A target answering 8 MiB: the answer is read up to 64 KiB (and a
+    /// last chunk), the rest left unread, however much the target sends.
+    #[tokio::test]
+    async fn an_answer_is_read_up_to_64_kib_whatever_its_size() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const SENT: usize = 8 * 1024 * 1024;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            let head = format!("HTTP/1.1 500 Oops\r\ncontent-length: {SENT}\r\n\r\n");
+            let _ = socket.write_all(head.as_bytes()).await;
+            let chunk = vec![b'x'; 64 * 1024];
+            for _ in 0..SENT / chunk.len() {
+                if socket.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let mut response = reqwest::Client::new()
+            .post(format!("http://{address}/"))
+            .send()
+            .await
+            .unwrap();
+        let kept = read_answer(&mut response, true).await;
+        assert_eq!(kept.len(), MAX_WEBHOOK_ANSWER);
+        let mut left = 0;
+        while let Ok(Some(chunk)) = response.chunk().await {
+            left += chunk.len();
+        }
+        let consumed = SENT - left;
+        assert!(
+            consumed <= 2 * MAX_WEBHOOK_ANSWER,
+            "{consumed} bytes of the answer were read"
+        );
+    }
+
     #[test]
     fn sinks_parse_from_their_spec_names() {
         assert_eq!("postgres".parse(), Ok(SinkConfig::Postgres));
