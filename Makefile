@@ -3,13 +3,14 @@ SHELL := /bin/bash
 export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/idpool
 export REDIS_URL ?= redis://127.0.0.1:6379
 
-.PHONY: help run test spec-map flake-hunt lint sqlx-prepare openapi services services-down clean-test-data bench bench-quick bench-build sdk-tools ha-tools test-tools
+.PHONY: help run test spec-map flake-hunt mutants lint sqlx-prepare openapi services services-down clean-test-data bench bench-quick bench-build sdk-tools ha-tools test-tools
 
 help:
 	@echo "make run            start Postgres/Redis if needed, then idpool on 127.0.0.1:8080 (no API keys)"
 	@echo "make test           install what the tests need if missing, start Postgres/Redis if needed, then the whole suite"
 	@echo "make spec-map       which tests check each SPEC promise and bound (fails on an unmapped one)"
 	@echo "make flake-hunt     the whole suite N times (RUNS=5) with one core kept busy; failures per test"
+	@echo "make mutants        mutation testing of the fast unit-tested modules; caught, missed, survivors"
 	@echo "make bench          release build, then every performance scenario (own Postgres/Redis/idpool)"
 	@echo "make bench-quick    the same scenarios at about a tenth of the size"
 	@echo "make lint           rustfmt, ARCHITECTURE.md names only code that exists, no import up a layer, clippy (warnings as errors), unused and denied dependencies, .sqlx/ current"
@@ -63,6 +64,11 @@ test: test-tools services sdk-tools
 	@export RUST_BACKTRACE=$${TEST_BACKTRACE:-0} PATH="$$(scripts/nextest.sh):$$PATH"; \
 	status=0; cargo nextest run --workspace --all-targets $(NEXTEST_ARGS) || status=$$?; \
 	cargo run -q --example clean_test_data; exit $$status
+
+# Mutation testing of the fast unit-tested modules (.cargo/mutants.toml);
+# prints caught, missed, timed out, unviable, and what was missed.
+mutants:
+	@scripts/mutants.sh $(FILES)
 
 # The whole suite RUNS times with one core kept busy (stress-ng); prints
 # the failures per test.

@@ -232,6 +232,84 @@ mod tests {
         assert_eq!(slots.in_use(), 0);
     }
 
+    /// Waits (1 s at most) until a request of `key` is queued.
+    async fn queued(slots: &FairSlots, key: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while !slots
+            .state()
+            .waiting
+            .get(key)
+            .is_some_and(|q| !q.is_empty())
+        {
+            assert!(std::time::Instant::now() < deadline, "{key} never waited");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn neither_the_capacity_nor_a_keys_cap_is_passed_when_nobody_waits() {
+        let slots = FairSlots::new(2, 2);
+        let a1 = slots.acquire("a").await;
+        let a2 = slots.acquire("a").await;
+        assert_eq!((slots.in_use(), slots.held_by("a")), (2, 2));
+        // Every slot held, nobody waiting: a third key waits all the same.
+        let b = {
+            let slots = slots.clone();
+            tokio::spawn(async move { slots.acquire("b").await })
+        };
+        queued(&slots, "b").await;
+        assert_eq!((slots.in_use(), slots.held_by("b")), (2, 0));
+        drop(a1);
+        let b = tokio::time::timeout(Duration::from_secs(1), b)
+            .await
+            .expect("b got the freed slot")
+            .unwrap();
+        assert_eq!((slots.in_use(), slots.held_by("b")), (2, 1));
+        drop((a2, b));
+
+        // Free slots, nobody waiting: a key at its cap waits for its own.
+        let capped = FairSlots::new(4, 1);
+        let a = capped.acquire("a").await;
+        let second_a = {
+            let slots = capped.clone();
+            tokio::spawn(async move { slots.acquire("a").await })
+        };
+        queued(&capped, "a").await;
+        assert_eq!((capped.in_use(), capped.held_by("a")), (1, 1));
+        drop(a);
+        let second_a = tokio::time::timeout(Duration::from_secs(1), second_a)
+            .await
+            .expect("a's own slot came back")
+            .unwrap();
+        assert_eq!((capped.in_use(), capped.held_by("a")), (1, 1));
+        drop(second_a);
+    }
+
+    #[tokio::test]
+    async fn between_keys_holding_as_many_the_one_that_waited_first_is_served() {
+        let slots = FairSlots::new(1, 1);
+        let held = slots.acquire("x").await;
+        // "z" starts waiting before "b" (which a name order would prefer).
+        let z = {
+            let slots = slots.clone();
+            tokio::spawn(async move { slots.acquire("z").await })
+        };
+        queued(&slots, "z").await;
+        let b = {
+            let slots = slots.clone();
+            tokio::spawn(async move { slots.acquire("b").await })
+        };
+        queued(&slots, "b").await;
+        drop(held);
+        let z = tokio::time::timeout(Duration::from_secs(1), z)
+            .await
+            .expect("z, first to wait, was served")
+            .unwrap();
+        assert_eq!((slots.held_by("z"), slots.held_by("b")), (1, 0));
+        drop(z);
+        drop(b.await.unwrap());
+    }
+
     #[tokio::test]
     async fn a_request_that_goes_away_leaves_no_slot_behind() {
         let slots = FairSlots::new(1, 1);
