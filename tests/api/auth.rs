@@ -193,16 +193,9 @@ async fn protected_operations(app: &TestApp) -> Vec<(String, bool)> {
     operations
 }
 
-/// No request path needs two pooled connections at once (SPEC, limits):
-/// every protected operation of the document, four of each at once, on
-/// the default pool's two turns for requests. A path that held one
-/// connection and waited for a second would, so many at once, wait out
-/// the acquire timeout and answer 503.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_protected_operation_at_once_needs_no_second_connection() {
-    let mut env = TestEnv::new();
-    env.processor = false;
-    let app = env.spawn().await;
+/// Project B as the operations are aimed at it: a sequence, two
+/// documents and an endpoint.
+async fn project_b(app: &TestApp) {
     app.issue("B", "T", 1).await;
     for _ in 0..2 {
         let response = app
@@ -216,6 +209,19 @@ async fn every_protected_operation_at_once_needs_no_second_connection() {
         .execute(&app.db)
         .await
         .expect("B's endpoint");
+}
+
+/// No request path needs two pooled connections at once (SPEC, limits):
+/// every protected operation of the document, four of each at once, on
+/// the default pool's two turns for requests. A path that held one
+/// connection and waited for a second would, so many at once, wait out
+/// the acquire timeout and answer 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_protected_operation_at_once_needs_no_second_connection() {
+    let mut env = TestEnv::new();
+    env.processor = false;
+    let app = env.spawn().await;
+    project_b(&app).await;
     let operations = protected_operations(&app).await;
     let requests = operations.iter().flat_map(|(operation, _)| {
         let aimed = aim(operation, "B").expect("aimed");
@@ -249,20 +255,8 @@ async fn every_protected_operation_at_once_needs_no_second_connection() {
 async fn every_protected_operation_keeps_out_callers_without_a_valid_key_or_outside_its_projects() {
     let app = TestEnv::new().spawn().await;
     // Project B has a sequence and documents; project Z never existed.
-    app.issue("B", "T", 1).await;
-    for _ in 0..2 {
-        let response = app
-            .post_document(&json!({"project": "B", "type": "T", "metadata": {}}), None)
-            .await;
-        assert_eq!(response.status(), StatusCode::ACCEPTED);
-    }
+    project_b(&app).await;
     let b_ledger = crate::support::app::ledger_numbers(&app.db, "B", "T", "").await;
-    sqlx::query("INSERT INTO endpoints (id, project, url, secret) VALUES ($1, 'B', 'http://127.0.0.1:9/in', $2)")
-        .bind(endpoint_id("B"))
-        .bind(idpool::features::endpoints::new_secret())
-        .execute(&app.db)
-        .await
-        .expect("B's endpoint");
     let key_a = client_with_key(Some(&create_key(&app.state, &["A"], false).await));
     let (revoked_id, revoked) = create_key_with_id(&app.state, &["A", "B"], false).await;
     app.state

@@ -85,26 +85,6 @@ impl Reset {
             Reset::Yearly => day.format("%Y").to_string(),
         }
     }
-
-    /// First days of `n` consecutive periods from `from`, to check templates against.
-    pub fn consecutive_first_days(self, from: NaiveDate, n: usize) -> Vec<NaiveDate> {
-        let mut days = Vec::with_capacity(n);
-        let mut day = from;
-        for _ in 0..n {
-            days.push(day);
-            day = match self {
-                Reset::Never => break,
-                Reset::Daily => day.succ_opt().unwrap_or(day),
-                Reset::Monthly => day
-                    .checked_add_months(chrono::Months::new(1))
-                    .unwrap_or(day),
-                Reset::Yearly => day
-                    .checked_add_months(chrono::Months::new(12))
-                    .unwrap_or(day),
-            };
-        }
-        days
-    }
 }
 
 /// Midnight of `day` in `tz`, or the first instant of that day where a DST
@@ -160,6 +140,15 @@ mod tests {
 
     fn at(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    #[test]
+    fn resets_read_back_as_they_are_stored_and_nothing_else() {
+        for reset in [Reset::Never, Reset::Daily, Reset::Monthly, Reset::Yearly] {
+            assert_eq!(Reset::parse(reset.as_str()), Some(reset));
+        }
+        assert_eq!(Reset::parse("weekly"), None);
+        assert_eq!(Reset::parse(""), None);
     }
 
     #[test]
