@@ -434,8 +434,11 @@ impl Bench {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patroni_failovers_cost_only_what_the_data_lost() {
-    // Failovers: a standby's refusals and lost connections are logged.
+    // Failovers: a standby's refusals and lost connections are logged, and
+    // so is the fence after the asynchronous one (this test counts what
+    // each event wrote off).
     crate::support::app::expect_postgres_trouble();
+    crate::support::app::expect_error_lines("Postgres was behind Redis");
     let cluster = PatroniCluster::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let mut env = TestEnv::new();
