@@ -470,6 +470,9 @@ pub async fn record_outcomes(
         }
         match marking.in_savepoint(conn).await {
             Ok(done) => outcomes.add(done),
+            // The server went away (a failover, a shutdown): no row is at
+            // fault; the step fails and is retried with its backoff.
+            Err(e) if crate::infra::db::distrust_server_after(&e) => return Err(e),
             Err(sqlx::Error::Database(e)) => {
                 tracing::error!(error = %e, "recording delivery outcomes failed; recording them row by row");
                 for one in marking.each() {
