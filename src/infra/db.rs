@@ -455,8 +455,9 @@ impl TransactionId {
 
     /// Whether it committed, asked on a fresh connection once the server
     /// answers (after its session ended); None when that took longer than
-    /// `IN_DOUBT_PATIENCE`.
-    async fn committed(self, db: &Db) -> Option<bool> {
+    /// `IN_DOUBT_PATIENCE`. A "committed" id counts only once `witness`
+    /// finds the transaction's own rows.
+    async fn committed(self, db: &Db, witness: &impl Witness) -> Option<bool> {
         once_answering(db, IN_DOUBT_PATIENCE, self.session, |mut conn| async move {
             let status = match sqlx::query_scalar!(r#"SELECT txid_status($1) AS status"#, self.xid)
                 .fetch_one(&mut conn)
@@ -471,7 +472,7 @@ impl TransactionId {
                 Err(e) => return Err(e),
             };
             match status.as_deref() {
-                Some("committed") => Ok(true),
+                Some("committed") => witness.written_by(&mut conn, self.xid).await,
                 Some("aborted") => Ok(false),
                 // Still running (behind a pooler, where its session is not
                 // ours to end) or forgotten: asked again.
@@ -496,8 +497,43 @@ fn beyond_the_servers_ids(e: &sqlx::Error) -> bool {
 /// committed: asked on a fresh connection once the server answers, after
 /// that session ended; None when Postgres did not say within
 /// `IN_DOUBT_PATIENCE`.
-pub async fn transaction_committed(db: &Db, xid: i64, session: Option<Session>) -> Option<bool> {
-    TransactionId { xid, session }.committed(db).await
+pub async fn transaction_committed(
+    db: &Db,
+    xid: i64,
+    session: Option<Session>,
+    witness: &impl Witness,
+) -> Option<bool> {
+    TransactionId { xid, session }.committed(db, witness).await
+}
+
+/// What tells a transaction's commit from another's under the same id.
+/// After a crash the server hands out again the ids of transactions whose
+/// records never reached the disk, so "committed" may be the status of a
+/// stranger that took the id of ours: a row only ours could have written
+/// (its `xmin` our id) settles it.
+pub trait Witness: Sync {
+    /// Whether transaction `xid`, which the server says committed, wrote
+    /// the rows this witness knows of.
+    fn written_by(
+        &self,
+        conn: &mut Conn,
+        xid: i64,
+    ) -> impl std::future::Future<Output = Result<bool, sqlx::Error>> + Send;
+}
+
+/// No row to look for: the server's "committed" is taken as it is said.
+pub struct Unwitnessed;
+
+impl Witness for Unwitnessed {
+    async fn written_by(&self, _: &mut Conn, _: i64) -> Result<bool, sqlx::Error> {
+        Ok(true)
+    }
+}
+
+/// The 32-bit transaction id a row's `xmin` shows for `xid` (a
+/// `txid_current()`, which carries the epoch above it).
+pub fn xmin_of(xid: i64) -> String {
+    (xid & 0xffff_ffff).to_string()
 }
 
 /// Runs `work` in a transaction whose commit answers a request, so that an
@@ -506,11 +542,13 @@ pub async fn transaction_committed(db: &Db, xid: i64, session: Option<Session>) 
 /// withdrawn at its deadline rolls back), and a `COMMIT` whose answer was
 /// lost (the connection broke, or gave no answer within
 /// `COMMIT_ANSWER_WAIT`) is looked up by its transaction id on a fresh
-/// connection: committed, the request gets its answer; not, its error.
+/// connection: committed (and found by `witness`), the request gets its
+/// answer; not, its error.
 /// Only when Postgres does not say within `IN_DOUBT_PATIENCE` is the
 /// outcome unknown (`NotAnswered::Unknown`).
 pub async fn answer_in_transaction<T, E>(
     db: &Db,
+    witness: &impl Witness,
     work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
 ) -> Answered<T, E>
 where
@@ -562,7 +600,7 @@ where
     };
     // The connection may be mid-answer: closed, never reused.
     conn.discard();
-    match id.committed(db).await {
+    match id.committed(db, witness).await {
         Some(true) => Answered::Committed(done),
         Some(false) => {
             not_written();

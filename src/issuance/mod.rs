@@ -39,7 +39,7 @@ pub use transactions::never_reuse;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::infra::db::{Db, Tx};
+use crate::infra::db::{Db, Tx, Unwitnessed, Witness};
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -349,7 +349,9 @@ impl Issuer {
                             .issue_in(tx, &placement, count, Via::Ids)
                             .await
                     };
-                    issuer.transactions.run(transaction).await
+                    // Its rows are numbered inside the transaction; a
+                    // stranger under a reused id is not told apart here.
+                    issuer.transactions.run(&Unwitnessed, transaction).await
                 })
                 .await?
             }
@@ -411,15 +413,17 @@ impl Issuer {
 
     /// `work` in a transaction whose commit answers a request: an error
     /// means nothing was written, and numbers it popped from pools go back
-    /// to them.
+    /// to them. A commit in doubt counts as made only once `witness` finds
+    /// the transaction's rows.
     pub async fn transaction<T, E>(
         &self,
+        witness: &impl Witness,
         work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E>
     where
         E: From<sqlx::Error> + From<crate::infra::commitment::NotAnswered>,
     {
-        self.transactions.run(work).await
+        self.transactions.run(witness, work).await
     }
 
     /// Runs `work` to its end whether or not its caller still waits: the

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::infra::db::{Answered, Db, Tx};
+use crate::infra::db::{Answered, Db, Tx, Witness};
 use crate::records::pool::{DiscardCause, PoolRef, PoolService};
 
 /// Numbers popped into the current transaction, and those of them that
@@ -91,6 +91,7 @@ impl Transactions {
     /// commit.
     pub(super) async fn run<T, E>(
         &self,
+        witness: &impl Witness,
         work: impl AsyncFnOnce(&mut Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E>
     where
@@ -100,7 +101,7 @@ impl Transactions {
         let answered = POPPED
             .scope(
                 popped.clone(),
-                crate::infra::db::answer_in_transaction(&self.db, work),
+                crate::infra::db::answer_in_transaction(&self.db, witness, work),
             )
             .await;
         if let Answered::NotWritten(_) = &answered {

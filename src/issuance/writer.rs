@@ -354,7 +354,16 @@ impl Writer {
                 continue;
             };
             if let std::collections::hash_map::Entry::Vacant(slot) = committed.entry(xid) {
-                slot.insert(crate::infra::db::transaction_committed(&self.db, xid, session).await);
+                slot.insert(
+                    crate::infra::db::transaction_committed(
+                        &self.db,
+                        xid,
+                        session,
+                        // Its rows are looked for below, write by write.
+                        &crate::infra::db::Unwitnessed,
+                    )
+                    .await,
+                );
             }
             match committed[&xid] {
                 Some(false) => outcomes[i] = Err(LedgerError::NotCommitted(e.clone())),

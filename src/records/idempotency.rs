@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use crate::domain::json_number;
-use crate::infra::db::{Db, Tx};
+use crate::infra::db::{Conn, Db, Tx, Witness, xmin_of};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
@@ -224,6 +224,41 @@ pub async fn claim(
         .collect()
 }
 
+/// The keys a request claims, as the witness of its transaction
+/// (`db::Witness`): a key it claimed new was inserted by that transaction,
+/// whose id is the row's `xmin`. A request that claims no key has nothing
+/// to look for, and the server's word stands.
+pub struct ClaimWitness {
+    caller: String,
+    keys: Vec<String>,
+}
+
+impl ClaimWitness {
+    pub fn new(caller: &Owner, keys: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            caller: caller.as_str().to_owned(),
+            keys: keys.into_iter().collect(),
+        }
+    }
+}
+
+impl Witness for ClaimWitness {
+    async fn written_by(&self, conn: &mut Conn, xid: i64) -> Result<bool, sqlx::Error> {
+        if self.keys.is_empty() {
+            return Ok(true);
+        }
+        sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM idempotency_keys
+                              WHERE caller = $1 AND key = ANY($2) AND xmin::text = $3) AS "written!""#,
+            self.caller,
+            &self.keys,
+            xmin_of(xid),
+        )
+        .fetch_one(&mut *conn)
+        .await
+    }
+}
+
 /// Stores the answers of claimed keys; commits with the caller's work.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn store(
@@ -281,6 +316,68 @@ pub async fn prune_periodically(db: Db, stop: CancellationToken) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Commits one transaction that runs `work`; returns its id.
+    async fn committed_transaction(db: &Db, work: impl AsyncFnOnce(&mut Tx<'_>)) -> i64 {
+        let mut tx = db.begin().await.expect("begin");
+        let xid: i64 = sqlx::query_scalar("SELECT txid_current()")
+            .fetch_one(&mut tx)
+            .await
+            .expect("txid_current");
+        work(&mut tx).await;
+        tx.commit().await.expect("commit");
+        xid
+    }
+
+    /// After a crash the server may give the id of a keyed request's
+    /// transaction, lost before its commit reached the disk, to another
+    /// transaction that then commits: the server's "committed" is that
+    /// stranger's, and the request must not be told its answer was written.
+    #[tokio::test]
+    async fn a_committed_id_is_a_keyed_requests_only_when_its_claim_carries_it() {
+        use crate::infra::db::{Unwitnessed, transaction_committed};
+        let db = crate::infra::db::scratch().await;
+        let caller = Owner::key("witnessed");
+        let ours = committed_transaction(&db, async |tx| {
+            let claimed = claim(tx, &caller, &[("order-1".to_owned(), vec![1])])
+                .await
+                .expect("claim");
+            assert!(matches!(claimed[..], [Claimed::New]));
+        })
+        .await;
+        let stranger = committed_transaction(&db, async |tx| {
+            claim(
+                tx,
+                &Owner::key("stranger"),
+                &[("order-1".to_owned(), vec![1])],
+            )
+            .await
+            .expect("the stranger's claim");
+        })
+        .await;
+        let witness = ClaimWitness::new(&caller, ["order-1".to_owned()]);
+        assert_eq!(
+            transaction_committed(&db, stranger, None, &Unwitnessed).await,
+            Some(true),
+            "the server's word for the stranger's id"
+        );
+        assert_eq!(
+            transaction_committed(&db, stranger, None, &witness).await,
+            Some(false),
+            "a stranger's commit under the request's id is not the request's"
+        );
+        assert_eq!(
+            transaction_committed(&db, ours, None, &witness).await,
+            Some(true),
+            "the request's own commit"
+        );
+        let keyless = ClaimWitness::new(&caller, []);
+        assert_eq!(
+            transaction_committed(&db, stranger, None, &keyless).await,
+            Some(true),
+            "a request that claimed no key has nothing to look for"
+        );
+    }
 
     #[test]
     fn keys_are_printable_ascii_up_to_255() {

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::AppState;
 use super::problem::{ApiError, db_error, key_reused};
-use crate::records::idempotency::{self, Claimed, Owner};
+use crate::records::idempotency::{self, ClaimWitness, Claimed, Owner};
 
 /// The `Idempotency-Key` header, validated, if sent.
 pub struct IdempotencyKey(pub Option<String>);
@@ -102,9 +102,16 @@ where
     let at = |e: ApiError, index: usize| if itemized { e.at_index(index) } else { e };
     let (fates, to_claim) = fates(keys).map_err(|index| at(key_reused(), index))?;
     // An error answer means nothing was written: see `answer_in_transaction`.
+    let witness = ClaimWitness::new(
+        caller,
+        to_claim
+            .iter()
+            .filter_map(|i| keys[*i].as_ref())
+            .map(|k| k.key.clone()),
+    );
     let (answers, fates) = state
         .issuer
-        .transaction(async |tx| {
+        .transaction(&witness, async |tx| {
             claim_and_work(tx, caller, keys, status, fates, &to_claim, at, work).await
         })
         .await?;
