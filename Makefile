@@ -68,7 +68,7 @@ test: test-tools services sdk-tools
 # Mutation testing of the fast unit-tested modules (.cargo/mutants.toml);
 # prints caught, missed, timed out, unviable, and what was missed.
 mutants:
-	@scripts/mutants.sh $(FILES)
+	@TESTS="$(TESTS)" scripts/mutants.sh $(FILES)
 
 # The whole suite RUNS times with one core kept busy (stress-ng); prints
 # the failures per test.

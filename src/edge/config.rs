@@ -871,6 +871,78 @@ mod tests {
         config: Config,
     }
 
+    /// The settings tables of SPEC.md and README.md: (name, default cell).
+    fn stated_defaults() -> Vec<(&'static str, &'static str)> {
+        let documents = [
+            include_str!("../../docs/SPEC.md"),
+            include_str!("../../README.md"),
+        ];
+        let mut stated = Vec::new();
+        for line in documents.iter().flat_map(|d| d.lines()) {
+            let Some((name, rest)) = line
+                .strip_prefix("| `")
+                .and_then(|rest| rest.split_once("` | "))
+            else {
+                continue;
+            };
+            if name.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+                let cell = rest.split(" |").next().unwrap_or_default().trim();
+                stated.push((name, cell));
+            }
+        }
+        stated
+    }
+
+    /// What the documents say an operator who sets nothing gets is what
+    /// the parser gives, and every setting the parser reads is in one of
+    /// their tables.
+    #[test]
+    fn the_defaults_the_documents_state_are_the_parsers() {
+        use clap::CommandFactory;
+        let stated = stated_defaults();
+        let command = Command::command();
+        let mut compared = 0;
+        for arg in command.get_arguments() {
+            let Some(name) = arg.get_env().and_then(|env| env.to_str()) else {
+                continue;
+            };
+            let defaults: Vec<String> = arg
+                .get_default_values()
+                .iter()
+                .map(|value| value.to_string_lossy().into_owned())
+                .collect();
+            let cells: Vec<&str> = stated
+                .iter()
+                .filter(|(stated, _)| *stated == name)
+                .map(|(_, cell)| *cell)
+                .collect();
+            assert!(
+                !cells.is_empty(),
+                "{name} is in no settings table of SPEC.md or README.md"
+            );
+            for cell in cells {
+                match cell.strip_prefix('`').and_then(|c| c.strip_suffix('`')) {
+                    Some(value) => {
+                        assert_eq!(defaults, [value], "{name}: the documents say {cell}")
+                    }
+                    None if cell == "none" || cell == "unset" => {
+                        assert!(
+                            defaults.is_empty(),
+                            "{name}: documented as {cell}, defaults to {defaults:?}"
+                        )
+                    }
+                    // Made at start from the host's name and the process id.
+                    None if cell == "host-pid" => assert!(defaults.is_empty(), "{name}"),
+                    None => panic!(
+                        "{name}: the documents state its default as {cell:?}, not as a value"
+                    ),
+                }
+                compared += 1;
+            }
+        }
+        assert!(compared > 50, "{compared} defaults compared");
+    }
+
     fn parsed(args: &[&str]) -> Config {
         let args = std::iter::once("idpool").chain(args.iter().copied());
         Command::try_parse_from(args).expect("parses").config

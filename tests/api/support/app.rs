@@ -1038,11 +1038,54 @@ impl ServeProcess {
         .await
     }
 
+    /// Starts the binary on the defaults: only where Postgres and Redis
+    /// are, its port, its Redis prefix and `settings` are set, every other
+    /// setting as an operator who sets nothing gets it.
+    pub async fn start_on_defaults(env: &TestEnv, settings: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().expect("log directory");
+        let log = dir.path().join("idpool.log");
+        let file = std::fs::File::create(&log).expect("log file");
+        let stdout = file.try_clone().expect("log file");
+        let settings: Vec<(String, String)> = settings
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+            .collect();
+        let mut process = Self::launch_with(
+            |port| {
+                let mut vars = vec![
+                    ("DATABASE_URL".to_owned(), env.database_url.clone()),
+                    ("REDIS_URL".to_owned(), env.redis_url.clone()),
+                    ("IDPOOL_LISTEN".to_owned(), format!("127.0.0.1:{port}")),
+                    ("IDPOOL_REDIS_PREFIX".to_owned(), env.prefix.clone()),
+                ];
+                vars.extend(settings.iter().cloned());
+                vars
+            },
+            stdout.into(),
+            (file, None, log),
+            |status| status == StatusCode::OK,
+        )
+        .await;
+        process._log_dir = Some(dir);
+        process
+    }
+
     /// Starts the binary, its output in `log`'s file (at `log`'s level, or
     /// the environment's), and waits until /readyz answers as `answered`
     /// wants.
     async fn launch_until(
         env: &TestEnv,
+        stdout: std::process::Stdio,
+        log: (std::fs::File, Option<&str>, std::path::PathBuf),
+        answered: fn(StatusCode) -> bool,
+    ) -> Self {
+        Self::launch_with(|port| env.process_env(port), stdout, log, answered).await
+    }
+
+    /// [`Self::launch_until`] with the environment `vars` gives for a port,
+    /// in place of the harness's whole one.
+    async fn launch_with(
+        vars: impl FnOnce(u16) -> Vec<(String, String)>,
         stdout: std::process::Stdio,
         log: (std::fs::File, Option<&str>, std::path::PathBuf),
         answered: fn(StatusCode) -> bool,
@@ -1053,10 +1096,13 @@ impl ServeProcess {
             .unwrap()
             .port();
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idpool"));
-        command
-            .arg("serve")
-            .envs(env.process_env(port))
-            .stdout(stdout);
+        // Only the settings given: none leaks in from the test's own.
+        for (name, _) in std::env::vars() {
+            if name.starts_with("IDPOOL_") {
+                command.env_remove(name);
+            }
+        }
+        command.arg("serve").envs(vars(port)).stdout(stdout);
         let (file, level, log) = log;
         command.stderr(file);
         if let Some(level) = level {
