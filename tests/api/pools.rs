@@ -250,3 +250,76 @@ async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
         "scripts held Redis over 50 ms: {slow}"
     );
 }
+
+/// Lock waits on `counters` in the app's database: refills and takes of
+/// numbers waiting for the row a test holds.
+async fn waiting_on_counters(app: &TestApp) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND wait_event_type = 'Lock' AND query ILIKE '%counters%'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap()
+}
+
+/// A request that finds its pool short waits for the refill that has begun
+/// numbering its block, however long that takes, instead of taking numbers
+/// from the counter past that block: its numbers come in order. (With a
+/// refill slower than the short wait, on a loaded machine, one request got
+/// 1002 and the next ones 1, 2, ….)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_the_block_a_slow_refill_has_taken_and_gets_its_numbers_in_order() {
+    let mut env = TestEnv::new();
+    env.leases = false;
+    let app = env.spawn().await;
+    let created = app
+        .put_sequence("ORDER", "1", json!({"pool_size": 10}))
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let (_, first) = app.issue("ORDER", "1", 1).await;
+    // The pool's own refill after that pop has landed.
+    let depth =
+        crate::support::app::eventually(Duration::from_secs(10), "the pool refilled", async || {
+            let metrics = app.metrics().await;
+            let view = app.ok_json("/api/v1/sequences/ORDER/1").await;
+            let depth = view["live"]["pool_depth"].as_i64()?;
+            (metrics.get("idpool_refills_in_flight") == Some(&0.0) && depth > 0).then_some(depth)
+        })
+        .await;
+
+    // Postgres holds the counter row, as a slow database would: the refill
+    // of the next request's shortfall waits on it past the short wait.
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query(
+        "SELECT 1 FROM counters c JOIN sequences s ON s.id = c.sequence_id \
+         WHERE s.project = 'ORDER' FOR UPDATE OF c",
+    )
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let short_wait = PoolSettings::default().short_wait;
+    let watched = &app;
+    let (issued, ()) = tokio::join!(app.issue("ORDER", "1", depth + 50), async move {
+        crate::support::app::eventually(
+            Duration::from_secs(10),
+            "the refill waits for the counter row",
+            async || (waiting_on_counters(watched).await >= 1).then_some(()),
+        )
+        .await;
+        // Held past the short wait: a request that took numbers from the
+        // counter meanwhile would wait on the row behind the refill.
+        let _ = crate::support::app::within(short_wait * 4, async || {
+            (waiting_on_counters(watched).await >= 2).then_some(())
+        })
+        .await;
+        holder.commit().await.unwrap();
+    });
+    let (_, seqs) = issued;
+    assert_eq!(seqs.len() as i64, depth + 50);
+    assert_eq!(seqs[0], first[0] + 1, "{seqs:?}");
+    assert!(
+        seqs.windows(2).all(|pair| pair[1] == pair[0] + 1),
+        "numbers out of order: {seqs:?}"
+    );
+}

@@ -224,8 +224,9 @@ impl PoolService {
     }
 
     /// Pops up to `count` numbers. A pool that runs short gets the refill it
-    /// needs (waited for up to `short_wait`) and one more pop; what is still
-    /// missing is the caller's to take from Postgres.
+    /// needs (waited for up to `short_wait`, or until it is pushed once it
+    /// has taken its block) and one more pop; what is still missing is the
+    /// caller's to take from Postgres.
     pub async fn take(
         self: &Arc<Self>,
         pool: &PoolRef,
@@ -246,8 +247,21 @@ impl PoolService {
         self.refills.refill_if_low(pool, &popped);
         if seqs.len() < count {
             let deadline = tokio::time::Instant::now() + self.settings.short_wait;
+            let mut waited_past_deadline = false;
             while seqs.len() < count {
-                let refill = tokio::time::timeout_at(deadline, self.refills.handle(pool)).await;
+                let mut refill = tokio::time::timeout_at(deadline, self.refills.handle(pool)).await;
+                if refill.is_err() && !waited_past_deadline {
+                    // A refill that has begun to number its block is waited
+                    // for, however long it takes (its statement and Redis
+                    // timeouts bound it): the counter would now give numbers
+                    // past that block, out of order with those the block
+                    // then gives later requests. Once, so a pool drained by
+                    // others as fast as it fills cannot hold this request.
+                    if let Some(numbering) = self.refills.numbering(pool) {
+                        waited_past_deadline = true;
+                        refill = Ok(numbering.await);
+                    }
+                }
                 match refill {
                     Ok(RefillOutcome::Refilled | RefillOutcome::NotNeeded) => {}
                     // Another instance is refilling: give it a moment

@@ -33,6 +33,10 @@ pub struct Refills {
     clock: Arc<dyn Clock>,
     discards: Arc<Discards>,
     refills_in_flight: Mutex<HashMap<Arc<PoolKeys>, SharedRefill>>,
+    /// Pools whose refill is taking its block from the counter or pushing
+    /// it: numbers taken from the counter meanwhile would come after the
+    /// block's, which later requests would then get.
+    numbering: Mutex<std::collections::HashSet<Arc<PoolKeys>>>,
     /// Numbers requests of this instance are waiting for, per pool.
     demand: Mutex<HashMap<Arc<PoolKeys>, i64>>,
     refill_slots: Arc<Semaphore>,
@@ -73,6 +77,7 @@ impl Refills {
             clock,
             discards,
             refills_in_flight: Mutex::new(HashMap::new()),
+            numbering: Mutex::new(std::collections::HashSet::new()),
             demand: Mutex::new(HashMap::new()),
             refills: TaskTracker::new(),
         })
@@ -103,6 +108,22 @@ impl Refills {
         if popped.depth <= Self::low_water(pool, popped.target) {
             drop(self.handle(pool));
         }
+    }
+
+    /// The refill of `pool` running in this instance once it has begun to
+    /// take its block from the counter (until it has pushed it); None
+    /// otherwise. Bounded by the statement and Redis timeouts, unlike one
+    /// still queued for a refill slot.
+    pub(super) fn numbering(&self, pool: &PoolRef) -> Option<SharedRefill> {
+        let numbering = self.numbering.lock().unwrap_or_else(|e| e.into_inner());
+        if !numbering.contains(&pool.keys) {
+            return None;
+        }
+        self.refills_in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&pool.keys)
+            .cloned()
     }
 
     /// The refill of `pool` running in this instance, started if there is none.
@@ -191,6 +212,7 @@ impl Refills {
             return RefillOutcome::NotNeeded;
         }
         let want = (target - locked.depth).max(0) + demand;
+        let _numbering = Numbering::begin(self, &pool.keys);
         let block = match self.reserve_block(pool, want, lock_acquired_at).await {
             Ok(block) => block,
             Err(outcome) => {
@@ -328,6 +350,34 @@ pub enum RefillOutcome {
 
 /// Upper bound for any pool's target depth.
 const MAX_TARGET: u32 = 1_000_000;
+
+/// Marks a pool's refill as numbering (`Refills::numbering`) from before
+/// its block is taken until it is pushed, or the refill ends otherwise.
+struct Numbering<'a> {
+    service: &'a Refills,
+    keys: &'a Arc<PoolKeys>,
+}
+
+impl<'a> Numbering<'a> {
+    fn begin(service: &'a Refills, keys: &'a Arc<PoolKeys>) -> Self {
+        service
+            .numbering
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(keys.clone());
+        Self { service, keys }
+    }
+}
+
+impl Drop for Numbering<'_> {
+    fn drop(&mut self) {
+        self.service
+            .numbering
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(self.keys);
+    }
+}
 
 /// Unmarks a pool as refilling when its refill task ends, however it ends.
 struct InFlightRefill<'a> {
