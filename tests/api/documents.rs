@@ -1226,3 +1226,66 @@ async fn attaches_waiting_for_handouts_hold_up_no_other_tenant() {
         &beside,
     );
 }
+
+/// Notifying commits of a database queue on one lock (Postgres serialises
+/// them), and a wait there counts against `lock_timeout`. Another tenant's
+/// slow commits (here three sessions whose every commit of a NOTIFY takes
+/// 100 ms, as large batches on a busy disk do) must not fail a small
+/// document whose shared write waits its turn: no row of anybody's is in
+/// its way, so nobody's request is at fault. (A hostile review's 503 for a
+/// tenant beside another's document batches.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_queued_behind_other_tenants_slow_commits_is_written() {
+    use sqlx::Connection;
+    let env = TestEnv::new();
+    let app = env.spawn().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let commits = Arc::new(AtomicU64::new(0));
+    sqlx::query("CREATE TABLE elsewhere (n bigint)")
+        .execute(&app.db)
+        .await
+        .expect("another tenant's table");
+    let mut noise = Vec::new();
+    for _ in 0..3 {
+        let mut conn = sqlx::PgConnection::connect(&env.database_url)
+            .await
+            .expect("a session of its own");
+        sqlx::raw_sql("SET commit_delay = 100000; SET commit_siblings = 0")
+            .execute(&mut conn)
+            .await
+            .expect("slow commits");
+        let (stop, commits) = (stop.clone(), commits.clone());
+        noise.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                // A commit that wrote WAL waits for its flush (and
+                // commit_delay): one that only notifies would not.
+                sqlx::raw_sql(
+                    "BEGIN; INSERT INTO elsewhere VALUES (1); \
+                     SELECT pg_notify('elsewhere', ''); COMMIT",
+                )
+                .execute(&mut conn)
+                .await
+                .expect("a notifying commit");
+                commits.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the slow commits are under way",
+        async || (commits.load(Ordering::Relaxed) >= 3).then_some(()),
+    )
+    .await;
+    for n in 0..10 {
+        let body = doc("QUIET", "1", json!({ "n": n }));
+        let response = app.post_document(&body, None).await;
+        let status = response.status();
+        let answer: Value = response.json().await.expect("json");
+        assert_eq!(status, StatusCode::ACCEPTED, "document {n}: {answer}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in noise {
+        task.await.expect("noise");
+    }
+    assert_eq!(app.outbox_count(None).await, 10);
+}
