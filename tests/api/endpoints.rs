@@ -731,3 +731,59 @@ async fn deleting_an_endpoint_with_a_backlog_is_quick_and_abandons_it_for_that_e
     let first = backlog.keys().next().unwrap();
     assert_eq!(app.document(first).await["status"], "committed");
 }
+
+/// A rotation's answer promises the secret it replaced signs until
+/// `previous_expires_at`: a second rotation before then is refused and
+/// changes nothing, and of ten at once exactly one rotates. (A review
+/// rotated twice and the first secret stopped signing at once; ten at
+/// once answered ten secrets of which two ever signed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotation_keeps_the_promise_of_the_one_before() {
+    let app = TestEnv::new().spawn().await;
+    let mine = client_with_key(Some(&create_key(&app.state, &["TURN"], false).await));
+    let rotate = async |id: &str| {
+        mine.post(app.url(&format!("/api/v1/endpoints/{id}/rotate-secret")))
+            .send()
+            .await
+            .unwrap()
+    };
+    let response = create_endpoint(
+        &app,
+        &mine,
+        json!({"project": "TURN", "url": "http://127.0.0.1:9/in"}),
+    )
+    .await;
+    let id = response.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let first = rotate(&id).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let promised: Value = first.json().await.unwrap();
+    let until = promised["previous_expires_at"].as_str().unwrap().to_owned();
+    let again = rotate(&id).await;
+    let problem = assert_problem(again, StatusCode::CONFLICT, "secret_rotation_pending").await;
+    assert!(
+        problem["detail"].as_str().unwrap().contains(&until[..19]),
+        "{problem} names {until}"
+    );
+
+    let response = create_endpoint(
+        &app,
+        &mine,
+        json!({"project": "TURN", "url": "http://127.0.0.1:9/other"}),
+    )
+    .await;
+    let other = response.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let answers =
+        futures::future::join_all((0..10).map(|_| async { rotate(&other).await.status() })).await;
+    let rotated = answers.iter().filter(|s| **s == StatusCode::OK).count();
+    let refused = answers
+        .iter()
+        .filter(|s| **s == StatusCode::CONFLICT)
+        .count();
+    assert_eq!((rotated, refused), (1, 9), "{answers:?}");
+}

@@ -41,6 +41,9 @@ fn endpoint_error(e: EndpointError) -> ApiError {
             ApiError::bad_request("invalid_endpoint_url", format!("url: {refused}"))
         }
         EndpointError::Invalid(detail) => ApiError::bad_request("invalid_endpoint", detail),
+        EndpointError::RotationPending(_) => {
+            ApiError::conflict("secret_rotation_pending", e.to_string())
+        }
         EndpointError::Db(e) => db_error(e),
     }
 }
@@ -280,6 +283,7 @@ pub async fn delete_endpoint(
     responses(
         (status = 200, description = "The new secret, shown only here", body = RotatedSecret),
         (status = 404, description = "endpoint_not_found", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "secret_rotation_pending: the secret rotated out last still signs (until the time the detail names); nothing changed", body = Problem, content_type = "application/problem+json"),
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]

@@ -106,6 +106,11 @@ pub enum EndpointError {
     InvalidUrl(#[from] Refused),
     #[error("{0}")]
     Invalid(String),
+    #[error(
+        "the secret rotated out last still signs until {}, as its rotation promised; rotate again after that",
+        .0.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )]
+    RotationPending(chrono::DateTime<chrono::Utc>),
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -211,15 +216,19 @@ impl Endpoints {
         projects: Option<&[String]>,
     ) -> Result<RotatedSecret, EndpointError> {
         let secret = new_secret();
-        let previous_expires_at = store::rotate_secret(
+        let rotation = store::rotate_secret(
             &self.db,
             id,
             projects,
             &secret,
             self.settings.secret_overlap,
         )
-        .await?
-        .ok_or_else(|| EndpointError::NotFound(id.to_owned()))?;
+        .await?;
+        let previous_expires_at = match rotation {
+            store::Rotation::Rotated(until) => until,
+            store::Rotation::Pending(until) => return Err(EndpointError::RotationPending(until)),
+            store::Rotation::NotFound => return Err(EndpointError::NotFound(id.to_owned())),
+        };
         Ok(RotatedSecret {
             secret,
             previous_expires_at,

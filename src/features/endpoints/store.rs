@@ -213,19 +213,35 @@ pub async fn sweep_deleted(db: &Db, chunk: i64) -> Result<u64, sqlx::Error> {
     Ok(changed)
 }
 
+/// What became of a rotation ([`rotate_secret`]).
+#[derive(Debug)]
+pub enum Rotation {
+    /// The new secret signs; the one before it until this time.
+    Rotated(DateTime<Utc>),
+    /// A secret rotated out earlier still signs until this time, as its
+    /// rotation's answer promised: nothing changed.
+    Pending(DateTime<Utc>),
+    /// The caller has no such endpoint.
+    NotFound,
+}
+
 /// Makes a new secret the one that signs; the one before keeps signing
-/// until the answer's time. None when the caller has no such endpoint.
+/// until the answer's time. Refused while a secret rotated out earlier
+/// still signs: only two secrets sign at once, and dropping that one
+/// would break the time its rotation promised. One statement, so of
+/// rotations at once one wins and the others find it pending.
 pub async fn rotate_secret(
     db: &Db,
     id: &str,
     projects: Option<&[String]>,
     secret: &str,
     overlap: std::time::Duration,
-) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar(
+) -> Result<Rotation, sqlx::Error> {
+    let rotated: Option<DateTime<Utc>> = sqlx::query_scalar(
         "UPDATE endpoints SET previous_secret = secret, secret = $3, \
              previous_expires_at = now() + make_interval(secs => $4), updated_at = now() \
          WHERE id = $1 AND ($2::text[] IS NULL OR project = ANY($2)) \
+           AND (previous_expires_at IS NULL OR previous_expires_at <= now()) \
          RETURNING previous_expires_at",
     )
     .bind(id)
@@ -233,7 +249,25 @@ pub async fn rotate_secret(
     .bind(secret)
     .bind(overlap.as_secs_f64())
     .fetch_optional(db)
-    .await
+    .await?;
+    if let Some(until) = rotated {
+        return Ok(Rotation::Rotated(until));
+    }
+    let pending: Option<Option<DateTime<Utc>>> = sqlx::query_scalar(
+        "SELECT previous_expires_at FROM endpoints \
+         WHERE id = $1 AND ($2::text[] IS NULL OR project = ANY($2))",
+    )
+    .bind(id)
+    .bind(projects)
+    .fetch_optional(db)
+    .await?;
+    Ok(match pending {
+        Some(Some(until)) => Rotation::Pending(until),
+        // Its earlier secret lapsed between the two statements: the
+        // caller may simply ask again.
+        Some(None) => Rotation::Pending(Utc::now()),
+        None => Rotation::NotFound,
+    })
 }
 
 /// Sets the status of routed documents from their deliveries (see the
