@@ -747,16 +747,7 @@ async fn a_rotation_keeps_the_promise_of_the_one_before() {
             .await
             .unwrap()
     };
-    let response = create_endpoint(
-        &app,
-        &mine,
-        json!({"project": "TURN", "url": "http://127.0.0.1:9/in"}),
-    )
-    .await;
-    let id = response.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let (id, _) = register(&app, &mine, "TURN", "http://127.0.0.1:9/in").await;
     let first = rotate(&id).await;
     assert_eq!(first.status(), StatusCode::OK);
     let promised: Value = first.json().await.unwrap();
@@ -768,16 +759,7 @@ async fn a_rotation_keeps_the_promise_of_the_one_before() {
         "{problem} names {until}"
     );
 
-    let response = create_endpoint(
-        &app,
-        &mine,
-        json!({"project": "TURN", "url": "http://127.0.0.1:9/other"}),
-    )
-    .await;
-    let other = response.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let (other, _) = register(&app, &mine, "TURN", "http://127.0.0.1:9/other").await;
     let answers =
         futures::future::join_all((0..10).map(|_| async { rotate(&other).await.status() })).await;
     let rotated = answers.iter().filter(|s| **s == StatusCode::OK).count();
