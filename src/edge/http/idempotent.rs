@@ -107,7 +107,8 @@ where
         to_claim
             .iter()
             .filter_map(|i| keys[*i].as_ref())
-            .map(|k| k.key.clone()),
+            .map(|k| k.key.as_str())
+            .collect(),
     );
     let (answers, fates) = state
         .issuer
