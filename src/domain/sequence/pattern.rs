@@ -187,7 +187,9 @@ impl Pattern {
                 seq: Some(0),
                 label: label.to_owned(),
             })],
-            last_varying: (max_digits > 1).then_some(0),
+            // The only field takes the whole ID (when its width is fixed,
+            // reading never asks which field varies last).
+            last_varying: Some(0),
             suffix_chars: 0,
         }
     }
@@ -490,6 +492,151 @@ mod tests {
         assert_eq!(a.common_example(&a_dash), None);
     }
 
+    #[test]
+    fn char_sets_combine_and_describe_themselves() {
+        let ab = CharSet::of(b"ab");
+        let bc = CharSet::of(b"bc");
+        assert_eq!(ab.union(bc), CharSet::of(b"abc"), "overlapping sets unite");
+        assert_eq!(ab.intersect(bc), CharSet::of(b"b"));
+        assert_eq!(
+            CharSet::DIGITS.intersect(CharSet::LETTERS),
+            CharSet::default()
+        );
+        assert_eq!(CharSet::range(b'a', b'c'), CharSet::of(b"abc"));
+        assert_eq!(
+            CharSet::seen_in("abba"),
+            Some(ab),
+            "a character seen twice stays"
+        );
+        assert_eq!(CharSet::seen_in(""), Some(CharSet::default()));
+        assert_eq!(CharSet::seen_in("a\u{e9}"), None, "only ASCII is a field's");
+        assert!(CharSet::DIGITS.contains('7') && !CharSet::DIGITS.contains('a'));
+        assert!(!CharSet::LETTERS.contains('\u{e9}'));
+        assert_eq!(bc.any(), Some('b'));
+        assert_eq!(CharSet::default().any(), None);
+        assert_eq!(format!("{:?}", CharSet::of(b"b-a")), r#"CharSet("-ab")"#);
+    }
+
+    #[test]
+    fn a_decimal_number_reads_as_itself_and_nothing_else() {
+        let number = Pattern::number(19, "{seq}");
+        assert_eq!(number.seq_of("9223372036854775807"), Some(i64::MAX));
+        assert_eq!(number.seq_of("0"), Some(0));
+        assert_eq!(number.seq_of("42"), Some(42));
+        assert_eq!(number.seq_of("042"), None, "no leading zero");
+        assert_eq!(number.seq_of(""), None);
+        assert_eq!(number.seq_of("12345678901234567890"), None, "20 digits");
+        assert_eq!(number.seq_of("12a"), None);
+        let digit = Pattern::number(1, "{seq}");
+        assert_eq!(digit.seq_of("7"), Some(7));
+        assert_eq!(digit.seq_of("77"), None);
+    }
+
+    #[test]
+    fn fields_take_exactly_their_widths() {
+        // A fixed-width number and a fixed field after it: a short ID is
+        // no ID, however much of it matches.
+        let fixed = Pattern::new(vec![text("A"), seq(3, 3), digits(2, 2, "%y")]).unwrap();
+        assert_eq!(fixed.seq_of("A12326"), Some(123));
+        assert_eq!(fixed.seq_of("A1232"), None);
+        assert_eq!(fixed.seq_of("A12"), None);
+        assert_eq!(fixed.seq_of("A123266"), None);
+        // A delimited field between its bounds only.
+        let day = Pattern::new(vec![digits(2, 3, "d"), text("-"), seq(0, 16)]).unwrap();
+        assert_eq!(day.seq_of("12-5"), Some(5));
+        assert_eq!(day.seq_of("123-5"), Some(5));
+        assert_eq!(day.seq_of("1-5"), None, "one digit is under the minimum");
+        assert_eq!(
+            day.seq_of("1234-5"),
+            None,
+            "four digits are over the maximum"
+        );
+        // A character outside the field's set, even one that spans bytes.
+        assert_eq!(day.seq_of("1\u{e9}-5"), None);
+        let letters = Pattern::new(vec![
+            Part::Field(Field {
+                min: 3,
+                max: 3,
+                chars: CharSet::LETTERS,
+                seq: None,
+                label: "%b".into(),
+            }),
+            seq(0, 16),
+        ])
+        .unwrap();
+        assert_eq!(letters.seq_of("Nov7"), Some(7));
+        assert_eq!(letters.seq_of("N\u{e9}v7"), None);
+        assert_eq!(letters.seq_of("N\u{e9}7"), None);
+    }
+
+    #[test]
+    fn reading_looks_at_each_character_twice() {
+        // Once to count the characters, once to match them.
+        let p = Pattern::new(vec![text("PROJ-9012-"), seq(0, 16)]).unwrap();
+        let mut steps = 0;
+        assert_eq!(p.read("PROJ-9012-1001", &mut steps), Some(1001));
+        assert_eq!(steps, 2 * "PROJ-9012-1001".len());
+    }
+
+    /// Whether `pattern` prints `s`, by trying every width of every field:
+    /// slow, and independent of the automaton `common_example` explores.
+    fn prints(parts: &[Part], s: &str) -> bool {
+        match parts.split_first() {
+            None => s.is_empty(),
+            Some((Part::Text(t), rest)) => {
+                s.strip_prefix(t.as_str()).is_some_and(|s| prints(rest, s))
+            }
+            Some((Part::Field(f), rest)) => (f.min..=f.max).any(|n| {
+                s.len() >= n
+                    && s.is_char_boundary(n)
+                    && s[..n].chars().all(|c| f.chars.contains(c))
+                    && prints(rest, &s[n..])
+            }),
+        }
+    }
+
+    #[test]
+    fn common_examples_are_printed_by_both_patterns() {
+        let letters = |min, max| {
+            Part::Field(Field {
+                min,
+                max,
+                chars: CharSet::LETTERS,
+                seq: None,
+                label: "name".into(),
+            })
+        };
+        // Fields whose sets never meet print nothing alike.
+        let a = Pattern::loose(vec![text("P"), letters(3, 3), seq(0, 4)]);
+        let b = Pattern::loose(vec![text("P"), digits(3, 3, "d"), seq(0, 4)]);
+        assert_eq!(a.common_example(&b), None);
+        // One ends where the other goes on: no string both print.
+        let short = Pattern::loose(vec![text("P-"), seq(1, 2)]);
+        let long = Pattern::loose(vec![text("P-"), seq(3, 4)]);
+        assert_eq!(short.common_example(&long), None);
+        // Widths that overlap in 2: the example is as long as both allow.
+        let one_two = Pattern::loose(vec![text("P-"), digits(1, 2, "d"), text("x")]);
+        let two_three = Pattern::loose(vec![text("P-"), digits(2, 3, "d"), text("x")]);
+        let example = one_two
+            .common_example(&two_three)
+            .expect("two digits print alike");
+        assert!(
+            prints(one_two.parts(), &example) && prints(two_three.parts(), &example),
+            "{example}"
+        );
+        assert_eq!(example.len(), "P-00x".len());
+        // An optional field at the start of either.
+        let optional = Pattern::loose(vec![digits(0, 2, "d"), text("Q"), seq(0, 3)]);
+        let plain = Pattern::loose(vec![text("Q"), seq(0, 3)]);
+        let example = optional
+            .common_example(&plain)
+            .expect("the field may print nothing");
+        assert!(
+            prints(optional.parts(), &example) && prints(plain.parts(), &example),
+            "{example}"
+        );
+    }
+
     fn arbitrary_part() -> impl Strategy<Value = Part> {
         prop_oneof![
             "[A-Za-z0-9_/.-]{1,3}".prop_map(Part::Text),
@@ -545,6 +692,24 @@ mod tests {
                 let digits = format!("{number:0width$}").len();
                 prop_assume!(digits <= 9);
                 prop_assert_eq!(pattern.seq_of(&id), Some(number), "{} from {:?}", id, pattern);
+            }
+        }
+
+        #[test]
+        fn two_patterns_share_an_example_exactly_when_they_print_a_string_alike(
+            a in proptest::collection::vec(arbitrary_part(), 1..5),
+            b in proptest::collection::vec(arbitrary_part(), 1..5),
+            fill in proptest::collection::vec(0usize..5, 8),
+        ) {
+            let (a, b) = (Pattern::loose(a), Pattern::loose(b));
+            let example = a.common_example(&b);
+            if let Some(example) = &example {
+                prop_assert!(prints(a.parts(), example) && prints(b.parts(), example), "{:?}", example);
+            }
+            // A string `a` prints that `b` prints too must be found.
+            let printed = sample(&a, 0, &fill);
+            if prints(b.parts(), &printed) {
+                prop_assert!(example.is_some(), "{} is printed by both", printed);
             }
         }
 

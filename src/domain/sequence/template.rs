@@ -374,12 +374,15 @@ fn specifiers(format: &str) -> Vec<&str> {
         let end = if let Some(spec) = rest.strip_prefix('%') {
             let flags = spec.len() - spec.trim_start_matches(['-', '0', '_', '#']).len();
             let after_flags = &spec[flags.min(1)..];
-            let dot = usize::from(after_flags.starts_with('.'));
-            let digits = after_flags[dot..]
+            // The offsets `%:z`, `%::z`, `%:::z`: the colons are the item's.
+            let colons = (after_flags.len() - after_flags.trim_start_matches(':').len()).min(3);
+            let after_colons = &after_flags[colons..];
+            let dot = usize::from(after_colons.starts_with('.'));
+            let digits = after_colons[dot..]
                 .bytes()
                 .take_while(u8::is_ascii_digit)
                 .count();
-            let head = 1 + flags.min(1) + dot + digits;
+            let head = 1 + flags.min(1) + colons + dot + digits;
             head + rest[head..].chars().next().map_or(0, char::len_utf8)
         } else {
             rest.find('%').unwrap_or(rest.len())
@@ -444,7 +447,6 @@ fn numeric_printed(
         Numeric::YearDiv100 => (2, Calendar::CENTURY),
         Numeric::YearMod100 => (2, Calendar::YEAR_OF_CENTURY),
         Numeric::IsoYear => (4, Calendar::ISO_YEAR),
-        Numeric::IsoYearDiv100 => (2, 0),
         Numeric::IsoYearMod100 => (2, Calendar::ISO_YEAR),
         Numeric::Quarter => (1, 0),
         Numeric::Month => (2, Calendar::MONTH),
@@ -471,6 +473,8 @@ fn numeric_printed(
 }
 
 /// What a fixed item (month and weekday names, offsets, fractions) prints.
+/// Items chrono's strftime never yields (`RFC2822`, the `Z` offsets) are
+/// refused as unknown, like any chrono may add.
 fn fixed_printed(
     fixed: &Fixed,
     refuse: &dyn Fn(&'static str) -> TemplateError,
@@ -491,12 +495,10 @@ fn fixed_printed(
         Fixed::TimezoneOffsetColon => field(6, 6, offset, 0),
         Fixed::TimezoneOffsetDoubleColon => field(9, 9, offset, 0),
         Fixed::TimezoneOffsetTripleColon => field(3, 3, offset, 0),
-        Fixed::TimezoneOffsetZ => field(1, 5, offset.union(CharSet::of(b"Z")), 0),
-        Fixed::TimezoneOffsetColonZ => field(1, 6, offset.union(CharSet::of(b"Z")), 0),
         Fixed::TimezoneName => {
             return Err(refuse("zone names are ambiguous; use %z for the offset"));
         }
-        Fixed::RFC2822 | Fixed::RFC3339 => {
+        Fixed::RFC3339 => {
             return Err(refuse("use the date and time items it is made of"));
         }
         _ => internal_fixed(fixed).ok_or_else(|| refuse("unknown item"))?,

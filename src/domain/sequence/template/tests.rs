@@ -1,5 +1,5 @@
 use super::*;
-use chrono::Utc;
+use chrono::{TimeZone, Utc};
 use proptest::prelude::*;
 
 fn at(s: &str) -> DateTime<Utc> {
@@ -163,7 +163,109 @@ fn calendar_parts_are_read_from_the_items() {
     assert!(named("{date:%s}-{seq}").names_the_day());
 }
 
+/// Every specifier chrono's strftime prints, as users write them.
+const PRINTED_SPECIFIERS: &[&str] = &[
+    "%Y", "%C", "%y", "%q", "%m", "%b", "%B", "%h", "%d", "%e", "%a", "%A", "%w", "%u", "%U", "%W",
+    "%G", "%g", "%V", "%j", "%D", "%x", "%F", "%v", "%H", "%k", "%I", "%l", "%P", "%p", "%M", "%S",
+    "%f", "%.f", "%.3f", "%.6f", "%.9f", "%3f", "%6f", "%9f", "%R", "%T", "%X", "%r", "%z", "%:z",
+    "%::z", "%:::z", "%c", "%s", "%%", "%-d", "%_m", "%0e", "%-j",
+];
+
+/// Instants at which every item prints its shortest and its longest:
+/// every month (names of 3 to 9 letters) on days of one and two digits,
+/// so every weekday (6 to 9 letters), morning and afternoon, and fractions
+/// of a second of every precision.
+fn extreme_instants() -> Vec<DateTime<Utc>> {
+    let mut out = Vec::new();
+    for month in 1..=12 {
+        for day in [1, 3, 5, 9, 10, 28] {
+            for (hour, nanos) in [
+                (0, 0),
+                (9, 120_000_000),
+                (12, 123_456_000),
+                (23, 123_456_789),
+            ] {
+                let at = Utc.with_ymd_and_hms(2026, month, day, hour, 5, 7).unwrap();
+                out.push(at.with_nanosecond(nanos).unwrap());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_item_chrono_prints_is_accepted_and_bounds_its_renderings_tightly() {
+    let instants = extreme_instants();
+    for spec in PRINTED_SPECIFIERS {
+        let source = format!("{{date:{spec}}}|{{seq}}");
+        let t = Template::parse(&source).unwrap_or_else(|e| panic!("{spec} refused: {e}"));
+        let pattern = t
+            .pattern("P", "T", 16)
+            .unwrap_or_else(|e| panic!("{spec}: {e}"));
+        // The bounds of what the item prints: every part but the number,
+        // less the '|' after the item.
+        let (min, max) = pattern
+            .parts()
+            .iter()
+            .map(|part| match part {
+                Part::Text(text) => (text.chars().count(), text.chars().count()),
+                Part::Field(field) if field.seq.is_some() => (0, 0),
+                Part::Field(field) => (field.min, field.max),
+            })
+            .fold((0, 0), |(min, max), (a, b)| (min + a, max + b));
+        let (min, max) = (min - 1, max - 1);
+        let mut seen = (usize::MAX, 0);
+        for at in &instants {
+            let id = t.shape("P", "T", at).format(42);
+            assert_eq!(
+                pattern.seq_of(&id),
+                Some(42),
+                "{spec}: {id:?} does not read back"
+            );
+            let printed = id.chars().count() - "|42".len();
+            seen = (seen.0.min(printed), seen.1.max(printed));
+        }
+        if *spec == "%s" {
+            // Seconds since 1970: one digit to twelve, never all in one test.
+            assert!(
+                min <= seen.0 && seen.1 <= max,
+                "{spec}: printed {seen:?}, bounds ({min}, {max})"
+            );
+        } else {
+            assert_eq!(
+                seen,
+                (min, max),
+                "{spec}: what it printed against its bounds"
+            );
+        }
+    }
+}
+
+#[test]
+fn items_ids_cannot_carry_are_refused_with_the_reason() {
+    let why = |spec: &str| match Template::parse(&format!("{{date:{spec}}}{{seq}}")) {
+        Err(TemplateError::DateItem { why, .. }) => why,
+        other => panic!("{spec}: {other:?}"),
+    };
+    assert_eq!(why("%Z"), "zone names are ambiguous; use %z for the offset");
+    assert_eq!(why("%+"), "use the date and time items it is made of");
+    assert_eq!(why("%#z"), "unknown item");
+    assert_eq!(why("%Q"), "not a strftime item");
+}
+
 proptest! {
+    #[test]
+    fn an_ids_length_is_known_before_it_is_printed(
+        project in "[A-Z\u{c4}\u{d6}]{1,4}",
+        width in 0usize..=MAX_SEQ_WIDTH,
+        seq in 0i64..i64::MAX,
+    ) {
+        let source = if width == 0 { "{project}-{seq}/x".to_owned() } else { format!("{{project}}-{{seq:{width}}}/x") };
+        let shape = Template::parse(&source).unwrap().shape(&project, "T", &at("2026-01-01T00:00:00Z"));
+        let id = shape.format(seq);
+        prop_assert_eq!(shape.len_with_digits(seq.to_string().len()), id.chars().count(), "{}", id);
+    }
+
     #[test]
     fn formatted_ids_read_back(seq in 0i64..10_000_000, width in 0usize..8) {
         let source = if width == 0 { "{project}/{seq}".to_owned() } else { format!("{{project}}/{{seq:{width}}}") };
