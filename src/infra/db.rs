@@ -9,6 +9,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, Connection};
 
 mod link;
+#[cfg(test)]
+pub(crate) mod plans;
 pub use link::{Conn, Db, Link, Pooler, Statements, Tx};
 
 /// The migrations, applied by `migrate`.

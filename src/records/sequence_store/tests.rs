@@ -94,3 +94,63 @@ async fn concurrent_misses_of_one_definition_read_it_once() {
         "one read for 50 concurrent misses"
     );
 }
+
+/// A key's page of sequences reads its own projects' rows (SPEC: a list
+/// costs in proportion to its page), counted in rows by the plan Postgres
+/// ran, beside a project with 3,000 sequences.
+#[tokio::test]
+async fn a_page_of_sequences_reads_its_own_rows_whatever_other_projects_hold() {
+    let db = crate::infra::db::scratch().await;
+    sqlx::raw_sql(
+        "INSERT INTO sequences (project, doc_type, format, layout, start_seq, reset, timezone, \
+           pool_size, refill_at) \
+         SELECT p, t::text, '{project}-{type}-{seq}', 'text', 1, 'never', 'UTC', 100, 0.2 \
+         FROM (VALUES ('P', 3), ('BIG', 3000), ('Q', 2)) AS projects (p, n), generate_series(1000, 999 + n) AS t; \
+         ANALYZE sequences",
+    )
+    .execute(&db)
+    .await
+    .expect("seed the sequences");
+    let explained = crate::infra::db::plans::Explained::on(&db).await;
+    let store = SequenceStore::with_cache_bound(explained.db.clone(), 1000, BOUND);
+    let rows_read = || {
+        let plans = explained.take("FROM sequences");
+        assert_eq!(plans.len(), 1, "one statement a page: {plans:?}");
+        assert!(
+            plans[0].sequential_scans().is_empty(),
+            "read end to end: {:?}",
+            plans[0].shape()
+        );
+        plans[0].rows_read()
+    };
+    let scope = ["P".to_owned(), "Q".to_owned()];
+    let first = store.list(None, 2, Some(&scope)).await.expect("a page");
+    let listed = |page: &[Sequence]| {
+        page.iter()
+            .map(|s| format!("{}/{}", s.project, s.doc_type))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(listed(&first), ["P/1000", "P/1001"]);
+    // Per project of the scope: its name, and its page and one more.
+    let read = rows_read();
+    assert!(
+        read <= 2 * (1 + 2 + 1),
+        "a page of 2 of P and Q read {read} rows"
+    );
+    let next = store
+        .list(Some(("P", "1001")), 2, Some(&scope))
+        .await
+        .expect("the next page");
+    assert_eq!(listed(&next), ["P/1002", "Q/1000"]);
+    let read = rows_read();
+    assert!(read <= 2 * (1 + 2 + 1), "the next page read {read} rows");
+    // A page from the middle of BIG's 3,000 reads as little.
+    let big = ["BIG".to_owned()];
+    let middle = store
+        .list(Some(("BIG", "2500")), 100, Some(&big))
+        .await
+        .expect("BIG's page");
+    assert_eq!(middle.len(), 100);
+    let read = rows_read();
+    assert!(read <= 1 + 101, "a page of 100 of BIG read {read} rows");
+}

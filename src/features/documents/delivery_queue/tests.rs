@@ -130,6 +130,60 @@ async fn a_document_is_found_only_by_a_caller_of_its_project() {
     assert!(hidden.is_none(), "another project's key sees nothing");
 }
 
+/// SPEC: another project's document answers as one that does not exist,
+/// in the same timing class. Either way the lookup is the same single probe
+/// of the index on the ID and sends nothing back; the other project's row
+/// costs the one row its project is checked on, whatever that project
+/// holds.
+#[tokio::test]
+async fn another_projects_document_is_looked_up_like_one_that_does_not_exist() {
+    let db = seeded().await;
+    // Enough documents that the index is the way to any of them.
+    sqlx::raw_sql(
+        "INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, status, \
+         sequence_id, period, seq, seq_number) \
+         SELECT 'BIG-' || n, 'BIG', 'T', '{}', 'committed', 2, '', n, n \
+         FROM generate_series(1, 20000) AS n; ANALYZE id_outbox",
+    )
+    .execute(&db)
+    .await
+    .expect("another project's documents");
+    let explained = crate::infra::db::plans::Explained::on(&db).await;
+    let bbb = ["BBB".to_owned()];
+    let mut plans = Vec::new();
+    for id in ["BIG-7", "BIG-999999"] {
+        let found = find(&explained.db, id, Some(&bbb)).await.expect("find");
+        assert!(found.is_none(), "{id} is not BBB's");
+        let mut taken = explained.take("FROM id_outbox");
+        assert_eq!(taken.len(), 1, "one statement: {taken:?}");
+        plans.push(taken.remove(0));
+    }
+    let (foreign, made_up) = (&plans[0], &plans[1]);
+    assert_eq!(foreign.shape(), made_up.shape(), "one plan for both");
+    assert!(
+        foreign.sequential_scans().is_empty(),
+        "{:?}",
+        foreign.shape()
+    );
+    assert_eq!(
+        (foreign.rows_returned(), made_up.rows_returned()),
+        (0, 0),
+        "no row leaves the server"
+    );
+    assert!(
+        foreign.rows_read() <= made_up.rows_read() + 1,
+        "another project's document read {} rows, a made-up one {}",
+        foreign.rows_read(),
+        made_up.rows_read()
+    );
+    assert!(
+        foreign.pages() <= made_up.pages() + 1,
+        "another project's document read {} pages, a made-up one {}",
+        foreign.pages(),
+        made_up.pages()
+    );
+}
+
 #[tokio::test]
 async fn retry_and_abandon_set_what_they_promise() {
     let db = seeded().await;
