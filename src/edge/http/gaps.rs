@@ -133,10 +133,10 @@ pub async fn list_gaps(
     if let (Some(period), Some(sequence)) = (&query.period, &sequence) {
         check_period_of(sequence, period)?;
     }
-    let gaps = if !in_scope {
-        Vec::new()
-    } else {
-        state
+    // A sequence never used has no gaps.
+    let gaps = match &sequence {
+        None => Vec::new(),
+        Some(sequence) => state
             .auth
             .rows()
             .charged(&caller, page.limit as usize, async {
@@ -144,20 +144,19 @@ pub async fn list_gaps(
                 gaps::list(
                     &state.db,
                     &GapQuery {
-                        project: project.as_str(),
-                        doc_type: doc_type.as_str(),
+                        sequence_id: sequence.id,
+                        gapless: sequence.definition.numbering == Numbering::Gapless,
                         period: query.period.as_deref(),
                         reason,
                         cause: cause.map(<&'static str>::from),
                         after: page.after.clone(),
                         limit: page.limit,
-                        gapless: gapless_id(sequence.as_deref()),
                     },
                 )
                 .await
             })
             .await
-            .map_err(db_error)?
+            .map_err(db_error)?,
     };
     let next_cursor = page.next_cursor(&gaps, |g| format!("{}:{}", g.period, g.from_seq));
     Ok(axum::Json(GapList {
@@ -166,13 +165,6 @@ pub async fn list_gaps(
         gaps,
         next_cursor,
     }))
-}
-
-/// The sequence's id when it is gapless (its gaps are its voids).
-fn gapless_id(sequence: Option<&crate::domain::sequence::Sequence>) -> Option<i64> {
-    sequence
-        .filter(|s| s.definition.numbering == Numbering::Gapless)
-        .map(|s| s.id)
 }
 
 /// `""`, `YYYY`, `YYYYMM` or `YYYYMMDD`: what a period key can look like.

@@ -44,8 +44,10 @@ pub struct Gap {
 }
 
 pub struct GapQuery<'a> {
-    pub project: &'a str,
-    pub doc_type: &'a str,
+    /// The sequence whose gaps are listed.
+    pub sequence_id: i64,
+    /// Whether it is gapless: its gaps are its voids.
+    pub gapless: bool,
     pub period: Option<&'a str>,
     pub reason: Option<Reason>,
     /// Only `pool_discarded` gaps whose pool was emptied for this cause.
@@ -53,59 +55,75 @@ pub struct GapQuery<'a> {
     /// (period, from_seq) of the last gap of the previous page.
     pub after: Option<(String, i64)>,
     pub limit: i64,
-    /// The sequence's id when it is gapless: its gaps are its voids.
-    pub gapless: Option<i64>,
 }
 
-/// Open gaps of a sequence in (period, position) order, from the index.
+/// Open gaps of a sequence in (period, position) order: one walk of an
+/// index in that order from the cursor, which the page's `LIMIT` ends.
+/// The index holds the open gaps of each sequence
+/// (`id_gaps_open_by_position`), or of each sequence and reason
+/// (`id_gaps_open_by_reason`), so a filter on the period or the reason is
+/// a bound of the walk, not rows read and thrown away. A cause is checked
+/// on the gaps of its reason, `pool_discarded`; a discarded range's cause
+/// is read from the discards it overlaps (`pool_discards_ranges`): one
+/// index probe per listed gap.
 #[tracing::instrument(skip_all, level = "debug")]
 pub async fn list(db: &Db, query: &GapQuery<'_>) -> Result<Vec<Gap>, sqlx::Error> {
     let (after_period, after_seq) = query.after.clone().unwrap_or((String::new(), i64::MIN));
-    if let Some(sequence_id) = query.gapless {
-        return voids(db, query, sequence_id, (&after_period, after_seq)).await;
+    if query.gapless {
+        return voids(db, query, (&after_period, after_seq)).await;
     }
-    // A discarded range's cause is read from the discards it overlaps
-    // (`pool_discards_ranges`): one index probe per listed gap.
-    sqlx::query_as!(
-        Gap,
-        "SELECT g.period, g.from_seq, g.to_seq, g.from_id, g.to_id, g.to_seq - g.from_seq + 1 AS \"count!\", \
-                g.reason, \
+    // A cause belongs to discarded pools only.
+    let reason = match (query.reason, query.cause) {
+        (None, Some(_)) => Some(Reason::PoolDiscarded),
+        (reason, _) => reason,
+    };
+    if query.cause.is_some() && reason != Some(Reason::PoolDiscarded) {
+        return Ok(Vec::new());
+    }
+    // Each filter is written only when asked for: `$n IS NULL OR ...`
+    // would leave the planner a generic plan that cannot bound the walk.
+    let mut sql = String::from(
+        "SELECT g.period, g.from_seq, g.to_seq, g.from_id, g.to_id, \
+                g.to_seq - g.from_seq + 1 AS count, g.reason, \
                 CASE WHEN g.reason = 'pool_discarded' THEN \
                   (SELECT string_agg(DISTINCT d.cause, ',' ORDER BY d.cause) FROM pool_discards d \
                    WHERE d.sequence_id = g.sequence_id AND d.period = g.period \
                      AND d.seqs && int8range(g.from_seq, g.to_seq, '[]')) \
                 END AS note, \
                 g.detected_at \
-         FROM id_gaps g JOIN sequences s ON s.id = g.sequence_id \
-         WHERE s.project = $1 AND s.doc_type = $2 AND g.resolved_at IS NULL \
-           AND ($3::text IS NULL OR g.period = $3) AND ($4::text IS NULL OR g.reason = $4) \
-           AND ($8::text IS NULL OR (g.reason = 'pool_discarded' AND EXISTS ( \
-                SELECT 1 FROM pool_discards d \
-                WHERE d.sequence_id = g.sequence_id AND d.period = g.period AND d.cause = $8 \
-                  AND d.seqs && int8range(g.from_seq, g.to_seq, '[]')))) \
-           AND (g.period, g.from_seq) > ($5, $6) \
-         ORDER BY g.period, g.from_seq LIMIT $7",
-        query.project,
-        query.doc_type,
-        query.period,
-        query.reason.map(Reason::as_str),
-        after_period,
-        after_seq,
-        query.limit,
-        query.cause,
-    )
-    .fetch_all(db)
-    .await
+         FROM id_gaps g \
+         WHERE g.sequence_id = $1 AND g.resolved_at IS NULL \
+           AND (g.period, g.from_seq) > ($2, $3)",
+    );
+    if query.period.is_some() {
+        sql.push_str(" AND g.period = $5::text");
+    }
+    if reason.is_some() {
+        sql.push_str(" AND g.reason = $6::text");
+    }
+    if query.cause.is_some() {
+        sql.push_str(
+            " AND EXISTS (SELECT 1 FROM pool_discards d \
+               WHERE d.sequence_id = g.sequence_id AND d.period = g.period AND d.cause = $7::text \
+                 AND d.seqs && int8range(g.from_seq, g.to_seq, '[]'))",
+        );
+    }
+    sql.push_str(" ORDER BY g.period, g.from_seq LIMIT $4");
+    sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(query.sequence_id)
+        .bind(after_period)
+        .bind(after_seq)
+        .bind(query.limit)
+        .bind(query.period)
+        .bind(reason.map(Reason::as_str))
+        .bind(query.cause)
+        .fetch_all(db)
+        .await
 }
 
 /// The voids of a gapless sequence, one gap per number: reason `voided`
 /// (with the caller's note) or `reservation_expired`.
-async fn voids(
-    db: &Db,
-    query: &GapQuery<'_>,
-    sequence_id: i64,
-    after: (&str, i64),
-) -> Result<Vec<Gap>, sqlx::Error> {
+async fn voids(db: &Db, query: &GapQuery<'_>, after: (&str, i64)) -> Result<Vec<Gap>, sqlx::Error> {
     let status = match query.reason {
         None => None,
         Some(Reason::Voided) => Some(ReservationStatus::Voided),
@@ -113,8 +131,15 @@ async fn voids(
         // A gapless sequence has no gap of any other reason.
         Some(_) => return Ok(Vec::new()),
     };
-    let voids =
-        reservations::voids(db, sequence_id, query.period, status, after, query.limit).await?;
+    let voids = reservations::voids(
+        db,
+        query.sequence_id,
+        query.period,
+        status,
+        after,
+        query.limit,
+    )
+    .await?;
     Ok(voids
         .into_iter()
         .map(|v| Gap {
@@ -146,3 +171,6 @@ pub async fn open_numbers(db: &Db, sequence_id: i64) -> Result<i64, sqlx::Error>
     .fetch_one(db)
     .await
 }
+
+#[cfg(test)]
+mod tests;
