@@ -629,3 +629,121 @@ async fn anyone_asking_for_readiness_and_metrics_costs_the_tenants_nothing() {
         .assert_unharmed("a flood of /readyz and /metrics")
         .await;
 }
+
+/// `idpool db migrate` applies every migration of the repository to an
+/// empty database, once: run again, it changes nothing. `keys create`
+/// prints the one object SPEC names, with what was asked for; `keys list`
+/// shows it without its secret.
+#[tokio::test]
+async fn db_migrate_applies_every_migration_once_and_keys_create_prints_its_fields() {
+    let name = format!(
+        "idpool_test_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..16]
+    );
+    let server = sqlx::PgPool::connect(&replace_database(&base_database_url(), "postgres"))
+        .await
+        .expect("the server's postgres database");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&server)
+        .await
+        .expect("an empty database");
+    let url = replace_database(&base_database_url(), &name);
+    let idpool = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .output()
+            .expect("idpool runs");
+        let said = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(output.status.success(), "idpool {args:?}: {said}");
+        assert!(!said.contains("ERROR"), "idpool {args:?}: {said}");
+        String::from_utf8(output.stdout).expect("utf-8")
+    };
+    let db = sqlx::PgPool::connect(&url).await.expect("the new database");
+    let applied = || async {
+        sqlx::query_as::<_, (i64, bool)>(
+            "SELECT version, success FROM _sqlx_migrations ORDER BY version",
+        )
+        .fetch_all(&db)
+        .await
+        .expect("the migrations applied")
+    };
+    let mut in_repository: Vec<i64> =
+        std::fs::read_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations"))
+            .expect("migrations/")
+            .filter_map(|entry| {
+                let name = entry.ok()?.file_name().into_string().ok()?;
+                name.strip_suffix(".sql")?.split('_').next()?.parse().ok()
+            })
+            .collect();
+    in_repository.sort_unstable();
+    idpool(&["db", "migrate"]);
+    let first = applied().await;
+    assert_eq!(
+        first.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
+        in_repository,
+        "every migration, in order"
+    );
+    assert!(first.iter().all(|(_, ok)| *ok), "{first:?}");
+    idpool(&["db", "migrate"]);
+    assert_eq!(applied().await, first, "run again, it changed nothing");
+
+    for (args, projects, admin) in [
+        (
+            &["--project", "P", "--project", "Q", "--name", "ci"][..],
+            vec!["P", "Q"],
+            false,
+        ),
+        // An admin key reaches every project: none is named.
+        (&["--admin", "--name", "ops"], vec![], true),
+    ] {
+        let started = chrono::Utc::now();
+        let printed = idpool(&[&["keys", "create"][..], args].concat());
+        assert_eq!(printed.lines().count(), 1, "one JSON object: {printed}");
+        let created: serde_json::Value = serde_json::from_str(&printed).expect("JSON");
+        let mut fields: Vec<&str> = created
+            .as_object()
+            .expect("an object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        fields.sort_unstable();
+        assert_eq!(
+            fields,
+            ["admin", "created_at", "id", "key", "name", "projects"]
+        );
+        let name = args[args.len() - 1];
+        assert_eq!(
+            (&created["name"], &created["projects"], &created["admin"]),
+            (
+                &serde_json::json!(name),
+                &serde_json::json!(projects),
+                &serde_json::json!(admin)
+            )
+        );
+        let at = chrono::DateTime::parse_from_rfc3339(created["created_at"].as_str().unwrap_or(""))
+            .expect("created_at is RFC 3339");
+        assert!(
+            (at.to_utc() - started).num_seconds().abs() < 60,
+            "created at {at}"
+        );
+        let (id, key) = (
+            created["id"].as_str().expect("id"),
+            created["key"].as_str().expect("key"),
+        );
+        assert!(key.len() >= 43, "a secret of at least 128 bits: {key}");
+        let listed = idpool(&["keys", "list"]);
+        let line: serde_json::Value = listed
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| l["id"] == id)
+            .unwrap_or_else(|| panic!("{id} not listed: {listed}"));
+        assert_eq!(line["name"], name);
+        assert!(
+            !listed.contains(&key[key.len() - 43..]),
+            "the secret listed"
+        );
+        assert!(line.get("key").is_none(), "{line}");
+    }
+    db.close().await;
+}
