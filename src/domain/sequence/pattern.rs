@@ -453,6 +453,18 @@ mod tests {
         );
         // A delimiter the day never prints makes it read one way.
         assert!(Pattern::new(vec![digits(1, 2, "%-d"), text("-"), seq(0, 16)]).is_ok());
+        // Empty text is nothing: neither a delimiter nor a part.
+        assert_eq!(
+            Pattern::new(vec![digits(1, 2, "%-d"), text(""), seq(0, 16)]),
+            Err(Ambiguous {
+                label: "%-d".into(),
+                next: "{seq}".into()
+            })
+        );
+        assert_eq!(
+            Pattern::new(vec![text(""), seq(0, 16), text("")]),
+            Pattern::new(vec![seq(0, 16)])
+        );
         // A digit is no delimiter.
         assert!(Pattern::new(vec![digits(1, 2, "%-d"), text("1"), seq(0, 16)]).is_err());
         // Fixed widths on either side of the number are fine.

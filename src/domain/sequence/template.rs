@@ -32,7 +32,6 @@ pub struct Calendar(u16);
 
 impl Calendar {
     const YEAR: u16 = 1;
-    const CENTURY: u16 = 1 << 1;
     const YEAR_OF_CENTURY: u16 = 1 << 2;
     const ISO_YEAR: u16 = 1 << 3;
     const MONTH: u16 = 1 << 4;
@@ -62,7 +61,7 @@ impl Calendar {
                 && ((self.has(Self::MONTH) && self.has(Self::DAY))
                     || self.has(Self::DAY_OF_YEAR)
                     || (self.has(Self::WEEK) && self.has(Self::WEEKDAY))))
-            || self.has(Self::ISO_YEAR | Self::ISO_WEEK | Self::WEEKDAY)
+            || (self.has(Self::ISO_YEAR) && self.has(Self::ISO_WEEK) && self.has(Self::WEEKDAY))
     }
 
     pub fn names_the_month(self) -> bool {
@@ -444,7 +443,8 @@ fn numeric_printed(
 ) -> Result<Printed, TemplateError> {
     let (width, calendar) = match numeric {
         Numeric::Year => (4, Calendar::YEAR),
-        Numeric::YearDiv100 => (2, Calendar::CENTURY),
+        // The century alone names no part of the calendar a reset needs.
+        Numeric::YearDiv100 => (2, 0),
         Numeric::YearMod100 => (2, Calendar::YEAR_OF_CENTURY),
         Numeric::IsoYear => (4, Calendar::ISO_YEAR),
         Numeric::IsoYearMod100 => (2, Calendar::ISO_YEAR),

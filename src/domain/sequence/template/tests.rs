@@ -161,6 +161,22 @@ fn calendar_parts_are_read_from_the_items() {
     assert!(!named("{date:%m%d}{seq}").names_the_day());
     assert!(!named("{date:%H}{seq}").names_the_year());
     assert!(named("{date:%s}-{seq}").names_the_day());
+    // Every part is needed: no month, no week, no weekday, no ISO year.
+    assert!(!named("{date:%Y-%d}-{seq}").names_the_day());
+    assert!(!named("{date:%Y-%u}-{seq}").names_the_day());
+    assert!(!named("{date:%Y-%U}-{seq}").names_the_day());
+    assert!(named("{date:%Y-%U-%u}-{seq}").names_the_day());
+    assert!(!named("{date:%V-%u}-{seq}").names_the_day());
+    assert!(!named("{date:%G-%u}-{seq}").names_the_day());
+    assert!(!named("{date:%G-W%V}-{seq}").names_the_day());
+    assert!(!named("{date:%u}-{seq}").names_the_year());
+    assert!(!named("{date:%Y}-{seq}").names_the_month());
+    assert!(named("{date:%Y}-{seq}").names_the_year());
+    assert!(named("{date:%y}-{seq}").names_the_year());
+    // The century alone is no year.
+    assert!(!named("{date:%C}-{seq}").names_the_year());
+    // A part written twice is still named.
+    assert!(named("{date:%Y%m%d}-{date:%Y}-{seq}").names_the_day());
 }
 
 /// Every specifier chrono's strftime prints, as users write them.
