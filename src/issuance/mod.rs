@@ -590,8 +590,10 @@ impl Issuer {
     ) -> Result<Vec<i64>, IssueError> {
         match self.shared_as_many(placement, count, via, on_its_own).await {
             (seqs, None) => Ok(seqs),
-            // What was recorded stays issued (reconciliation says
-            // `issued_unattached`): the caller asked for all or nothing.
+            // A pool that ran short recorded nothing (`SharedCommit::submit`):
+            // the slower path takes all or none. Only numbers recorded
+            // before their replacements failed (the ledger refused some as
+            // another's) stay issued (reconciliation says `issued_unattached`).
             (_, Some(e)) => Err(e),
         }
     }

@@ -70,7 +70,8 @@ impl SharedCommit {
 
     /// Pops what `demand` needs in the shared pop and records it in the
     /// next shared commit. Nothing is recorded (and nothing issued) when
-    /// the pool gave nothing at once: the caller takes the slower path.
+    /// the pool gave nothing at once, or fewer numbers than a request for
+    /// IDs asked: the caller takes the slower path.
     /// `on_its_own` is let go once the pop has answered (a request on its
     /// own lets a lease be taken once its numbers are known).
     pub async fn submit(
@@ -85,6 +86,19 @@ impl SharedCommit {
             .await
             .unwrap_or_default();
         drop(on_its_own);
+        if seqs.len() < demand.numbers() && matches!(demand, Demand::Ids { .. }) {
+            // The pool ran short: the rest may not exist (a sequence at its
+            // `max`) or not come (Postgres away), and a request refused
+            // must have taken nothing. So nothing is recorded here: what
+            // was popped goes back, and the slower path takes all or none.
+            if !seqs.is_empty() {
+                self.pools
+                    .discards()
+                    .return_unissued(&placement.pool, &seqs)
+                    .await;
+            }
+            return Ok(Served::default());
+        }
         self.stats.ids_from_pool.inc_by(seqs.len() as u64);
         if seqs.is_empty() {
             return Ok(Served::default());

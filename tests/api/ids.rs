@@ -230,6 +230,30 @@ async fn a_daily_sequence_restarts_each_day_and_refuses_the_10000th_number() {
     assert_eq!(later, vec!["IS202611230003"]);
 }
 
+/// A request for more numbers than a sequence has left is refused and
+/// takes none: the numbers left are still there for a smaller request, and
+/// none of them is reported as handed out (promise 11, `max`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_max_takes_nothing_and_the_numbers_left_are_still_issued() {
+    let app = TestEnv::new().spawn().await;
+    let created = app.put_sequence("LAST", "M", json!({"max": 5})).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let (_, first) = app.issue("LAST", "M", 3).await;
+    assert_eq!(first, [1, 2, 3]);
+    for count in [3, 3] {
+        let refused = app.post_ids("LAST", "M", count).await;
+        assert_problem(refused, StatusCode::CONFLICT, "sequence_exhausted").await;
+    }
+    let (_, left) = app.issue("LAST", "M", 2).await;
+    assert_eq!(left, [4, 5], "the numbers a refused request left");
+    assert_problem(
+        app.post_ids("LAST", "M", 1).await,
+        StatusCode::CONFLICT,
+        "sequence_exhausted",
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_int64_layout_returns_numbers_and_decimal_strings() {
     let clock = Arc::new(ManualClock::new(at("2026-11-22T09:30:00Z")));
