@@ -138,6 +138,33 @@ pub mod whole {
         integer(d)
     }
 
+    /// An integer as written: `2`, `2.0` and `2e0` are 2, but
+    /// `1.9999999999999999999` (a double reads it as 2) is no integer and
+    /// `10000.000000000000001` is not 10,000. Only serde_json's own
+    /// deserializer (a request body's) keeps the text this needs.
+    pub fn exact_i64<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+        let raw = <Box<serde_json::value::RawValue>>::deserialize(d)?;
+        let text = raw.get().trim();
+        if let Ok(n) = text.parse::<i64>() {
+            return Ok(n);
+        }
+        let not_integer = || D::Error::custom(format!("expected an integer, got {text}"));
+        if !text.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
+            return Err(not_integer());
+        }
+        // `-` and the significant digits, `e`, the exponent: integral when
+        // the exponent is not negative.
+        let exact = crate::domain::json_number::Decimal::parse(text).exact();
+        let (significant, exponent) = exact.split_once('e').unwrap_or((&exact, "0"));
+        let exponent: u32 = exponent.parse().map_err(|_| not_integer())?;
+        let out_of_range = || D::Error::custom(format!("{text} is out of range"));
+        let significant: i64 = significant.parse().map_err(|_| out_of_range())?;
+        10i64
+            .checked_pow(exponent)
+            .and_then(|scale| significant.checked_mul(scale))
+            .ok_or_else(out_of_range)
+    }
+
     pub fn option_i64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
         Option::<serde_json::Number>::deserialize(d)?
             .map(|n| integer(n).map_err(D::Error::custom))
@@ -155,6 +182,45 @@ pub mod whole {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn an_exact_integer_is_one_as_written() {
+        #[derive(serde::Deserialize)]
+        struct Count {
+            #[serde(deserialize_with = "whole::exact_i64")]
+            count: i64,
+        }
+        let count = |text: &str| {
+            serde_json::from_str::<Count>(&format!(r#"{{"count":{text}}}"#)).map(|c| c.count)
+        };
+        for (text, value) in [
+            ("2", 2),
+            ("2.0", 2),
+            ("2e0", 2),
+            ("20e-1", 2),
+            ("-3", -3),
+            ("1e3", 1000),
+            ("0.0", 0),
+        ] {
+            assert_eq!(count(text).ok(), Some(value), "{text}");
+        }
+        for text in [
+            "1.9999999999999999999",
+            "0.99999999999999999999",
+            "10000.000000000000001",
+            "2.5",
+            "1e-1",
+            "\"2\"",
+            "1e30",
+            "true",
+        ] {
+            assert!(
+                count(text).is_err(),
+                "{text} read as {:?}",
+                count(text).ok()
+            );
+        }
+    }
 
     #[test]
     fn whole_floats_are_integers_and_fractions_are_not() {

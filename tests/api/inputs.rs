@@ -86,6 +86,12 @@ async fn every_bad_ids_request_gets_its_problem_and_changes_nothing() {
             let problem = assert_problem(response, StatusCode::BAD_REQUEST, code).await;
             assert!(!problem["detail"].as_str().unwrap().is_empty());
         }
+        // Past a double's precision: as written, these are no integers.
+        for count in ["1.9999999999999999999", "10000.000000000000001"] {
+            let body = format!(r#"{{"project": "PROJ", "type": "9012", "count": {count}}}"#);
+            let response = post_raw(&app, path, json_type, body).await;
+            assert_problem(response, StatusCode::BAD_REQUEST, "invalid_body").await;
+        }
         let malformed = post_raw(&app, path, json_type, "{\"project\": \"PROJ\",").await;
         assert_problem(malformed, StatusCode::BAD_REQUEST, "invalid_json").await;
         let empty = post_raw(&app, path, json_type, "").await;

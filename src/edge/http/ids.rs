@@ -31,7 +31,7 @@ pub struct IssueIdsRequest {
     /// How many IDs, 1 to 10,000 (default 1).
     #[serde(
         default = "one",
-        deserialize_with = "crate::domain::numbers::whole::i64"
+        deserialize_with = "crate::domain::numbers::whole::exact_i64"
     )]
     #[schema(example = 1, minimum = 1, maximum = 10000)]
     pub count: i64,
