@@ -468,6 +468,10 @@ async fn a_changed_byte_a_deleted_entry_and_two_swapped_are_each_named_online_an
     let (code, printed) = verify_offline(&rejoin(&stripped), std::slice::from_ref(&key));
     assert_eq!(code, 1, "{printed}");
     assert!(printed.contains("no signed checkpoint"), "{printed}");
+    // Every entry gone with them: an unsigned empty register proves nothing.
+    let (code, printed) = verify_offline(&rejoin(&stripped[..1]), std::slice::from_ref(&key));
+    assert_eq!(code, 1, "{printed}");
+    assert!(printed.contains("no signed checkpoint"), "{printed}");
     let kept_note = header["checkpoints"][0]["note"]
         .as_str()
         .unwrap()
