@@ -419,13 +419,18 @@ async fn gap_queries_are_validated_and_one_reconciliation_runs_at_a_time() {
         .await
         .unwrap();
     assert_problem(bad_period, StatusCode::BAD_REQUEST, "invalid_period").await;
-    let bad_cursor = app
-        .client
-        .get(app.url("/api/v1/ids/gaps?project=P&type=1&cursor=x"))
-        .send()
-        .await
-        .unwrap();
-    assert_problem(bad_cursor, StatusCode::BAD_REQUEST, "invalid_cursor").await;
+    // A cursor is what a page answered: a period key, ':', a number.
+    for cursor in ["x", "zz:5", "%27:5", "%ED%A0%80:1", "2026:", "202611221:5"] {
+        let bad_cursor = app
+            .client
+            .get(app.url(&format!(
+                "/api/v1/ids/gaps?project=P&type=1&cursor={cursor}"
+            )))
+            .send()
+            .await
+            .unwrap();
+        assert_problem(bad_cursor, StatusCode::BAD_REQUEST, "invalid_cursor").await;
+    }
 
     // Another instance's run under way: this one answers 409.
     let other: i64 = sqlx::query_scalar(

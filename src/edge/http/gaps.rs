@@ -117,6 +117,7 @@ pub async fn list_gaps(
     let cause = query.cause.as_deref().map(parse_cause).transpose()?;
     let page = Page::parse(query.limit, query.cursor.as_deref(), |cursor| {
         let (period, seq) = cursor.rsplit_once(':')?;
+        is_period_key(period).then_some(())?;
         Some((period.to_owned(), seq.parse::<i64>().ok()?))
     })?;
     // Outside the key's projects every sequence reads as one never used:
@@ -168,8 +169,13 @@ pub async fn list_gaps(
 }
 
 /// `""`, `YYYY`, `YYYYMM` or `YYYYMMDD`: what a period key can look like.
+fn is_period_key(text: &str) -> bool {
+    matches!(text.len(), 0 | 4 | 6 | 8) && text.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// [`is_period_key`], or a problem naming `text`.
 fn check_period_key(text: &str) -> Result<(), ApiError> {
-    if matches!(text.len(), 0 | 4 | 6 | 8) && text.bytes().all(|b| b.is_ascii_digit()) {
+    if is_period_key(text) {
         return Ok(());
     }
     Err(ApiError::bad_request(
