@@ -40,6 +40,33 @@ async fn health_readiness_and_metrics_answer() {
         response.headers().contains_key("x-request-id"),
         "every response carries a request id"
     );
+    // Ids tell nothing of others' traffic: two in a row are not neighbours.
+    let id_of = async |id: Option<&str>| {
+        let mut request = app.client.get(app.url("/healthz"));
+        if let Some(id) = id {
+            request = request.header("x-request-id", id);
+        }
+        let response = request.send().await.unwrap();
+        response.headers()["x-request-id"]
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let counted = |id: &str| u64::from_str_radix(id.rsplit('-').next().unwrap_or(""), 16).ok();
+    let (a, b) = (id_of(None).await, id_of(None).await);
+    let (a, b) = (counted(&a).unwrap(), counted(&b).unwrap());
+    assert!(
+        a.abs_diff(b) > 1_000_000,
+        "request ids {a:x} and {b:x} count requests"
+    );
+    // A client's own id is kept when it is plain and short, else replaced.
+    assert_eq!(id_of(Some("trace-7.a:b_c")).await, "trace-7.a:b_c");
+    let long = "x".repeat(65);
+    for forged in [long.as_str(), "a b", "a/b<script>"] {
+        let given = id_of(Some(forged)).await;
+        assert_ne!(given, forged);
+        assert!(counted(&given).is_some(), "{given}");
+    }
     // Without a key: the operations routes are open, the API is not.
     let keyless = crate::support::app::client_with_key(None);
     let mut open = Vec::new();
@@ -745,5 +772,25 @@ async fn db_migrate_applies_every_migration_once_and_keys_create_prints_its_fiel
         );
         assert!(line.get("key").is_none(), "{line}");
     }
+    let refused = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .output()
+            .expect("idpool runs");
+        assert!(!output.status.success(), "idpool {args:?} succeeded");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    // A name a log line or a list could be forged with is refused.
+    let long = "n".repeat(101);
+    for name in ["evil\nname", "", long.as_str()] {
+        let said = refused(&["keys", "create", "--project", "P", "--name", name]);
+        assert!(said.contains("name"), "{said}");
+    }
+    // A whole key given to revoke by mistake is not repeated.
+    let secret = "SECRETsecretSECRETsecretSECRETsecretSECRETs";
+    let said = refused(&["keys", "revoke", &format!("idp_abcdefgh1234_{secret}")]);
+    assert!(!said.contains(secret), "the secret was repeated: {said}");
+    assert!(said.contains("no key"), "{said}");
     db.close().await;
 }

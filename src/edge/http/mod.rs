@@ -270,6 +270,7 @@ pub fn app(
         .layer(middleware::from_fn(move |req, next| {
             record_latency(stats.clone(), req, next)
         }))
+        .map_request(keep_a_plain_request_id)
         .layer(SetRequestIdLayer::new(
             request_id.clone(),
             RequestIds::new(),
@@ -376,30 +377,50 @@ async fn pass_route_on(req: Request, next: Next) -> Response {
     response
 }
 
-/// Request ids unique across instances without a system call per request:
-/// a random prefix per process and a counter.
+/// Request ids: a random prefix per process and 64 random bits per
+/// request (a counter would tell any caller how many requests others
+/// sent between two of its own).
 #[derive(Clone)]
 struct RequestIds {
     prefix: Arc<str>,
-    next: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl RequestIds {
     fn new() -> Self {
         Self {
             prefix: uuid::Uuid::new_v4().simple().to_string()[..12].into(),
-            next: Arc::new(std::sync::atomic::AtomicU64::new(1)),
         }
     }
 }
 
 impl MakeRequestId for RequestIds {
     fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
-        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        axum::http::HeaderValue::from_str(&format!("{}-{n:x}", self.prefix))
+        let n: u64 = rand::random();
+        axum::http::HeaderValue::from_str(&format!("{}-{n:016x}", self.prefix))
             .ok()
             .map(RequestId::new)
     }
+}
+
+/// Longest `X-Request-Id` a client may choose (it is logged and echoed).
+const MAX_CLIENT_REQUEST_ID: usize = 64;
+
+/// A client's own `X-Request-Id` is kept when it is short and plain
+/// (letters, digits, `-`, `_`, `.`, `:`); any other is replaced by one of
+/// ours, so a log line holds no 8 KB or forged text from a caller.
+fn keep_a_plain_request_id(mut req: Request) -> Request {
+    let plain = req.headers().get("x-request-id").is_none_or(|id| {
+        let id = id.as_bytes();
+        !id.is_empty()
+            && id.len() <= MAX_CLIENT_REQUEST_ID
+            && id
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+    });
+    if !plain {
+        req.headers_mut().remove("x-request-id");
+    }
+    req
 }
 
 /// What every request meets first: a URL Postgres could not store is

@@ -19,7 +19,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::infra::backoff::Backoff;
 use crate::infra::db::Db;
+use crate::infra::log_limit::Repeated;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use rand::Rng;
@@ -35,6 +37,20 @@ pub const REVOKED_CHANNEL: &str = "idpool_keys";
 const PREFIX: &str = "idp_";
 const ID_LEN: usize = 12;
 const ID_ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+/// Longest name a key may have (it is shown in lists and logs).
+const MAX_NAME_CHARS: usize = 100;
+
+/// `id` as an error may show it: an argument that cannot be a key's id
+/// (a whole key pasted by mistake, say) is not repeated, since it may
+/// hold a secret.
+fn shown_id(id: &str) -> String {
+    let id_shaped = id.len() <= PREFIX.len() + ID_LEN
+        && id.bytes().all(|b| ID_ALPHABET.contains(&b) || b == b'_');
+    match id_shaped {
+        true => id.to_owned(),
+        false => "(not a key's id, and not repeated: it may be a secret)".to_owned(),
+    }
+}
 /// Base64url of 32 bytes, unpadded.
 const SECRET_LEN: usize = 43;
 /// Shortest time between two looks for new keys: unknown ids arriving
@@ -128,6 +144,8 @@ pub enum KeyError {
     NoScope,
     #[error("an admin key reaches every project; leave out --project")]
     AdminWithProjects,
+    #[error("a key's name is 1 to {MAX_NAME_CHARS} characters, none of them a control character")]
+    Name,
     #[error("no key {0}")]
     NotFound(String),
     #[error("key {0} was revoked already")]
@@ -182,8 +200,15 @@ pub struct KeyStore {
     used: Mutex<HashSet<String>>,
     /// Set when notifications may have been missed: every key is read again.
     reload: tokio::sync::Notify,
+    /// The pause before reading every key again after a failed read.
+    reload_backoff: Mutex<Backoff>,
     failures: crate::infra::log_limit::Repeated,
 }
+
+/// A read of every key again that failed (Postgres down): said once, then
+/// counted, like every repeated failure.
+static RELOAD_FAILED: Repeated = Repeated::new("could not read the API keys again; retrying");
+static USE_NOT_RECORDED: Repeated = Repeated::new("could not record when keys were last used");
 
 impl KeyStore {
     pub fn new(db: Db) -> Self {
@@ -193,6 +218,7 @@ impl KeyStore {
             looks: tokio::sync::Mutex::new(Looks::default()),
             used: Mutex::new(HashSet::new()),
             reload: tokio::sync::Notify::new(),
+            reload_backoff: Mutex::new(Backoff::background()),
             failures: crate::infra::log_limit::Repeated::new(
                 "API keys could not be read; unknown keys are answered 503",
             ),
@@ -276,6 +302,12 @@ impl KeyStore {
 
     #[tracing::instrument(skip_all, level = "debug")]
     pub async fn create(&self, new: &NewKey) -> Result<Created, KeyError> {
+        if let Some(name) = &new.name {
+            let chars = name.chars().count();
+            if chars == 0 || chars > MAX_NAME_CHARS || name.chars().any(char::is_control) {
+                return Err(KeyError::Name);
+            }
+        }
         match (new.admin, new.projects.is_empty()) {
             (false, true) => return Err(KeyError::NoScope),
             (true, false) => return Err(KeyError::AdminWithProjects),
@@ -368,7 +400,7 @@ impl KeyStore {
             return Err(if exists {
                 KeyError::AlreadyRevoked(id.to_owned())
             } else {
-                KeyError::NotFound(id.to_owned())
+                KeyError::NotFound(shown_id(id))
             });
         };
         sqlx::query_scalar!("SELECT pg_notify($1, $2)", REVOKED_CHANNEL, id)
@@ -429,18 +461,32 @@ impl KeyStore {
         tokio::select! {
             _ = stop.cancelled() => false,
             _ = tokio::time::sleep(Duration::from_secs(30)) => {
-                if let Err(e) = self.record_use().await {
-                    tracing::warn!(error = %e, "could not record when keys were last used");
+                match self.record_use().await {
+                    Ok(()) => USE_NOT_RECORDED.ended(),
+                    Err(e) => USE_NOT_RECORDED.warn(&e),
                 }
                 true
             }
             _ = self.reload.notified() => {
-                if let Err(e) = self.load_all().await {
-                    tracing::warn!(error = %e, "could not read the API keys again; retrying");
-                    self.reload_soon();
-                    tokio::select! {
-                        _ = stop.cancelled() => {}
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                match self.load_all().await {
+                    Ok(()) => {
+                        RELOAD_FAILED.ended();
+                        self.reload_backoff.lock().unwrap_or_else(|e| e.into_inner()).reset();
+                    }
+                    Err(e) => {
+                        RELOAD_FAILED.warn(&e);
+                        // Asked again every second while notifications are
+                        // not heard: the pause, not the asking, sets the pace.
+                        self.reload_soon();
+                        let pause = self
+                            .reload_backoff
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .next_pause();
+                        tokio::select! {
+                            _ = stop.cancelled() => {}
+                            _ = tokio::time::sleep(pause) => {}
+                        }
                     }
                 }
                 true
