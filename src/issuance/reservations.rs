@@ -183,20 +183,30 @@ impl Reservations {
         );
         let failures =
             crate::infra::log_limit::Repeated::new("expired reservations could not be voided");
+        // A failing sweep (Postgres away) looks again less and less often.
+        let mut backoff = crate::infra::backoff::Backoff::background();
         loop {
-            match reservations::expire_due(&self.background_db, self.clock.now(), SWEEP_BATCH).await
-            {
-                Ok(n) => {
-                    self.stats.reservations_expired.inc_by(n);
-                    if n as i64 == SWEEP_BATCH {
-                        continue;
+            let wait =
+                match reservations::expire_due(&self.background_db, self.clock.now(), SWEEP_BATCH)
+                    .await
+                {
+                    Ok(n) => {
+                        failures.ended();
+                        backoff.reset();
+                        self.stats.reservations_expired.inc_by(n);
+                        if n as i64 == SWEEP_BATCH {
+                            continue;
+                        }
+                        pause
                     }
-                }
-                Err(e) => failures.warn(&e),
-            }
+                    Err(e) => {
+                        failures.warn(&e);
+                        backoff.next_pause().max(pause)
+                    }
+                };
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
     }

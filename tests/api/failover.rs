@@ -1114,3 +1114,104 @@ async fn a_redis_turned_replica_is_left_out_of_use_quietly_and_taken_back_once_w
         .unwrap();
     assert_eq!(discards, 0, "the pools were kept");
 }
+
+/// SPEC: every retry loop backs off exponentially (about 100 ms up to
+/// 10 s) and starts again from the floor once it succeeds. Counted in
+/// connections an idle instance on the defaults attempts while Postgres
+/// turns every one away: the second four seconds see at most half the
+/// attempts of the first four (loops retrying at a steady pace would see
+/// as many). Once Postgres takes connections again the instance is ready,
+/// and a second refusal is retried at the floor's pace again: its first two
+/// seconds see more attempts than the last two of the first refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_postgres_refuses_connections_retries_thin_out_and_start_again_once_it_answers() {
+    use crate::support::gate::Gate;
+    let mut env = TestEnv::new();
+    // The in-process app creates and migrates the database.
+    let _setup = env.spawn().await;
+    let gate = Gate::start("127.0.0.1:5432").await;
+    env.database_url = gate.url_for(&env.database_url);
+    let instance = ServeProcess::start_on_defaults(&env, &[]).await;
+    let ready = || async {
+        let answer = client_with_key(None)
+            .get(format!("http://127.0.0.1:{}/readyz", instance.port))
+            .send()
+            .await;
+        answer.is_ok_and(|a| a.status() == StatusCode::OK)
+    };
+    // A window of the refusal: the test counts what the instance attempts
+    // in it, so it lasts its length whatever happens.
+    let window = |seconds: u64| tokio::time::sleep(Duration::from_secs(seconds));
+
+    gate.shut();
+    let shut = Instant::now();
+    window(8).await;
+    let first = gate.attempts_between(shut, shut + Duration::from_secs(4));
+    let second =
+        gate.attempts_between(shut + Duration::from_secs(4), shut + Duration::from_secs(8));
+    let last_two =
+        gate.attempts_between(shut + Duration::from_secs(6), shut + Duration::from_secs(8));
+    assert!(
+        first >= 4,
+        "only {first} attempts in the first 4 s: the test saw no retrying"
+    );
+    assert!(
+        second * 2 <= first,
+        "attempts did not thin out: {first} in the first 4 s, {second} in the next 4 s"
+    );
+
+    gate.open();
+    until(
+        Duration::from_secs(30),
+        "the instance is ready again",
+        ready,
+    )
+    .await;
+    // Every loop that failed has succeeded since: each trouble it warned
+    // of is logged as over.
+    let troubles = |log: &str| -> (Vec<String>, Vec<String>) {
+        let lines: Vec<Value> = log
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let said = |level: &str| -> Vec<String> {
+            lines
+                .iter()
+                .filter(|l| l["level"] == level)
+                .filter_map(|l| l["message"].as_str())
+                .map(|m| m.split(" (again;").next().unwrap_or(m).to_owned())
+                .collect()
+        };
+        let over = said("INFO")
+            .into_iter()
+            .filter_map(|m| m.strip_suffix(": over").map(str::to_owned))
+            .collect();
+        (said("WARN"), over)
+    };
+    until(
+        Duration::from_secs(40),
+        "every failed loop has succeeded again",
+        async || {
+            let (started, over) = troubles(&instance.log_text());
+            !started.is_empty() && started.iter().all(|t| over.contains(t))
+        },
+    )
+    .await;
+    gate.shut();
+    let again = Instant::now();
+    window(2).await;
+    let restarted = gate.attempts_between(again, again + Duration::from_secs(2));
+    assert!(
+        restarted > last_two,
+        "retries did not start again from the floor: {restarted} attempts in the first 2 s \
+         of the second refusal, {last_two} in the last 2 s of the first"
+    );
+    gate.open();
+    until(
+        Duration::from_secs(30),
+        "the instance is ready at the end",
+        ready,
+    )
+    .await;
+    drop(instance);
+}

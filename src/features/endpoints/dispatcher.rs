@@ -196,20 +196,23 @@ impl Dispatcher {
         static STEP_FAILED: crate::infra::log_limit::Repeated =
             crate::infra::log_limit::Repeated::new("endpoint dispatch failed");
         while !stop.is_cancelled() {
-            let sleep = match self.step().await {
+            // A failed step waits out its pause: a notification (or the
+            // listener's every-second "missed" while Postgres is away) does
+            // not cut it short.
+            let (sleep, wakeable) = match self.step().await {
                 Ok(sleep) => {
                     backoff.reset();
                     STEP_FAILED.ended();
-                    sleep
+                    (sleep, true)
                 }
                 Err(e) => {
                     STEP_FAILED.warn(&e);
-                    backoff.next_pause()
+                    (backoff.next_pause(), false)
                 }
             };
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = self.wake.notified() => {}
+                _ = self.wake.notified(), if wakeable => {}
                 _ = tokio::time::sleep(sleep) => {}
             }
         }

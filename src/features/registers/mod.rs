@@ -22,8 +22,10 @@ use utoipa::ToSchema;
 use crate::domain::merkle::{self, Hash, NodeId, Nodes, NodesWanted};
 use crate::domain::sequence::{Register, Sequence};
 use crate::domain::signed_note::{Checkpoint, NoteSigner, NoteVerifier};
+use crate::infra::backoff::Backoff;
 use crate::infra::db::Db;
 use crate::infra::fair::{FairSlots, Turn};
+use crate::infra::log_limit::Repeated;
 use verify::{ChainCheck, Entry};
 
 /// Where the signing key comes from (`IDPOOL_REGISTER_KEY_FILE`,
@@ -482,15 +484,31 @@ impl Registers {
     /// Signs checkpoints every `interval` while entries arrive (woken
     /// early by appends' notifications), until `stop`.
     pub async fn run_checkpoints(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+        static FAILED: Repeated =
+            Repeated::new("signing register checkpoints failed; next try in an interval");
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut backoff = Backoff::between(interval, interval.max(Duration::from_secs(10)));
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            if let Err(e) = self.sign_checkpoints().await {
-                tracing::warn!(error = %e, "signing register checkpoints failed; next try in an interval");
+            match self.sign_checkpoints().await {
+                Ok(_) => {
+                    FAILED.ended();
+                    backoff.reset();
+                }
+                Err(e) => {
+                    FAILED.warn(&e);
+                    // Failing: tried again after a growing pause, not at
+                    // every tick.
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(backoff.next_pause()) => {}
+                    }
+                    tick.reset();
+                }
             }
         }
     }

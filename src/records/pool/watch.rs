@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{DiscardCause, Discards, PoolKeys, PoolLists, PoolSettings, RedisFailure, RedisLink};
 use crate::domain::sequence::{ProjectCode, TypeCode};
+use crate::infra::backoff::Backoff;
 use crate::infra::stats::Stats;
 use crate::records::counter::{Counter, PostgresIdentity};
 use crate::records::sequence_store::SequenceStore;
@@ -156,13 +157,12 @@ impl PoolWatch {
     }
 
     /// Whether Postgres is another server (or timeline) than at the last
-    /// resync: a failover the connection pool followed silently.
-    pub(super) async fn postgres_changed(&self) -> bool {
-        let Ok(now) = self.counter.postgres_identity().await else {
-            return false;
-        };
+    /// resync: a failover the connection pool followed silently. `None`:
+    /// Postgres did not say.
+    pub(super) async fn postgres_changed(&self) -> Option<bool> {
+        let now = self.counter.postgres_identity().await.ok()?;
         let seen = self.postgres_seen.lock().unwrap_or_else(|e| e.into_inner());
-        seen.as_ref().is_some_and(|seen| *seen != now)
+        Some(seen.as_ref().is_some_and(|seen| *seen != now))
     }
 
     /// Keeps the circuit honest: after a failure or reconnect, waits for
@@ -173,7 +173,8 @@ impl PoolWatch {
         let mut watch = Watch {
             complained: None,
             unreachable_since: None,
-            postgres_checked: Instant::now(),
+            postgres_next_check: Instant::now() + POSTGRES_CHECK,
+            postgres_backoff: Backoff::between(POSTGRES_CHECK, Duration::from_secs(10)),
         };
         loop {
             tokio::select! {
@@ -185,9 +186,18 @@ impl PoolWatch {
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {}
             }
             if self.redis.is_up() {
-                if watch.postgres_checked.elapsed() >= POSTGRES_CHECK {
-                    watch.postgres_checked = Instant::now();
-                    if self.postgres_changed().await {
+                if Instant::now() >= watch.postgres_next_check {
+                    // While Postgres does not answer, asked less and less often.
+                    let changed = self.postgres_changed().await;
+                    let wait = match changed {
+                        Some(_) => {
+                            watch.postgres_backoff.reset();
+                            POSTGRES_CHECK
+                        }
+                        None => watch.postgres_backoff.next_pause().max(POSTGRES_CHECK),
+                    };
+                    watch.postgres_next_check = Instant::now() + wait;
+                    if changed == Some(true) {
                         self.redis
                             .trip("Postgres changed (failover?); checking the pools against it");
                     }
@@ -235,7 +245,9 @@ struct Watch {
     complained: Option<(String, Instant)>,
     /// Since when the pools could not be used for want of a connection.
     unreachable_since: Option<Instant>,
-    postgres_checked: Instant,
+    /// When to ask again which Postgres it talks to.
+    postgres_next_check: Instant,
+    postgres_backoff: Backoff,
 }
 
 impl Watch {

@@ -78,13 +78,7 @@ impl StallingProxy {
     /// `url` (a postgres:// URL) with its host and port replaced by the
     /// proxy's.
     pub fn url_for(&self, url: &str) -> String {
-        let (scheme, rest) = url.split_once("://").expect("a URL");
-        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let user = authority
-            .rsplit_once('@')
-            .map(|(user, _)| format!("{user}@"))
-            .unwrap_or_default();
-        format!("{scheme}://{user}127.0.0.1:{}/{path}", self.port)
+        url_through(self.port, url)
     }
 
     /// Stops forwarding; nothing is closed.
@@ -167,4 +161,15 @@ async fn forward(
             commits.stalled.send_replace(true);
         }
     }
+}
+
+/// `url` with its host and port replaced by a proxy's on 127.0.0.1.
+pub fn url_through(port: u16, url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let user = authority
+        .rsplit_once('@')
+        .map(|(user, _)| format!("{user}@"))
+        .unwrap_or_default();
+    format!("{scheme}://{user}127.0.0.1:{port}/{path}")
 }
