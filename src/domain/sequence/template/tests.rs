@@ -85,6 +85,48 @@ fn refuses_malformed_templates() {
 }
 
 #[test]
+fn bounds_are_inclusive_and_positions_count_from_the_start() {
+    // At each bound exactly: accepted.
+    let longest = format!("{}{{seq}}", "x".repeat(MAX_TEMPLATE_LEN - 5));
+    assert!(Template::parse(&longest).is_ok());
+    let most = format!("{}{{seq}}", "{project}".repeat(MAX_TOKENS - 1));
+    assert!(Template::parse(&most).is_ok());
+    let items = format!("{{date:{}}}{{seq}}", "%Y".repeat(MAX_DATE_ITEMS));
+    assert!(Template::parse(&items).is_ok());
+    // Items are counted over every date token.
+    let spread = format!(
+        "{{date:{}}}-{{date:{}}}{{seq}}",
+        "%Y".repeat(17),
+        "%m".repeat(17)
+    );
+    assert_eq!(
+        Template::parse(&spread),
+        Err(TemplateError::TooManyDateItems(34))
+    );
+    // Byte positions of the whole template, past earlier tokens.
+    assert_eq!(
+        Template::parse("ab{seq}cd{project"),
+        Err(TemplateError::Unclosed(9))
+    );
+    assert_eq!(
+        Template::parse("ab{seq}cd}"),
+        Err(TemplateError::StrayClose(9))
+    );
+    assert!(!Template::parse("{project}-{seq}").unwrap().has_date());
+    // The number's token is named as written.
+    for (source, named) in [
+        ("{date:%-d}{seq}", "{seq}"),
+        ("{date:%-d}{seq:3}", "{seq:3}"),
+    ] {
+        let refused = Template::parse(source).unwrap().pattern("P", "T", 16);
+        assert!(
+            matches!(&refused, Err(TemplateError::Ambiguous(a)) if a.next == named),
+            "{source}: {refused:?}"
+        );
+    }
+}
+
+#[test]
 fn templates_are_bounded() {
     assert_eq!(
         Template::parse(&format!("{}{{seq}}", "x".repeat(300))),
