@@ -675,16 +675,24 @@ async fn db_migrate_applies_every_migration_once_and_keys_create_prints_its_fiel
         .await
         .expect("an empty database");
     let url = replace_database(&base_database_url(), &name);
-    let idpool = |args: &[&str]| {
+    // (whether it succeeded, its stdout, its stderr)
+    let run = |args: &[&str]| {
         let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
             .args(args)
             .env("DATABASE_URL", &url)
             .output()
             .expect("idpool runs");
-        let said = String::from_utf8_lossy(&output.stderr).into_owned();
-        assert!(output.status.success(), "idpool {args:?}: {said}");
+        (
+            output.status.success(),
+            output.stdout,
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let idpool = |args: &[&str]| {
+        let (succeeded, stdout, said) = run(args);
+        assert!(succeeded, "idpool {args:?}: {said}");
         assert!(!said.contains("ERROR"), "idpool {args:?}: {said}");
-        String::from_utf8(output.stdout).expect("utf-8")
+        String::from_utf8(stdout).expect("utf-8")
     };
     let db = sqlx::PgPool::connect(&url).await.expect("the new database");
     let applied = || async {
@@ -773,13 +781,9 @@ async fn db_migrate_applies_every_migration_once_and_keys_create_prints_its_fiel
         assert!(line.get("key").is_none(), "{line}");
     }
     let refused = |args: &[&str]| {
-        let output = Command::new(env!("CARGO_BIN_EXE_idpool"))
-            .args(args)
-            .env("DATABASE_URL", &url)
-            .output()
-            .expect("idpool runs");
-        assert!(!output.status.success(), "idpool {args:?} succeeded");
-        String::from_utf8_lossy(&output.stderr).into_owned()
+        let (succeeded, _, said) = run(args);
+        assert!(!succeeded, "idpool {args:?} succeeded");
+        said
     };
     // A name a log line or a list could be forged with is refused.
     let long = "n".repeat(101);
