@@ -1141,7 +1141,7 @@ async fn while_postgres_refuses_connections_retries_thin_out_and_start_again_onc
     };
     // A window of the refusal: the test counts what the instance attempts
     // in it, so it lasts its length whatever happens.
-    let window = |seconds: u64| tokio::time::sleep(Duration::from_secs(seconds));
+    let window = |seconds: u64| tokio::time::sleep(Duration::from_secs(seconds)); // a measuring window, not a wait for the service
 
     gate.shut();
     let shut = Instant::now();
