@@ -614,7 +614,7 @@ impl PgBouncer {
             format!(
                 "[databases]\n* = host=127.0.0.1 port={server}\n\n[pgbouncer]\n\
                  listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
-                 auth_type = trust\nauth_file = {users}\n\
+                 auth_type = trust\nauth_file = {users}\nadmin_users = postgres\n\
                  pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 5000\n\
                  ignore_startup_parameters = extra_float_digits,options\n\
                  logfile = {log}\npidfile = {pid}\n",
@@ -652,6 +652,21 @@ impl PgBouncer {
 
     pub fn url(&self, database: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Server connections open for `database` now. PgBouncer opens one
+    /// only when a transaction finds none free and keeps it for
+    /// `server_idle_timeout` (10 min): the most ever in use at once.
+    pub async fn servers(&self, database: &str) -> anyhow::Result<usize> {
+        use sqlx::{Connection, Row};
+        let admin: sqlx::postgres::PgConnectOptions = self.url("pgbouncer").parse()?;
+        let mut conn = sqlx::PgConnection::connect_with(&admin.extra_float_digits(None)).await?;
+        // The console speaks the simple protocol only.
+        let rows = sqlx::raw_sql("SHOW SERVERS").fetch_all(&mut conn).await?;
+        Ok(rows
+            .iter()
+            .filter(|row| row.try_get::<String, _>("database").ok().as_deref() == Some(database))
+            .count())
     }
 }
 
