@@ -289,6 +289,127 @@ async fn a_thousand_pools_drained_at_once_refill_one_at_a_time_each_within_the_c
     );
 }
 
+/// A line of `/proc/<pid>/status`, in KiB.
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
+}
+
+/// How much an `idpool serve` process's peak resident memory grows while
+/// `POOLS` new pools of `pool_size` numbers fill at once (64 requests in
+/// flight, one ID each), over what it held before, in KiB.
+async fn growth_while_pools_fill(pool_size: u32) -> u64 {
+    const POOLS: usize = 2000;
+    let mut env = TestEnv::new();
+    // Keys are beside the point here.
+    env.auth = false;
+    env.extra_env = vec![
+        ("IDPOOL_REFILL_CONCURRENCY".to_owned(), "4".to_owned()),
+        (
+            "IDPOOL_MAX_SEQUENCES_PER_PROJECT".to_owned(),
+            POOLS.to_string(),
+        ),
+    ];
+    let server = crate::support::app::ServeProcess::start(&env).await;
+    let client = crate::support::app::client_with_key(None);
+    let base = format!("http://127.0.0.1:{}", server.port);
+    let each = |calls: Vec<(reqwest::Method, String, Value)>, expected: StatusCode| {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            let calls = Arc::new(std::sync::Mutex::new(calls));
+            let workers: Vec<_> = (0..64)
+                .map(|_| {
+                    let (client, base, calls) = (client.clone(), base.clone(), calls.clone());
+                    tokio::spawn(async move {
+                        loop {
+                            let Some((method, path, body)) = calls.lock().expect("calls").pop()
+                            else {
+                                return;
+                            };
+                            let answer = client
+                                .request(method, format!("{base}{path}"))
+                                .json(&body)
+                                .send()
+                                .await
+                                .expect("request");
+                            assert_eq!(answer.status(), expected, "{path}");
+                        }
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.await.expect("worker");
+            }
+        }
+    };
+    let fills = (0..POOLS)
+        .map(|i| {
+            let body = json!({"project": "FILL", "type": format!("T{i}"), "count": 1});
+            (reqwest::Method::POST, "/ids".to_owned(), body)
+        })
+        .collect();
+    let definitions = (0..POOLS)
+        .map(|i| {
+            let path = format!("/api/v1/sequences/FILL/T{i}");
+            let body = json!({"pool_size": pool_size, "refill_at": 0.5});
+            (reqwest::Method::PUT, path, body)
+        })
+        .collect();
+    each(definitions, StatusCode::CREATED).await;
+    // The same traffic first on one pool: the connections' buffers and
+    // the runtime's threads are in what it held before.
+    let warm_up = (0..POOLS)
+        .map(|_| {
+            let body = json!({"project": "WARM", "type": "1", "count": 1});
+            (reqwest::Method::POST, "/ids".to_owned(), body)
+        })
+        .collect();
+    each(warm_up, StatusCode::OK).await;
+
+    let pid = server.child.id();
+    // Writing 5 to clear_refs sets the peak (VmHWM) to what is resident now.
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("clear_refs");
+    let before = status_kib(pid, "VmRSS:");
+    each(fills, StatusCode::OK).await;
+    eventually(Duration::from_secs(60), "every pool filled", async || {
+        let metrics = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let in_flight = metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("idpool_refills_in_flight "))?;
+        (in_flight.trim() == "0").then_some(())
+    })
+    .await;
+    status_kib(pid, "VmHWM:").saturating_sub(before)
+}
+
+/// Promise 5: thousands of pools draining at once do not grow memory
+/// without bound. What the herd of refills moves is numbers, and the
+/// instance never holds them: 2,000 pools of 2,000 numbers each (4 million
+/// numbers, 32 MB as 64-bit integers) fill at once for no more memory than
+/// 2,000 pools of 20.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_large_pools_fill_at_once_for_the_memory_of_small_ones() {
+    let small = growth_while_pools_fill(20).await;
+    let large = growth_while_pools_fill(2000).await;
+    println!("peak memory grew {small} KiB for pools of 20, {large} KiB for pools of 2,000");
+    // 4 MiB is an eighth of the numbers the large pools took.
+    assert!(
+        large <= small + 4096,
+        "pools of 2,000 grew the peak by {large} KiB, pools of 20 by {small} KiB"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_requests_for_new_sequences_are_served_while_redis_is_down() {
     let mut redis = RedisServer::start();
