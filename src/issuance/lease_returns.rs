@@ -127,6 +127,11 @@ impl LeaseReturns {
         let _ = tokio::time::timeout(RETURNS_WAIT, self.leases.all_returns_written()).await;
     }
 
+    /// Lease holders in memory (one per pool requests use).
+    pub(super) fn holders(&self) -> usize {
+        self.leases.holders()
+    }
+
     /// Numbers a lease did not hand out go back to the head of their pool
     /// (off the ledger first; those of a lease an attach ended stay its).
     /// When Postgres or Redis cannot take them

@@ -236,6 +236,11 @@ impl Leases {
         &self.settings
     }
 
+    /// Holders kept now.
+    pub fn holders(&self) -> usize {
+        self.holders.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     /// The holder of `key`, made with `pool` on first use.
     pub fn holder(&self, key: HolderKey, pool: impl FnOnce() -> Arc<Placement>) -> Arc<Holder> {
         let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());

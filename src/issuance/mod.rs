@@ -456,6 +456,12 @@ impl Issuer {
         self.lease_returns.written().await;
     }
 
+    /// Lease holders this instance keeps in memory: one per pool in use,
+    /// forgotten once idle (`Leases::sweep`).
+    pub fn lease_holders(&self) -> usize {
+        self.lease_returns.holders()
+    }
+
     /// `count` numbers: what the lease gave or is bringing first (`begun`),
     /// the rest through the shared commit and the counter path.
     async fn ids(

@@ -1096,3 +1096,51 @@ async fn documents_in_flight_on_a_frozen_instance_take_other_numbers_once_theirs
         "{refused:?}"
     );
 }
+
+/// SPEC, limits: "the in-memory caches (entries of idle sequences are
+/// evicted)". A lease holder is kept per pool in use: fifty sequences used
+/// once each and then left alone are forgotten, with every number their
+/// leases held back in the pools, while one still in use keeps its holder.
+#[tokio::test]
+async fn lease_holders_of_sequences_gone_quiet_are_forgotten() {
+    let env = TestEnv::new();
+    let clock = Arc::new(ManualClock::new(Utc::now()));
+    let app = env.spawn_with(clock.clone(), PoolSettings::default()).await;
+    // A burst on each, fast enough on the injected clock to take leases.
+    for i in 0..50 {
+        for _ in 0..20 {
+            clock.advance(chrono::Duration::microseconds(250));
+            app.issue("QUIET", &format!("T{i}"), 1).await;
+        }
+    }
+    let busy = app.state.issuer.lease_holders();
+    assert!(busy >= 50, "{busy} holders for 50 sequences in use");
+
+    // Ten minutes pass; only BUSY is asked for meanwhile, once a second.
+    for _ in 0..600 {
+        clock.advance(chrono::Duration::seconds(1));
+        app.issue("QUIET", "BUSY", 1).await;
+    }
+    let what = "the holders of the quiet sequences forgotten";
+    crate::support::app::eventually(Duration::from_secs(10), what, async || {
+        (app.state.issuer.lease_holders() == 1).then_some(())
+    })
+    .await;
+    app.state.issuer.lease_returns_written().await;
+    let issued: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM issuance_ledger l JOIN sequences s ON s.id = l.sequence_id \
+         WHERE s.project = 'QUIET' AND l.via = 'lease'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .expect("leases");
+    assert!(issued > 0, "the bursts were served from leases");
+    let reconciled = app.reconcile().await;
+    assert_eq!(
+        reconciled["gaps_added"]["untracked_loss"]
+            .as_i64()
+            .unwrap_or(0),
+        0,
+        "{reconciled}"
+    );
+}

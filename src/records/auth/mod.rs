@@ -269,7 +269,30 @@ fn bearer_token(header: &[u8]) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
-    use super::bearer_token;
+    use super::{KeyBudget, bearer_token};
+
+    /// Keys that stopped spending are forgotten once their budget is full
+    /// again (a full budget is what a key never seen gets); a key still in
+    /// debt is kept, and so is its debt.
+    #[test]
+    fn the_budgets_of_idle_keys_are_forgotten_and_a_debt_is_kept() {
+        let budget = KeyBudget::new(1_000_000);
+        for key in 0..100 {
+            budget.adjust(&format!("k{key}"), |had| had - 1.0);
+        }
+        // Two seconds of debt.
+        budget.adjust("debtor", |had| had - 3_000_000.0);
+        let tracked = || budget.keys.lock().expect("keys").len();
+        assert_eq!(tracked(), 101);
+        // Each idle key refills its one token within a microsecond.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while tracked() > 1 && std::time::Instant::now() < deadline {
+            budget.tidy();
+        }
+        let keys = budget.keys.lock().expect("keys");
+        assert_eq!(keys.keys().collect::<Vec<_>>(), ["debtor"]);
+        assert!(keys["debtor"].0 < -1_000_000.0, "{:?}", keys["debtor"]);
+    }
 
     #[test]
     fn the_bearer_scheme_is_read_in_any_case() {
