@@ -38,15 +38,19 @@ pub struct UrlPolicy {
 /// Whether an address may be posted to: a public unicast address. Refused:
 /// loopback, unspecified, private (RFC 1918), shared (CGNAT), link-local
 /// (cloud metadata at 169.254.169.254), unique-local, multicast,
-/// broadcast, documentation, benchmarking and reserved ranges, and IPv6
-/// forms that carry one of those IPv4 addresses (mapped, compatible,
-/// NAT64, 6to4).
+/// broadcast, documentation, benchmarking and reserved ranges, Azure's
+/// platform address, and IPv6 forms that carry one of those IPv4
+/// addresses (mapped, compatible, NAT64, 6to4).
 pub fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_public_v4(v4),
         IpAddr::V6(v6) => is_public_v6(v6),
     }
 }
+
+/// Azure's virtual public address: public in form, but from inside a VM
+/// it answers as the platform (its agent, DNS, health, metadata).
+const AZURE_PLATFORM: Ipv4Addr = Ipv4Addr::new(168, 63, 129, 16);
 
 fn is_public_v4(ip: Ipv4Addr) -> bool {
     let [a, b, c, _] = ip.octets();
@@ -62,6 +66,7 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
         || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
         || (a == 198 && (b == 18 || b == 19)) // benchmarking
         || (a == 192 && b == 88 && c == 99) // 6to4 relay anycast (deprecated)
+        || ip == AZURE_PLATFORM
         || a >= 240; // reserved
     !refused
 }
@@ -289,6 +294,8 @@ mod tests {
             "3fff::1",
             "5f00::1",
             "192.88.99.1",
+            "168.63.129.16",
+            "::ffff:168.63.129.16",
         ] {
             let ip: IpAddr = inside.parse().expect(inside);
             assert!(!is_public(ip), "{inside} counted as public");
