@@ -309,6 +309,9 @@ async fn documents_go_to_their_projects_endpoints_signed_with_every_live_secret(
     let first = accept(&app, &client, "SIGN", 1).await;
     app.wait_for_status(&first, "committed", Duration::from_secs(10))
         .await;
+    // As through the sink, retry_count counts the attempts that failed.
+    let delivered = app.document(&first).await;
+    assert_eq!(delivered["retry_count"], 0, "{delivered}");
     let routed_to_the_sink: i64 =
         sqlx::query_scalar("SELECT count(*) FROM documents WHERE document_id = $1")
             .bind(&first)
