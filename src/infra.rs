@@ -8,6 +8,7 @@ pub mod fair;
 pub mod listen;
 pub mod log_limit;
 pub mod redact;
+pub mod retrying;
 pub mod stats;
 pub mod supervise;
 pub mod telemetry;

@@ -181,28 +181,23 @@ impl Reservations {
             std::time::Duration::from_millis(50),
             std::time::Duration::from_secs(1),
         );
-        let failures =
-            crate::infra::log_limit::Repeated::new("expired reservations could not be voided");
         // A failing sweep (Postgres away) looks again less and less often.
-        let mut backoff = crate::infra::backoff::Backoff::background();
+        let mut failures =
+            crate::infra::retrying::Retrying::new("expired reservations could not be voided");
         loop {
             let wait =
                 match reservations::expire_due(&self.background_db, self.clock.now(), SWEEP_BATCH)
                     .await
                 {
                     Ok(n) => {
-                        failures.ended();
-                        backoff.reset();
+                        failures.succeeded();
                         self.stats.reservations_expired.inc_by(n);
                         if n as i64 == SWEEP_BATCH {
                             continue;
                         }
                         pause
                     }
-                    Err(e) => {
-                        failures.warn(&e);
-                        backoff.next_pause().max(pause)
-                    }
+                    Err(e) => failures.failed(&e).max(pause),
                 };
             tokio::select! {
                 _ = stop.cancelled() => return,

@@ -361,9 +361,7 @@ impl Processor {
     /// sleeps until woken by a new row, the next retry falls due, or the
     /// poll interval passes.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
-        let mut backoff_on_error = crate::infra::backoff::Backoff::background();
-        static STEP_FAILED: crate::infra::log_limit::Repeated =
-            crate::infra::log_limit::Repeated::new("outbox step failed");
+        let mut failures = crate::infra::retrying::Retrying::new("outbox step failed");
         let mut looked_at_oldest: Option<tokio::time::Instant> = None;
         loop {
             if stop.is_cancelled() {
@@ -396,15 +394,13 @@ impl Processor {
                     continue;
                 }
                 Ok(step) => {
-                    backoff_on_error.reset();
-                    STEP_FAILED.ended();
+                    failures.succeeded();
                     (step.claimed, step.next_due)
                 }
                 Err(e) => {
-                    STEP_FAILED.warn(&e);
                     tokio::select! {
                         _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(backoff_on_error.next_pause()) => {}
+                        _ = tokio::time::sleep(failures.failed(&e)) => {}
                     }
                     continue;
                 }

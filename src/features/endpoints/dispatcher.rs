@@ -29,6 +29,7 @@ use super::url_guard::{self, UrlPolicy};
 use crate::domain::clock::Clock;
 use crate::features::documents::sink::{self, Delivery, DeliveryError};
 use crate::infra::db::Db;
+use crate::infra::retrying::Retrying;
 use crate::infra::stats::Stats;
 
 /// Channel the outbox trigger notifies on when it routes documents.
@@ -192,23 +193,17 @@ impl Dispatcher {
         let attempts_ended = CancellationToken::new();
         let recorder = tokio::spawn(self.clone().record_all(receiver, attempts_ended.clone()));
         let sweeper = tokio::spawn(sweep_deleted_endpoints(self.db.clone(), stop.clone()));
-        let mut backoff = crate::infra::backoff::Backoff::background();
-        static STEP_FAILED: crate::infra::log_limit::Repeated =
-            crate::infra::log_limit::Repeated::new("endpoint dispatch failed");
+        let mut failures = Retrying::new("endpoint dispatch failed");
         while !stop.is_cancelled() {
             // A failed step waits out its pause: a notification (or the
             // listener's every-second "missed" while Postgres is away) does
             // not cut it short.
             let (sleep, wakeable) = match self.step().await {
                 Ok(sleep) => {
-                    backoff.reset();
-                    STEP_FAILED.ended();
+                    failures.succeeded();
                     (sleep, true)
                 }
-                Err(e) => {
-                    STEP_FAILED.warn(&e);
-                    (backoff.next_pause(), false)
-                }
+                Err(e) => (failures.failed(&e), false),
             };
             tokio::select! {
                 _ = stop.cancelled() => break,
@@ -521,9 +516,7 @@ impl Dispatcher {
         mut receiver: mpsc::UnboundedReceiver<Attempt>,
         attempts_ended: CancellationToken,
     ) {
-        let mut backoff = crate::infra::backoff::Backoff::background();
-        static RECORD_FAILED: crate::infra::log_limit::Repeated =
-            crate::infra::log_limit::Repeated::new("recording endpoint deliveries failed");
+        let mut failures = Retrying::new("recording endpoint deliveries failed");
         let mut batch = Vec::new();
         loop {
             if batch.is_empty() {
@@ -546,15 +539,11 @@ impl Dispatcher {
             }
             match deliveries::record(&self.db, &batch, &self.settings.judgement).await {
                 Ok(recorded) => {
-                    backoff.reset();
-                    RECORD_FAILED.ended();
+                    failures.succeeded();
                     self.count(&recorded);
                     batch.clear();
                 }
-                Err(e) => {
-                    RECORD_FAILED.warn(&e);
-                    tokio::time::sleep(backoff.next_pause()).await;
-                }
+                Err(e) => tokio::time::sleep(failures.failed(&e)).await,
             }
         }
     }
@@ -591,25 +580,17 @@ const SWEEP_EVERY: Duration = Duration::from_secs(2);
 /// Sweeps what deleted endpoints left, a bounded step at a time, until
 /// `stop`.
 async fn sweep_deleted_endpoints(db: Db, stop: CancellationToken) {
-    static SWEEP_FAILED: crate::infra::log_limit::Repeated =
-        crate::infra::log_limit::Repeated::new("sweeping deleted endpoints failed");
-    let mut backoff = crate::infra::backoff::Backoff::background();
+    let mut failures = Retrying::new("sweeping deleted endpoints failed");
     while !stop.is_cancelled() {
         let pause = match super::store::sweep_deleted(&db, SWEEP_CHUNK).await {
-            Ok(0) => {
-                SWEEP_FAILED.ended();
-                backoff.reset();
-                SWEEP_EVERY
+            Ok(swept) => {
+                failures.succeeded();
+                match swept {
+                    0 => SWEEP_EVERY,
+                    _ => Duration::ZERO,
+                }
             }
-            Ok(_) => {
-                SWEEP_FAILED.ended();
-                backoff.reset();
-                Duration::ZERO
-            }
-            Err(e) => {
-                SWEEP_FAILED.warn(&e);
-                backoff.next_pause()
-            }
+            Err(e) => failures.failed(&e),
         };
         tokio::select! {
             _ = stop.cancelled() => return,

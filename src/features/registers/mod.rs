@@ -25,7 +25,7 @@ use crate::domain::signed_note::{Checkpoint, NoteSigner, NoteVerifier};
 use crate::infra::backoff::Backoff;
 use crate::infra::db::Db;
 use crate::infra::fair::{FairSlots, Turn};
-use crate::infra::log_limit::Repeated;
+use crate::infra::retrying::Retrying;
 use verify::{ChainCheck, Entry};
 
 /// Where the signing key comes from (`IDPOOL_REGISTER_KEY_FILE`,
@@ -484,28 +484,25 @@ impl Registers {
     /// Signs checkpoints every `interval` while entries arrive (woken
     /// early by appends' notifications), until `stop`.
     pub async fn run_checkpoints(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
-        static FAILED: Repeated =
-            Repeated::new("signing register checkpoints failed; next try in an interval");
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut backoff = Backoff::between(interval, interval.max(Duration::from_secs(10)));
+        let mut failures = Retrying::with(
+            "signing register checkpoints failed; next try in an interval",
+            Backoff::between(interval, interval.max(Duration::from_secs(10))),
+        );
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
             match self.sign_checkpoints().await {
-                Ok(_) => {
-                    FAILED.ended();
-                    backoff.reset();
-                }
+                Ok(_) => failures.succeeded(),
                 Err(e) => {
-                    FAILED.warn(&e);
                     // Failing: tried again after a growing pause, not at
                     // every tick.
                     tokio::select! {
                         _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(backoff.next_pause()) => {}
+                        _ = tokio::time::sleep(failures.failed(&e)) => {}
                     }
                     tick.reset();
                 }

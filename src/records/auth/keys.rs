@@ -19,9 +19,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::infra::backoff::Backoff;
 use crate::infra::db::Db;
 use crate::infra::log_limit::Repeated;
+use crate::infra::retrying::Retrying;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use rand::Rng;
@@ -201,13 +201,12 @@ pub struct KeyStore {
     /// Set when notifications may have been missed: every key is read again.
     reload: tokio::sync::Notify,
     /// The pause before reading every key again after a failed read.
-    reload_backoff: Mutex<Backoff>,
+    reload_failures: Mutex<Retrying>,
     failures: crate::infra::log_limit::Repeated,
 }
 
 /// A read of every key again that failed (Postgres down): said once, then
 /// counted, like every repeated failure.
-static RELOAD_FAILED: Repeated = Repeated::new("could not read the API keys again; retrying");
 static USE_NOT_RECORDED: Repeated = Repeated::new("could not record when keys were last used");
 
 impl KeyStore {
@@ -218,7 +217,9 @@ impl KeyStore {
             looks: tokio::sync::Mutex::new(Looks::default()),
             used: Mutex::new(HashSet::new()),
             reload: tokio::sync::Notify::new(),
-            reload_backoff: Mutex::new(Backoff::background()),
+            reload_failures: Mutex::new(Retrying::new(
+                "could not read the API keys again; retrying",
+            )),
             failures: crate::infra::log_limit::Repeated::new(
                 "API keys could not be read; unknown keys are answered 503",
             ),
@@ -468,25 +469,25 @@ impl KeyStore {
                 true
             }
             _ = self.reload.notified() => {
-                match self.load_all().await {
-                    Ok(()) => {
-                        RELOAD_FAILED.ended();
-                        self.reload_backoff.lock().unwrap_or_else(|e| e.into_inner()).reset();
-                    }
-                    Err(e) => {
-                        RELOAD_FAILED.warn(&e);
-                        // Asked again every second while notifications are
-                        // not heard: the pause, not the asking, sets the pace.
-                        self.reload_soon();
-                        let pause = self
-                            .reload_backoff
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .next_pause();
-                        tokio::select! {
-                            _ = stop.cancelled() => {}
-                            _ = tokio::time::sleep(pause) => {}
+                let reloaded = self.load_all().await;
+                let pause = {
+                    let mut failures =
+                        self.reload_failures.lock().unwrap_or_else(|e| e.into_inner());
+                    match reloaded {
+                        Ok(()) => {
+                            failures.succeeded();
+                            None
                         }
+                        Err(e) => Some(failures.failed(&e)),
+                    }
+                };
+                if let Some(pause) = pause {
+                    // Asked again every second while notifications are
+                    // not heard: the pause, not the asking, sets the pace.
+                    self.reload_soon();
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = tokio::time::sleep(pause) => {}
                     }
                 }
                 true
