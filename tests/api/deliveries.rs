@@ -318,3 +318,46 @@ async fn a_webhook_that_thinks_holds_no_postgres_connection_meanwhile() {
     }
     assert_eq!(target.most_at_once_per_document(), 1);
 }
+
+/// The sink's side of `endpoints::a_document_whose_delivery_is_under_way_
+/// is_not_abandoned`: a webhook attempt under way keeps its document from
+/// being abandoned (409 `delivery_in_flight`, Retry-After), and the
+/// document ends as the attempt did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_the_sink_is_delivering_is_not_abandoned() {
+    let webhook =
+        crate::support::webhook::Webhook::start(crate::support::webhook::Behaviour::Succeed).await;
+    webhook.slow_down(Duration::from_secs(3));
+    let mut env = TestEnv::new();
+    env.sink = idpool::features::documents::sink::SinkConfig::Webhook(webhook.url.clone());
+    env.outbox_poll_ms = 100;
+    let app = env.spawn().await;
+    let response = app
+        .post_document(
+            &json!({"project": "SINKF", "type": "1", "metadata": {}}),
+            None,
+        )
+        .await;
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let id = response.json::<Value>().await.expect("json")["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    until(Duration::from_secs(10), "the attempt begins", async || {
+        webhook.most_at_once_per_document() >= 1
+    })
+    .await;
+
+    let abandon = app
+        .client
+        .post(app.url(&format!("/api/v1/outbox/{id}/abandon")))
+        .send()
+        .await
+        .expect("abandon");
+    assert_eq!(abandon.status(), StatusCode::CONFLICT);
+    assert!(abandon.headers().contains_key("retry-after"));
+    let problem: Value = abandon.json().await.expect("problem");
+    assert_eq!(problem["code"], "delivery_in_flight", "{problem}");
+    app.wait_for_status(&id, "committed", Duration::from_secs(15))
+        .await;
+}

@@ -772,3 +772,50 @@ async fn a_rotation_keeps_the_promise_of_the_one_before() {
         .count();
     assert_eq!((rotated, refused), (1, 9), "{answers:?}");
 }
+
+/// An abandon answered while an attempt is under way would be contradicted
+/// by its outcome (the target takes the document): it is refused with
+/// `409 delivery_in_flight` and a Retry-After, and changes nothing; once
+/// the attempt has ended the document's status says what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_whose_delivery_is_under_way_is_not_abandoned() {
+    let mut env = TestEnv::new();
+    env.outbox_poll_ms = 200;
+    let app = env.spawn().await;
+    let client = client_with_key(Some(&create_key(&app.state, &["FLIGHT"], false).await));
+    let target = Endpoint::start(Mode::Hang).await;
+    register(&app, &client, "FLIGHT", &target.url).await;
+    let id = accept(&app, &client, "FLIGHT", 1).await;
+    crate::support::app::eventually(Duration::from_secs(10), "the attempt begins", async || {
+        (!target.requests().is_empty()).then_some(())
+    })
+    .await;
+
+    let abandon = client
+        .post(app.url(&format!("/api/v1/outbox/{id}/abandon")))
+        .send()
+        .await
+        .expect("abandon");
+    assert_eq!(abandon.status(), StatusCode::CONFLICT);
+    assert!(
+        abandon.headers().contains_key("retry-after"),
+        "{:?}",
+        abandon.headers()
+    );
+    let problem: Value = abandon.json().await.expect("problem");
+    assert_eq!(problem["code"], "delivery_in_flight", "{problem}");
+    assert_eq!(app.document(&id).await["status"], "pending");
+
+    target.set(Mode::Answer(204));
+    app.wait_for_status(&id, "committed", Duration::from_secs(10))
+        .await;
+    let late = client
+        .post(app.url(&format!("/api/v1/outbox/{id}/abandon")))
+        .send()
+        .await
+        .expect("abandon");
+    assert_eq!(late.status(), StatusCode::CONFLICT);
+    let problem: Value = late.json().await.expect("problem");
+    assert_eq!(problem["code"], "not_abandonable", "{problem}");
+    assert_eq!(app.document(&id).await["status"], "committed");
+}

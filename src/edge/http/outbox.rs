@@ -166,6 +166,14 @@ fn transition_error(e: TransitionError) -> ApiError {
             action: "retry", ..
         } => ApiError::conflict("not_retryable", e.to_string()),
         TransitionError::NotAllowed { .. } => ApiError::conflict("not_abandonable", e.to_string()),
+        TransitionError::InFlight { until, .. } => {
+            // Whole seconds until the claim ends, at least one.
+            let wait = (until - chrono::Utc::now()).num_milliseconds().max(0) / 1000 + 1;
+            ApiError::conflict("delivery_in_flight", e.to_string()).with_header(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(wait),
+            )
+        }
         TransitionError::Db(e) => db_error(e),
     }
 }
@@ -246,7 +254,8 @@ pub async fn retry_document(
         (status = 200, description = "Abandoned: its number is a gap", body = DocumentView),
         (status = 400, description = "invalid_body: the optional body holds other than endpoint_id", body = Problem, content_type = "application/problem+json"),
         NoSuchDocument,
-        (status = 409, description = "Already committed", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "not_abandonable: already committed; delivery_in_flight: an attempt is under way, whose outcome would contradict the answer (nothing changed; try again after Retry-After)", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "delivery_in_flight: seconds until the attempt's claim ends"))),
     )
 )]
 #[tracing::instrument(skip_all, level = "debug")]

@@ -105,6 +105,11 @@ pub enum TransitionError {
         action: &'static str,
         allowed: &'static str,
     },
+    /// An attempt is under way: the target may be taking the document.
+    #[error(
+        "a delivery of {id} is under way (its claim ends at {until}); abandon it once the attempt has ended"
+    )]
+    InFlight { id: String, until: DateTime<Utc> },
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -118,6 +123,9 @@ struct Transition {
     to: DocumentStatus,
     /// The other columns it sets.
     also_set: &'static str,
+    /// Refused while an attempt is under way (its outcome would contradict
+    /// the answer).
+    not_in_flight: bool,
 }
 
 /// Back to `pending`, retry count reset: for dead letters (and abandoned
@@ -128,6 +136,7 @@ const RETRY: Transition = Transition {
     allowed: &[DocumentStatus::DeadLetter, DocumentStatus::Abandoned],
     to: DocumentStatus::Pending,
     also_set: "retry_count = 0, next_retry_at = now(), processed_at = NULL",
+    not_in_flight: false,
 };
 
 /// Gives up on a document: its number becomes an `abandoned` gap.
@@ -141,6 +150,7 @@ const ABANDON: Transition = Transition {
     ],
     to: DocumentStatus::Abandoned,
     also_set: "processed_at = coalesce(processed_at, now())",
+    not_in_flight: true,
 };
 
 /// Back to `pending`, retry count reset: for dead letters (and abandoned
@@ -169,18 +179,32 @@ async fn transition(
     change: &Transition,
 ) -> Result<DocumentView, TransitionError> {
     let mut tx = db.begin().await?;
-    // Locked, so a processor holding the row finishes first.
-    let current = sqlx::query_scalar!(
-        "SELECT status::text AS \"status!: DocumentStatus\" FROM id_outbox WHERE document_id = $1 \
+    // Locked, so a processor's claim skips it meanwhile; one whose attempt
+    // is under way (its claim still holds) has the row unlocked, and is
+    // told apart by its claim.
+    let found = sqlx::query!(
+        "SELECT status::text AS \"status!: DocumentStatus\", \
+                CASE WHEN status = 'pending' AND claimed_until = next_retry_at \
+                      AND next_retry_at > clock_timestamp() THEN next_retry_at END AS in_flight_until \
+           FROM id_outbox WHERE document_id = $1 \
          AND ($2::text[] IS NULL OR tenant_code = ANY($2)) FOR UPDATE",
         document_id,
         projects,
     )
     .fetch_optional(&mut tx)
     .await?;
-    let Some(current) = current else {
+    let Some(found) = found else {
         return Err(TransitionError::NotFound(document_id.to_owned()));
     };
+    if change.not_in_flight
+        && let Some(until) = found.in_flight_until
+    {
+        return Err(TransitionError::InFlight {
+            id: document_id.to_owned(),
+            until,
+        });
+    }
+    let current = found.status;
     if !change.allowed.contains(&current) {
         return Err(TransitionError::NotAllowed {
             id: document_id.to_owned(),
@@ -411,7 +435,8 @@ pub async fn hold(
     lease: std::time::Duration,
 ) -> Result<Vec<(i64, DateTime<Utc>)>, sqlx::Error> {
     sqlx::query_as(
-        "UPDATE id_outbox SET next_retry_at = clock_timestamp() + make_interval(secs => $2) \
+        "UPDATE id_outbox SET (next_retry_at, claimed_until) = \
+             (SELECT c, c FROM (SELECT clock_timestamp() + make_interval(secs => $2)) AS x(c)) \
          WHERE id = ANY($1) RETURNING id, next_retry_at",
     )
     .bind(row_ids)

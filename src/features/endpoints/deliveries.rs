@@ -108,7 +108,8 @@ pub async fn claim(
                     FOR UPDATE SKIP LOCKED) c), \
          claimed AS ( \
              UPDATE endpoint_deliveries d \
-                SET next_attempt_at = clock_timestamp() + make_interval(secs => $3) \
+                SET (next_attempt_at, claimed_until) = \
+                    (SELECT c, c FROM (SELECT clock_timestamp() + make_interval(secs => $3)) AS x(c)) \
                FROM picked p \
               WHERE d.outbox_id = p.outbox_id AND d.endpoint_id = p.endpoint_id \
              RETURNING d.outbox_id, d.endpoint_id, d.next_attempt_at) \
@@ -458,6 +459,28 @@ pub async fn transition_routed(
                 allowed: "documents routed to endpoints when an endpoint_id is named",
             }),
         };
+    }
+    if !retry {
+        // The deliveries to abandon, locked (a dispatcher's claim skips
+        // them meanwhile): refused while an attempt of one is under way.
+        let in_flight: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "SELECT max(CASE WHEN s.claimed_until = s.next_attempt_at \
+                              AND s.next_attempt_at > clock_timestamp() THEN s.next_attempt_at END) \
+               FROM (SELECT d.claimed_until, d.next_attempt_at FROM endpoint_deliveries d \
+                       JOIN id_outbox o ON o.id = d.outbox_id \
+                      WHERE o.document_id = $1 AND ($2::text IS NULL OR d.endpoint_id = $2) \
+                        AND d.status = 'pending' FOR UPDATE OF d) s",
+        )
+        .bind(document_id)
+        .bind(endpoint_id)
+        .fetch_one(&mut tx)
+        .await?;
+        if let Some(until) = in_flight {
+            return Err(TransitionError::InFlight {
+                id: document_id.to_owned(),
+                until,
+            });
+        }
     }
     let sql = match retry {
         true => {
