@@ -583,6 +583,23 @@ async fn batch_items_with_keys_are_replayed_and_ids_from_post_ids_attach_once() 
         .await;
     assert_eq!(attached.status(), StatusCode::ACCEPTED);
 
+    // One key, one item twice in one batch: one document, and the second
+    // answer says it repeats the first (a script counting documents made by
+    // `replayed` counts one).
+    let repeated: Value = app
+        .post_batch(vec![
+            json!({"project": "MIG", "type": "1", "metadata": {"x": 1}, "idempotency_key": "twice"}),
+            json!({"project": "MIG", "type": "1", "metadata": {"x": 1}, "idempotency_key": "twice"}),
+        ])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let documents = &repeated["documents"];
+    assert_eq!(documents[0]["id"], documents[1]["id"], "{repeated}");
+    assert_eq!(documents[0]["replayed"], Value::Null, "{repeated}");
+    assert_eq!(documents[1]["replayed"], true, "{repeated}");
+
     // One key, two different items in one batch: 422 at the second.
     let clash = app
         .post_batch(vec![

@@ -200,9 +200,10 @@ fn complete(mut answers: Vec<Option<Answer>>, fates: Vec<Fate>) -> Result<Vec<An
                 body,
                 replayed: true,
             }),
+            // It repeats the first: said so, as for a key sent again later.
             Fate::Mirror(first) => answers[first].as_ref().map(|a| Answer {
                 body: a.body.clone(),
-                replayed: a.replayed,
+                replayed: true,
             }),
         };
     }
