@@ -94,6 +94,21 @@ async fn every_bad_ids_request_gets_its_problem_and_changes_nothing() {
         }
         let malformed = post_raw(&app, path, json_type, "{\"project\": \"PROJ\",").await;
         assert_problem(malformed, StatusCode::BAD_REQUEST, "invalid_json").await;
+        let with_bom = post_raw(
+            &app,
+            path,
+            json_type,
+            "\u{feff}{\"project\": \"PROJ\", \"type\": \"9012\"}",
+        )
+        .await;
+        let problem = assert_problem(with_bom, StatusCode::BAD_REQUEST, "invalid_body").await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("byte-order mark"),
+            "{problem}"
+        );
         let empty = post_raw(&app, path, json_type, "").await;
         assert_eq!(empty.status(), StatusCode::BAD_REQUEST);
         let no_type = post_raw(

@@ -72,6 +72,14 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
                     "the body is empty; send a JSON object",
                 ));
             }
+            // JSON has no byte-order mark (RFC 8259 §8.1), and a client
+            // that sent one is told so rather than that it sent no object.
+            Some(_) if bytes.starts_with(b"\xEF\xBB\xBF") => {
+                return Err(ApiError::bad_request(
+                    "invalid_body",
+                    "the body starts with a UTF-8 byte-order mark; send the JSON object without it",
+                ));
+            }
             Some(_) => {
                 return Err(ApiError::bad_request(
                     "invalid_body",
