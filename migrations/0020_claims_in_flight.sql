@@ -5,3 +5,10 @@
 -- may be taking the document.
 ALTER TABLE id_outbox ADD COLUMN claimed_until TIMESTAMPTZ;
 ALTER TABLE endpoint_deliveries ADD COLUMN claimed_until TIMESTAMPTZ;
+
+-- The one rule for both tables: when the attempt under way ends, or NULL
+-- when none is.
+CREATE FUNCTION idpool_attempt_ends(claimed_until TIMESTAMPTZ, due TIMESTAMPTZ)
+    RETURNS TIMESTAMPTZ LANGUAGE sql VOLATILE AS $$
+    SELECT CASE WHEN claimed_until = due AND due > clock_timestamp() THEN due END;
+$$;

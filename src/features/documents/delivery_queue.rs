@@ -184,8 +184,8 @@ async fn transition(
     // told apart by its claim.
     let found = sqlx::query!(
         "SELECT status::text AS \"status!: DocumentStatus\", \
-                CASE WHEN status = 'pending' AND claimed_until = next_retry_at \
-                      AND next_retry_at > clock_timestamp() THEN next_retry_at END AS in_flight_until \
+                CASE WHEN status = 'pending' THEN idpool_attempt_ends(claimed_until, next_retry_at) END \
+                    AS in_flight_until \
            FROM id_outbox WHERE document_id = $1 \
          AND ($2::text[] IS NULL OR tenant_code = ANY($2)) FOR UPDATE",
         document_id,

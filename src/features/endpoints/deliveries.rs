@@ -464,8 +464,7 @@ pub async fn transition_routed(
         // The deliveries to abandon, locked (a dispatcher's claim skips
         // them meanwhile): refused while an attempt of one is under way.
         let in_flight: Option<DateTime<Utc>> = sqlx::query_scalar(
-            "SELECT max(CASE WHEN s.claimed_until = s.next_attempt_at \
-                              AND s.next_attempt_at > clock_timestamp() THEN s.next_attempt_at END) \
+            "SELECT max(idpool_attempt_ends(s.claimed_until, s.next_attempt_at)) \
                FROM (SELECT d.claimed_until, d.next_attempt_at FROM endpoint_deliveries d \
                        JOIN id_outbox o ON o.id = d.outbox_id \
                       WHERE o.document_id = $1 AND ($2::text IS NULL OR d.endpoint_id = $2) \
