@@ -59,6 +59,16 @@ fn per_second(outcomes: &[Outcome]) -> f64 {
     outcomes.iter().map(Outcome::per_second).sum()
 }
 
+/// The environment of an instance behind `bouncer` in transaction mode,
+/// listening for notifications straight from Postgres.
+fn behind(with: EnvWith<'_>, bouncer: &PgBouncer, postgres: &Postgres) -> Vec<(String, String)> {
+    with(&[
+        ("DATABASE_URL", bouncer.url(DATABASE)),
+        ("IDPOOL_PG_POOLER", "transaction".to_owned()),
+        ("IDPOOL_PG_LISTEN_URL", postgres.url(DATABASE)),
+    ])
+}
+
 /// The name the instances straight to Postgres give their connections.
 const DIRECT_NAME: &str = "idpool-direct-pair";
 
@@ -90,11 +100,7 @@ pub async fn many_instances(
         format!("{}?application_name={DIRECT_NAME}", postgres.url(DATABASE)),
     )]);
     let bouncer = PgBouncer::start(postgres, "transaction", 10)?;
-    let pooled_env = with(&[
-        ("DATABASE_URL", bouncer.url(DATABASE)),
-        ("IDPOOL_PG_POOLER", "transaction".to_owned()),
-        ("IDPOOL_PG_LISTEN_URL", postgres.url(DATABASE)),
-    ]);
+    let pooled_env = behind(&with, &bouncer, postgres);
     let direct = [
         Idpool::start(binary, &direct_env)?,
         Idpool::start(binary, &direct_env)?,
@@ -207,12 +213,7 @@ async fn eight_server_connections(
     let mut targets = Vec::new();
     let mut instances = Vec::new();
     for bouncer in &bouncers {
-        let env = with(&[
-            ("DATABASE_URL", bouncer.url(DATABASE)),
-            ("IDPOOL_PG_POOLER", "transaction".to_owned()),
-            ("IDPOOL_PG_LISTEN_URL", postgres.url(DATABASE)),
-        ]);
-        let idpool = Idpool::start(binary, &env)?;
+        let idpool = Idpool::start(binary, &behind(with, bouncer, postgres))?;
         let addr: SocketAddr = format!("127.0.0.1:{}", idpool.port).parse()?;
         wait_for_mode(addr, "pool").await?;
         targets.push(addr);
