@@ -4,13 +4,15 @@
 
 use std::sync::Arc;
 
+use tokio_util::task::TaskTracker;
+
 use crate::infra::db::{Db, Tx};
 
 use super::shared_commit::SharedCommit;
 use super::{IssueError, Placement, demand, transactions};
 use crate::domain::numbers;
 use crate::infra::stats::Stats;
-use crate::records::counter::{Counter, Reserved};
+use crate::records::counter::{Counter, DirectReservations, Reserved};
 use crate::records::ledger::{self, Via};
 use crate::records::pool::{PoolRef, PoolService};
 use crate::records::sequence_store::SequenceStore;
@@ -22,8 +24,8 @@ pub(super) struct CounterPath {
     counter: Arc<Counter>,
     sequences: Arc<SequenceStore>,
     stats: Arc<Stats>,
-    /// The requests' pool, for a reservation outside any transaction.
-    db: Db,
+    /// Reservations outside any transaction, on the requests' pool.
+    direct: DirectReservations,
 }
 
 impl CounterPath {
@@ -33,14 +35,15 @@ impl CounterPath {
         sequences: Arc<SequenceStore>,
         stats: Arc<Stats>,
         db: Db,
+        tasks: &TaskTracker,
     ) -> Self {
         Self {
             shared,
             counter: pools.counter().clone(),
+            direct: DirectReservations::spawn(pools.counter().clone(), db, tasks),
             pools,
             sequences,
             stats,
-            db,
         }
     }
 
@@ -58,7 +61,7 @@ impl CounterPath {
         let Obtained {
             seqs: mut pending,
             mut popped,
-        } = self.obtain(pool, count, ledger.db(&self.db)).await?;
+        } = self.obtain(pool, count, ledger.through()).await?;
         loop {
             let refused = match &mut ledger {
                 LedgerTarget::Shared(via) => {
@@ -101,7 +104,7 @@ impl CounterPath {
                 seqs: pending,
                 popped,
             } = self
-                .obtain(pool, count - issued.len(), ledger.db(&self.db))
+                .obtain(pool, count - issued.len(), ledger.through())
                 .await?;
         }
         issued.sort_unstable();
@@ -161,7 +164,7 @@ impl CounterPath {
                 }
                 Err(e) => {
                     self.give_back(pool, &seqs).await;
-                    return Err(e.into());
+                    return Err(e);
                 }
             }
         }
@@ -175,35 +178,21 @@ impl CounterPath {
         db: &mut Through<'_, '_>,
         pool: &PoolRef,
         n: i64,
-    ) -> Result<Reserved<numbers::SeqRange>, sqlx::Error> {
+    ) -> Result<Reserved<numbers::SeqRange>, IssueError> {
         let (sequence, period) = (&pool.sequence, &pool.period);
-        let tag = self.counter.direct_tag();
         match db {
             Through::Transaction(conn) => {
-                self.counter
-                    .reserve_direct(conn, sequence, period, n, &tag)
-                    .await
-            }
-            Through::Pool(pool) => {
-                // No connection: nothing was sent, nothing is in doubt.
-                let mut conn = pool.acquire().await?;
-                let reserved = self
+                let tag = self.counter.direct_tag();
+                Ok(self
                     .counter
-                    .reserve_direct(&mut conn, sequence, period, n, &tag)
-                    .await;
-                drop(conn);
-                match reserved {
-                    // The statement committed by itself: if its answer was
-                    // lost, its block is looked up rather than written off.
-                    Err(e) if crate::infra::db::may_have_committed(&e) => {
-                        match self.counter.direct_landed(sequence, period, &tag).await {
-                            Some(range) => Ok(Reserved::Got(range)),
-                            None => Err(e),
-                        }
-                    }
-                    other => other,
-                }
+                    .reserve_direct(conn, sequence, period, n, &tag)
+                    .await?)
             }
+            Through::Joined => self
+                .direct
+                .reserve(sequence, period, n)
+                .await
+                .map_err(IssueError::Counter),
         }
     }
 
@@ -248,18 +237,18 @@ pub(super) enum LedgerTarget<'a, 't> {
 impl<'t> LedgerTarget<'_, 't> {
     /// Where numbers straight from the counter are reserved: inside the
     /// caller's transaction if it has one (never a second connection).
-    fn db<'s>(&'s mut self, pool: &'s Db) -> Through<'s, 't> {
+    fn through(&mut self) -> Through<'_, 't> {
         match self {
-            LedgerTarget::Shared(_) => Through::Pool(pool),
+            LedgerTarget::Shared(_) => Through::Joined,
             LedgerTarget::Transaction(conn, _) => Through::Transaction(conn),
         }
     }
 }
 
-/// The connection a request works through.
+/// How a request reaches the counter.
 pub(super) enum Through<'a, 't> {
-    /// Takes a connection for each statement.
-    Pool(&'a Db),
+    /// Joined with concurrent requests' reservations in one statement.
+    Joined,
     /// The request's own transaction.
     Transaction(&'a mut Tx<'t>),
 }

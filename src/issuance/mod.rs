@@ -123,12 +123,20 @@ pub enum IssueError {
     Ledger(#[from] LedgerError),
     #[error(transparent)]
     NotAnswered(#[from] crate::infra::commitment::NotAnswered),
+    /// A statement on the counter failed (shared by every request a
+    /// joined reservation served).
     #[error("counter: {0}")]
-    Counter(#[from] sqlx::Error),
+    Counter(Arc<sqlx::Error>),
     /// The task that finished the request in the background panicked or
     /// was cancelled at shutdown.
     #[error("the task serving this request stopped: {0}")]
     Interrupted(#[from] tokio::task::JoinError),
+}
+
+impl From<sqlx::Error> for IssueError {
+    fn from(e: sqlx::Error) -> Self {
+        IssueError::Counter(Arc::new(e))
+    }
 }
 
 impl IssueError {
@@ -255,6 +263,7 @@ impl Issuer {
                 sequences.clone(),
                 stats.clone(),
                 db.clone(),
+                &tasks,
             ),
             gapless_path: GaplessPath::new(
                 shared.clone(),
@@ -550,7 +559,7 @@ impl Issuer {
         }
         loop {
             let seqs = (self.counter_path)
-                .obtain(&placement.pool, 1, counter_path::Through::Pool(&self.db))
+                .obtain(&placement.pool, 1, counter_path::Through::Joined)
                 .await?
                 .seqs;
             let demand = Demand::Document {

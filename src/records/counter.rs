@@ -1,6 +1,8 @@
 //! The counter of record: Postgres reserves blocks of numbers per sequence
 //! period, one atomic `UPDATE` each, and records every block.
 
+mod direct;
+
 use std::collections::HashSet;
 use std::sync::Mutex;
 
@@ -9,6 +11,8 @@ use chrono::{DateTime, Utc};
 
 use crate::domain::numbers::SeqRange;
 use crate::domain::sequence::{Period, Sequence};
+
+pub use self::direct::{DirectError, DirectReservations};
 
 /// What a reservation came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,12 +171,17 @@ impl Counter {
             return Ok(());
         }
         create_counter(db, sequence, period).await?;
+        self.now_known(key);
+        Ok(())
+    }
+
+    /// The counter of `(sequence id, period)` exists.
+    fn now_known(&self, key: (i64, String)) {
         let mut known = self.known_periods.lock().unwrap_or_else(|e| e.into_inner());
         if known.len() >= MAX_KNOWN_PERIODS {
             known.clear();
         }
         known.insert(key);
-        Ok(())
     }
 
     fn known(&self, key: &(i64, String)) -> bool {
@@ -397,10 +406,10 @@ impl Counter {
     }
 
     /// Reserves exactly `n` numbers for one caller, straight from the
-    /// counter (no pool), on the caller's connection (inside its
-    /// transaction, if it has one). They are issued once the caller's
-    /// ledger record commits. `tag` names the block (see
-    /// [`Counter::direct_tag`]): a commit in doubt is looked up by it.
+    /// counter (no pool), inside the caller's transaction; they are issued
+    /// once its ledger record commits. `tag` names the block (see
+    /// [`Counter::direct_tag`]). Callers without a transaction are joined
+    /// in [`DirectReservations`].
     pub async fn reserve_direct(
         &self,
         conn: &mut impl Link,
@@ -463,46 +472,6 @@ impl Counter {
             .direct_reservations
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         format!("{}/direct-{n}", self.instance_id)
-    }
-
-    /// A direct reservation whose commit was in doubt (no transaction of
-    /// the caller's: the statement committed by itself), looked up by its
-    /// tag once the server answers again: its numbers if it landed. None
-    /// when it did not, or Postgres never answered in time.
-    pub async fn direct_landed(
-        &self,
-        sequence: &Sequence,
-        period: &Period,
-        tag: &str,
-    ) -> Option<SeqRange> {
-        let (id, period, tag) = (sequence.id, period.key().to_owned(), tag.to_owned());
-        // The statement's session is not known (its answer was lost): a
-        // cut connection to a live server could still be committing it.
-        let found = crate::infra::db::once_answering(&self.refill_db, crate::infra::db::IN_DOUBT_PATIENCE, None, |mut conn| {
-            let (period, tag) = (period.clone(), tag.clone());
-            async move {
-                // Among the period's latest blocks (an index scan from the
-                // top): the reservation was the latest a moment ago.
-                sqlx::query!(
-                    r#"SELECT lower(b.seqs) AS "start!", upper(b.seqs) AS "end!",
-                              substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS "timeline!"
-                       FROM (SELECT seqs, instance_id FROM blocks WHERE sequence_id = $1 AND period = $2
-                             ORDER BY lower(seqs) DESC LIMIT 10000) b
-                       WHERE b.instance_id = $3"#,
-                    id,
-                    &period,
-                    &tag,
-                )
-                .fetch_optional(&mut conn)
-                .await
-            }
-        })
-        .await
-        .flatten()?;
-        // Landed on a timeline the counters were not fenced on: those
-        // numbers cannot be handed out (reconciliation names them).
-        self.on_fenced_timeline(&found.timeline)
-            .then(|| SeqRange::new(found.start, found.end))
     }
 
     fn fenced_timeline(&self) -> Option<String> {

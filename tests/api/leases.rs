@@ -1040,24 +1040,30 @@ async fn documents_in_flight_on_a_frozen_instance_take_other_numbers_once_theirs
         let body =
             json!({"project": "FZ", "type": "1", "id": format!("FZ-1-{seq}"), "metadata": {}});
         let attaching = &attaching;
-        async move { attaching.post_document(&body, None).await }
+        async move {
+            let response = attaching.post_document(&body, None).await;
+            let status = response.status();
+            (
+                status,
+                response.json::<Value>().await.unwrap_or(Value::Null),
+            )
+        }
     }))
     .await;
     let attached = attaches
         .iter()
-        .filter(|r| r.status() == reqwest::StatusCode::ACCEPTED)
+        .filter(|(status, _)| *status == reqwest::StatusCode::ACCEPTED)
         .count();
     // Not attached: a document written on it just before the stop
     // (committed, not yet read above).
-    let not_attached: Vec<reqwest::StatusCode> = attaches
+    let not_attached: Vec<&(reqwest::StatusCode, Value)> = attaches
         .iter()
-        .map(reqwest::Response::status)
-        .filter(|s| *s != reqwest::StatusCode::ACCEPTED)
+        .filter(|(status, _)| *status != reqwest::StatusCode::ACCEPTED)
         .collect();
     assert!(
         not_attached
             .iter()
-            .all(|s| *s == reqwest::StatusCode::CONFLICT),
+            .all(|(status, _)| *status == reqwest::StatusCode::CONFLICT),
         "attaches refused otherwise than for a document already there: {not_attached:?}"
     );
     kill(pid, Signal::SIGCONT).expect("SIGCONT");

@@ -324,12 +324,15 @@ pub fn timed_out() -> ApiError {
 /// Connection trouble, timeouts and lock waits are a 503 the client may
 /// retry; a value the database cannot store is the request's 400; anything
 /// else is ours.
-pub fn db_error(e: sqlx::Error) -> ApiError {
-    if crate::infra::db::distrust_server_after(&e) {
+pub fn db_error<E>(e: E) -> ApiError
+where
+    E: std::borrow::Borrow<sqlx::Error> + std::fmt::Display,
+{
+    if crate::infra::db::distrust_server_after(e.borrow()) {
         // A standby, or a server going away in a failover.
         return ApiError::unavailable(e);
     }
-    match &e {
+    match e.borrow() {
         sqlx::Error::PoolTimedOut
         | sqlx::Error::Io(_)
         | sqlx::Error::PoolClosed
