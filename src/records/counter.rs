@@ -420,6 +420,22 @@ impl Counter {
     ) -> Result<Reserved<SeqRange>, sqlx::Error> {
         self.ensure_period(&self.refill_db, sequence, period)
             .await?;
+        self.take_direct(conn, sequence, period, n, tag).await
+    }
+
+    /// [`Counter::reserve_direct`] once the period's counter exists. It
+    /// locks one definition (FOR KEY SHARE, while its conditions are
+    /// checked) and then one counter row, no more: a statement that locked
+    /// several at once waited in a cycle with a batch that locks
+    /// definitions FOR UPDATE in its items' order (a deadlock, seen).
+    async fn take_direct(
+        &self,
+        conn: &mut impl Link,
+        sequence: &Sequence,
+        period: &Period,
+        n: i64,
+        tag: &str,
+    ) -> Result<Reserved<SeqRange>, sqlx::Error> {
         let fenced = self.fenced_timeline();
         // On a timeline the counters were not fenced on nothing is taken
         // (without a transaction to roll back, numbers taken there could
@@ -472,6 +488,46 @@ impl Counter {
             .direct_reservations
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         format!("{}/direct-{n}", self.instance_id)
+    }
+
+    /// A direct reservation whose commit was in doubt (no transaction of
+    /// the caller's: the statement committed by itself), looked up by its
+    /// tag once the server answers again: its numbers if it landed. None
+    /// when it did not, or Postgres never answered in time.
+    pub(super) async fn direct_landed(
+        &self,
+        sequence: &Sequence,
+        period: &Period,
+        tag: &str,
+    ) -> Option<SeqRange> {
+        let (id, period, tag) = (sequence.id, period.key().to_owned(), tag.to_owned());
+        // The statement's session is not known (its answer was lost): a
+        // cut connection to a live server could still be committing it.
+        let found = crate::infra::db::once_answering(&self.refill_db, crate::infra::db::IN_DOUBT_PATIENCE, None, |mut conn| {
+            let (period, tag) = (period.clone(), tag.clone());
+            async move {
+                // Among the period's latest blocks (an index scan from the
+                // top): the reservation was the latest a moment ago.
+                sqlx::query!(
+                    r#"SELECT lower(b.seqs) AS "start!", upper(b.seqs) AS "end!",
+                              substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS "timeline!"
+                       FROM (SELECT seqs, instance_id FROM blocks WHERE sequence_id = $1 AND period = $2
+                             ORDER BY lower(seqs) DESC LIMIT 10000) b
+                       WHERE b.instance_id = $3"#,
+                    id,
+                    &period,
+                    &tag,
+                )
+                .fetch_optional(&mut conn)
+                .await
+            }
+        })
+        .await
+        .flatten()?;
+        // Landed on a timeline the counters were not fenced on: those
+        // numbers cannot be handed out (reconciliation names them).
+        self.on_fenced_timeline(&found.timeline)
+            .then(|| SeqRange::new(found.start, found.end))
     }
 
     fn fenced_timeline(&self) -> Option<String> {

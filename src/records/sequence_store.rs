@@ -11,6 +11,8 @@ use conflicts::{check_against_other_projects, check_against_project, stored_patt
 use writes::{insert_definition, replace_definition};
 
 use std::sync::Arc;
+
+use crate::infra::commitment::Commitment;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -87,6 +89,9 @@ pub enum PutError {
         "the sequence has taken numbers and its max is {max}; a definition without \"max\" would remove it: send \"max\" again, or \"force\": true to remove it"
     )]
     MaxDropped { max: i64 },
+    /// The request's deadline passed before the change was sent.
+    #[error("the request was withdrawn at its deadline before anything was written")]
+    Withdrawn,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -520,7 +525,22 @@ impl SequenceStore {
         .fetch_one(&mut tx)
         .await
         .map_err(StoreError::from)?;
-        tx.commit().await.map_err(StoreError::from)?;
+        // Once the COMMIT is sent the change may land: the request is no
+        // longer answered "nothing written" at its deadline (it was, after
+        // a commit, while the pools' Redis did not answer).
+        let commitment = Commitment::current();
+        if commitment.as_ref().is_some_and(|c| !c.begin_send()) {
+            let _ = tx.rollback().await;
+            return Err(PutError::Withdrawn);
+        }
+        if let Err(e) = tx.commit().await {
+            if !crate::infra::db::may_have_committed(&e)
+                && let Some(commitment) = &commitment
+            {
+                commitment.not_written();
+            }
+            return Err(StoreError::from(e).into());
+        }
         let sequence = self
             .load(project.as_str(), doc_type.as_str())
             .await?

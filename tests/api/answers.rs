@@ -293,3 +293,46 @@ async fn stalled_network(kinds: &[&'static str], in_doubt: bool) {
         }
     }
 }
+
+/// SPEC: an error answer means nothing was written. A definition changed
+/// while the pools' Redis hangs past the request's deadline (the PUT
+/// trims the pools after its commit): the answer says what was done. It
+/// was `503 timeout` ("nothing of it was written") while the change had
+/// committed (a review found it with Redis down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_definition_changed_while_redis_hangs_is_answered_as_done() {
+    let redis = crate::support::redis_server::RedisServer::start();
+    let mut env = TestEnv::new().with_redis(&redis.url());
+    env.request_timeout_s = 1;
+    env.redis_timeout_ms = 3000;
+    let app = env.spawn().await;
+    let created = app.put_sequence("HG", "1", json!({"pool_size": 20})).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    app.issue("HG", "1", 5).await;
+    redis.pause();
+    let changed = app
+        .put_sequence("HG", "1", json!({"pool_size": 20, "max": 100}))
+        .await;
+    let status = changed.status();
+    let body: Value = changed.json().await.unwrap_or(Value::Null);
+    redis.resume();
+    let now: Value = app
+        .client
+        .get(app.url("/api/v1/sequences/HG/1"))
+        .send()
+        .await
+        .expect("GET")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(
+        now["max"],
+        json!(100),
+        "the change is made whatever the answer"
+    );
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "answered {status} {body} for a change that was made"
+    );
+}

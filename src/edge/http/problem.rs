@@ -201,6 +201,7 @@ impl From<PutError> for ApiError {
             | PutError::GaplessInUse
             | PutError::RegisterInUse
             | PutError::MaxDropped { .. } => Self::conflict("sequence_in_use", e.to_string()),
+            PutError::Withdrawn => timed_out(),
             PutError::Store(e) => e.into(),
         }
     }
