@@ -239,19 +239,26 @@ end
 return owner
 "#;
 
-/// KEYS: pool. ARGV: numbers to give back.
+/// KEYS: pool, inflight. ARGV: token, then the numbers to give back.
 /// Puts numbers back keeping the pool ascending, so its head stays its
 /// lowest number (what requests take next, and the bound below which
 /// reconciliation judges): the pool's numbers lower than the highest one
 /// given back come off its head and go back merged with them. Those are
 /// only numbers given back earlier (a pool's numbers above a leased one
 /// were all there when it was leased, and refills go to the tail), so few.
+/// Once per token (kept an hour): a give-back whose answer was lost is
+/// tried again with its token, and whichever of the two runs second puts
+/// nothing back. Run twice, it put back numbers requests had taken since
+/// the first (a review saw 46 and 47 answered, then back in their pool).
 /// Returns the pool's depth.
 pub const GIVE_BACK: &str = concat!(
     give_back_lua!(),
     r#"
+local first = redis.call('HSETNX', KEYS[2], 'back:' .. ARGV[1], '1')
+redis.call('PEXPIRE', KEYS[2], 3600000)
+if first == 0 then return redis.call('LLEN', KEYS[1]) end
 local back = {}
-for i, v in ipairs(ARGV) do back[i] = tonumber(v) end
+for i = 2, #ARGV do back[i - 1] = tonumber(ARGV[i]) end
 return give_back(KEYS[1], back)
 "#
 );
@@ -264,13 +271,17 @@ pub const TRIM_ABOVE: &str = concat!(
     runs_lua!(),
     r#"
 local max, part = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- The tail read in one call and cut in one: a number at a time (LINDEX
+-- and RPOP each) held Redis over 50 ms for a part.
+local tail = redis.call('LRANGE', KEYS[1], -part, -1)
 local removed = {}
-while #removed < part do
-  local tail = tonumber(redis.call('LINDEX', KEYS[1], -1))
-  if not tail or tail <= max then return {0, runs(removed, true)} end
-  redis.call('RPOP', KEYS[1])
-  removed[#removed + 1] = tail
+for i = #tail, 1, -1 do
+  local n = tonumber(tail[i])
+  if n <= max then break end
+  removed[#removed + 1] = n
 end
-return {1, runs(removed, true)}
+if #removed > 0 then redis.call('LTRIM', KEYS[1], 0, -#removed - 1) end
+if #removed == part then return {1, runs(removed, true)} end
+return {0, runs(removed, true)}
 "#
 );
