@@ -16,7 +16,7 @@ use crate::infra::db::Db;
 use crate::infra::log_limit::Repeated;
 use crate::infra::stats::Stats;
 use crate::records::ledger::{self, LeaseReport};
-use crate::records::pool::{DiscardCause, PoolService};
+use crate::records::pool::{DiscardCause, GiveBackToken, PoolService};
 
 /// Longest a clean stop waits for leases being taken to arrive.
 const FETCHES_AT_STOP: Duration = Duration::from_secs(2);
@@ -62,7 +62,9 @@ impl LeaseReturns {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Returns Postgres could not take (a failover): kept, and tried
         // again with backoff, rather than written off as lost leases.
-        let mut retrying: Vec<Returned> = Vec::new();
+        // Each keeps the token of its first try, so the pool takes it once
+        // even when a try whose answer was lost had landed.
+        let mut retrying: Vec<(Arc<Placement>, LeaseReport, GiveBackToken)> = Vec::new();
         let mut backoff = Backoff::background();
         let mut retry_at = Instant::now();
         loop {
@@ -82,21 +84,26 @@ impl LeaseReturns {
                 returned.push(one);
             }
             let written = returned.len();
+            let mut tries: Vec<(Arc<Placement>, LeaseReport, GiveBackToken)> =
+                merge_per_pool(returned)
+                    .into_iter()
+                    .map(|(placement, report)| (placement, report, GiveBackToken::new()))
+                    .collect();
             if !retrying.is_empty() && (stopping || Instant::now() >= retry_at) {
-                returned.append(&mut retrying);
+                tries.append(&mut retrying);
             }
             let mut failed = false;
-            for (placement, report) in merge_per_pool(returned) {
-                if let Err(e) = self.give_back_lease(&placement, &report, stopping).await {
+            for (placement, report, token) in tries {
+                if let Err(e) = self
+                    .give_back_lease(&placement, &report, &token, stopping)
+                    .await
+                {
                     RETURNS_FAILING.warn(&e);
                     failed = true;
-                    retrying.push(Returned {
-                        pool: placement,
-                        seqs: report.seqs,
-                    });
+                    retrying.push((placement, report, token));
                 }
             }
-            let retrying_numbers: usize = retrying.iter().map(|r| r.seqs.len()).sum();
+            let retrying_numbers: usize = retrying.iter().map(|(_, r, _)| r.seqs.len()).sum();
             self.stats
                 .lease_returns_retrying
                 .set(retrying_numbers as i64);
@@ -142,6 +149,7 @@ impl LeaseReturns {
         &self,
         placement: &Placement,
         unused: &LeaseReport,
+        token: &GiveBackToken,
         last: bool,
     ) -> Result<(), ReturnFailed> {
         let released = match self.background_db.acquire().await {
@@ -154,7 +162,7 @@ impl LeaseReturns {
             Ok(free) => match self
                 .pools
                 .discards()
-                .give_back(&placement.pool, &free)
+                .give_back(&placement.pool, &free, token)
                 .await
             {
                 Ok(()) => return Ok(()),

@@ -158,7 +158,7 @@ async fn link_to(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     use idpool::domain::numbers::SeqRange;
-    use idpool::records::pool::Pushed;
+    use idpool::records::pool::{GiveBackToken, Pushed};
 
     let server = crate::support::redis_server::RedisServer::start();
     let link = link_to(&server, "idpool-back").await;
@@ -178,12 +178,18 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     // Two leases take 1-10 and 11-20; their unused numbers come back, the
     // lower lease's first, then once more (a retried give-back).
     server.cli(&["LPOP", &keys.pool, "20"]);
-    lists.give_back(&keys, &[5, 6, 7, 8, 9, 10]).await.unwrap();
     lists
-        .give_back(&keys, &[15, 16, 17, 18, 19, 20])
+        .give_back(&keys, &[5, 6, 7, 8, 9, 10], &GiveBackToken::new())
         .await
         .unwrap();
-    lists.give_back(&keys, &[20, 5]).await.unwrap();
+    lists
+        .give_back(&keys, &[15, 16, 17, 18, 19, 20], &GiveBackToken::new())
+        .await
+        .unwrap();
+    lists
+        .give_back(&keys, &[20, 5], &GiveBackToken::new())
+        .await
+        .unwrap();
     let pool: Vec<i64> = server
         .cli(&["LRANGE", &keys.pool, "0", "-1"])
         .lines()
@@ -192,6 +198,63 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     let expected: Vec<i64> = (5..=10).chain(15..=100).collect();
     assert_eq!(pool, expected);
     assert_eq!(lists.head(&keys).await.unwrap(), Some(5));
+}
+
+/// A give-back is taken once: tried again with its token (its first
+/// answer was lost, say to a Redis that hung after running it), it puts
+/// nothing back, though requests took its numbers again meanwhile. Taken
+/// twice, issued numbers sat in the pool again (a review saw 46 and 47
+/// answered, then back in their pool, and 944 numbers discarded as a
+/// stale list). Another give-back of the same numbers (a later lease's)
+/// is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_give_back_tried_again_after_it_landed_puts_nothing_back_twice() {
+    use idpool::domain::numbers::SeqRange;
+    use idpool::records::pool::{GiveBackToken, Pushed};
+
+    let server = crate::support::redis_server::RedisServer::start();
+    let link = link_to(&server, "idpool-again").await;
+    let lists = idpool::records::pool::PoolLists::new(link.clone());
+    let keys = link.keys("AGAIN", "1", "");
+    assert!(
+        lists
+            .acquire(&keys, "refill", Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(matches!(
+        lists
+            .push(&keys, "refill", SeqRange::new(1, 101), 100, 0)
+            .await,
+        Pushed::All(100)
+    ));
+    let pool = || -> Vec<i64> {
+        server
+            .cli(&["LRANGE", &keys.pool, "0", "-1"])
+            .lines()
+            .map(|n| n.trim().parse().unwrap())
+            .collect()
+    };
+    // A lease takes 1-10 and gives them back; requests take them again.
+    server.cli(&["LPOP", &keys.pool, "10"]);
+    let back: Vec<i64> = (1..=10).collect();
+    let token = GiveBackToken::new();
+    lists.give_back(&keys, &back, &token).await.unwrap();
+    server.cli(&["LPOP", &keys.pool, "10"]);
+    // The same give-back again: nothing.
+    lists.give_back(&keys, &back, &token).await.unwrap();
+    assert_eq!(
+        pool(),
+        (11..=100).collect::<Vec<i64>>(),
+        "a give-back tried again put its numbers back twice"
+    );
+    // A later lease's give-back of the same numbers: taken.
+    lists
+        .give_back(&keys, &back, &GiveBackToken::new())
+        .await
+        .unwrap();
+    assert_eq!(pool(), (1..=100).collect::<Vec<i64>>());
 }
 
 /// Redis runs one script at a time for every tenant: a pool of a million

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::{PoolKeys, PoolLists, PoolRef, RedisFailure, RedisLink};
+use super::{GiveBackToken, PoolKeys, PoolLists, PoolRef, RedisFailure, RedisLink};
 use crate::domain::numbers::SeqRange;
 use crate::domain::sequence::Sequence;
 use crate::infra::stats::Stats;
@@ -23,7 +23,7 @@ pub struct Discards {
     /// Numbers surely not issued that Redis could not take back (the
     /// circuit open: a failover): given back once the pools are checked
     /// and in use again. At most `MAX_UNRETURNED` numbers.
-    unreturned: Mutex<Vec<(PoolRef, Vec<i64>)>>,
+    unreturned: Mutex<Vec<(PoolRef, Vec<i64>, GiveBackToken)>>,
 }
 
 /// The word stored in `pool_discards.cause`, logged, and shown as the note
@@ -83,10 +83,17 @@ impl Discards {
         }
     }
 
-    pub async fn give_back(&self, pool: &PoolRef, seqs: &[i64]) -> Result<(), RedisFailure> {
+    /// Numbers back to the head of their pool, once per `token` (a retry
+    /// of a give-back whose answer was lost carries its token).
+    pub async fn give_back(
+        &self,
+        pool: &PoolRef,
+        seqs: &[i64],
+        token: &GiveBackToken,
+    ) -> Result<(), RedisFailure> {
         let mut sorted = seqs.to_vec();
         sorted.sort_unstable();
-        self.lists.give_back(&pool.keys, &sorted).await
+        self.lists.give_back(&pool.keys, &sorted, token).await
     }
 
     /// Numbers taken from the pool (or the counter) but surely not issued:
@@ -96,10 +103,11 @@ impl Discards {
         if seqs.is_empty() {
             return;
         }
-        if let Err(e) = self.give_back(pool, seqs).await {
+        let token = GiveBackToken::new();
+        if let Err(e) = self.give_back(pool, seqs, &token).await {
             // Redis out of use (a failover): held until the pools are in
             // use again, not written off.
-            if self.hold_unreturned(pool, seqs) {
+            if self.hold_unreturned(pool, seqs, token) {
                 return;
             }
             tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
@@ -108,13 +116,13 @@ impl Discards {
     }
 
     /// Keeps numbers Redis could not take, within `MAX_UNRETURNED`.
-    fn hold_unreturned(&self, pool: &PoolRef, seqs: &[i64]) -> bool {
+    fn hold_unreturned(&self, pool: &PoolRef, seqs: &[i64], token: GiveBackToken) -> bool {
         let mut held = self.unreturned.lock().unwrap_or_else(|e| e.into_inner());
-        let holding: usize = held.iter().map(|(_, s)| s.len()).sum();
+        let holding: usize = held.iter().map(|(_, s, _)| s.len()).sum();
         if holding + seqs.len() > MAX_UNRETURNED {
             return false;
         }
-        held.push((pool.clone(), seqs.to_vec()));
+        held.push((pool.clone(), seqs.to_vec(), token));
         self.stats
             .numbers_unreturned
             .set((holding + seqs.len()) as i64);
@@ -138,9 +146,9 @@ impl Discards {
     pub async fn return_held(&self, last: bool) {
         let held = std::mem::take(&mut *self.unreturned.lock().unwrap_or_else(|e| e.into_inner()));
         self.stats.numbers_unreturned.set(0);
-        for (pool, seqs) in held {
-            let given = self.give_back(&pool, &seqs).await.is_ok();
-            if !given && (last || !self.hold_unreturned(&pool, &seqs)) {
+        for (pool, seqs, token) in held {
+            let given = self.give_back(&pool, &seqs, &token).await.is_ok();
+            if !given && (last || !self.hold_unreturned(&pool, &seqs, token)) {
                 self.record_unreturned(&pool, &seqs).await;
             }
         }

@@ -10,6 +10,24 @@ use fred::prelude::*;
 use super::redis::{PoolKeys, RedisFailure, RedisLink};
 use crate::domain::numbers::SeqRange;
 
+/// Names one give-back of numbers to a pool, kept across its retries:
+/// the pool takes the numbers once per token (see
+/// [`super::scripts::GIVE_BACK`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GiveBackToken(String);
+
+impl GiveBackToken {
+    pub fn new() -> Self {
+        Self(format!("{:016x}", rand::random::<u64>()))
+    }
+}
+
+impl Default for GiveBackToken {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The pools' lists, over the link (whose circuit breaker every call
 /// goes through). Every handle of one link shares the link's book of pops.
 #[derive(Clone)]
@@ -35,10 +53,11 @@ impl PoolLists {
             .unwrap_or_default();
         // Past our command timeout, on the server's clock, the pop takes
         // nothing: a pop queued in a hung server runs when it wakes.
-        let deadline = self.server_clock_offset().map_or(0, |offset| {
-            now_ms() + offset + self.link.command_timeout.as_millis() as i64
-        });
-        let mut args = vec![count.to_string(), token.clone(), deadline.to_string()];
+        let mut args = vec![
+            count.to_string(),
+            token.clone(),
+            self.deadline().to_string(),
+        ];
         args.extend(forget.iter().cloned());
         let reply = self
             .link
@@ -95,6 +114,14 @@ impl PoolLists {
 
     pub(super) fn pop_book(&self) -> std::sync::MutexGuard<'_, super::redis::PopBook> {
         self.link.pops.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// When our command timeout ends, on the server's clock (0 while its
+    /// clock is unknown): a script past it does nothing.
+    fn deadline(&self) -> i64 {
+        self.server_clock_offset().map_or(0, |offset| {
+            now_ms() + offset + self.link.command_timeout.as_millis() as i64
+        })
     }
 
     fn server_clock_offset(&self) -> Option<i64> {
@@ -358,23 +385,29 @@ impl PoolLists {
     /// given back after lower ones went back sat above them: handed out
     /// out of order, and the lower ones judged lost by reconciliation,
     /// which trusts the head to be the pool's lowest number.
-    pub async fn give_back(&self, keys: &PoolKeys, seqs: &[i64]) -> Result<(), RedisFailure> {
+    pub async fn give_back(
+        &self,
+        keys: &PoolKeys,
+        seqs: &[i64],
+        token: &GiveBackToken,
+    ) -> Result<(), RedisFailure> {
         if !self.link.is_up() {
             return Err(RedisFailure::Open);
         }
         if seqs.is_empty() {
             return Ok(());
         }
-        for part in seqs.chunks(PUSH_PART as usize) {
-            let numbers: Vec<String> = part.iter().map(i64::to_string).collect();
+        for (i, part) in seqs.chunks(PUSH_PART as usize).enumerate() {
+            let mut args = vec![format!("{}.{i}", token.0)];
+            args.extend(part.iter().map(i64::to_string));
             self.link
                 .guarded(async {
                     let _: i64 = self
                         .link
                         .eval(
                             &self.link.scripts.give_back,
-                            vec![keys.pool.clone()],
-                            numbers,
+                            vec![keys.pool.clone(), keys.inflight.clone()],
+                            args,
                         )
                         .await?
                         .convert()?;

@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 pub use self::discard::{DiscardCause, Discards};
-pub use self::lists::{PoolLists, Popped, Pushed};
+pub use self::lists::{GiveBackToken, PoolLists, Popped, Pushed};
 pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
 use self::refill::RefillParts;
 pub use self::refill::{RefillOutcome, Refills};
