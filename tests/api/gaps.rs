@@ -338,6 +338,48 @@ async fn a_run_after_a_million_numbers_costs_what_was_issued_since() {
     );
 }
 
+/// SPEC promise 3: nothing is unexplained after reconciliation. A lease
+/// takes numbers from a pool's head, requests take higher ones and are
+/// answered, and the lease gives its numbers back unused: to the head,
+/// below numbers issued since. Reconciliation judges only below the
+/// pool's lowest number, so on a sequence gone quiet the numbers issued
+/// above the returned ones are never judged (a review after a Redis
+/// restart: 1,206 numbers issued without a document never listed as
+/// issued_unattached, 948 never listed at all). The lease is played by
+/// the test on the pool's list itself: its LPOP, and its return where the
+/// give-back script puts one (the head). Fails until returned numbers are
+/// kept where reconciliation can pass them (issue #45).
+#[ignore = "fails: numbers given back below issued ones hold reconciliation back (issue #45)"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence() {
+    let redis = RedisServer::start();
+    let mut env = TestEnv::new().with_redis(&redis.url());
+    env.settle = Duration::from_secs(2);
+    let app = env.spawn().await;
+    app.define("QUIET", "1", json!({"pool_size": 20})).await;
+    let (_, first) = app.issue("QUIET", "1", 1).await;
+    assert_eq!(first, vec![1]);
+    let pool_key = redis
+        .cli(&["--scan", "--pattern", "*QUIET*:pool"])
+        .trim()
+        .to_owned();
+    assert!(!pool_key.is_empty(), "the pool's list");
+    // The lease takes 2-6; requests take 7-11.
+    redis.cli(&["LPOP", &pool_key, "5"]);
+    let (_, issued) = app.issue("QUIET", "1", 5).await;
+    assert_eq!(issued, (7..=11).collect::<Vec<i64>>());
+    // The lease's numbers come back unused, to the head.
+    redis.cli(&["LPUSH", &pool_key, "6", "5", "4", "3", "2"]);
+    app.settle_and_reconcile().await;
+    app.settle_and_reconcile().await;
+    let reasons = by_reason(&app.gaps("QUIET", "1").await);
+    assert_eq!(
+        reasons.get("issued_unattached"),
+        Some(&vec![(1, 1), (7, 11)]),
+        "every number issued without a document is listed: {reasons:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ended_day_gives_up_its_pool() {
     let clock = Arc::new(ManualClock::new(
