@@ -156,6 +156,14 @@ impl CounterPath {
                     let more = self.pools.take(pool, missing).await.unwrap_or_default();
                     if more.is_empty() {
                         self.give_back(pool, &seqs).await;
+                        // Numbers of the pool wait here for Redis: not
+                        // spent, only out of reach for now.
+                        if self.pools.discards().holds_back(&pool.keys) {
+                            return Err(IssueError::HeldBack {
+                                project: pool.sequence.project.to_string(),
+                                doc_type: pool.sequence.doc_type.to_string(),
+                            });
+                        }
                         return Err(IssueError::exhausted(pool, count));
                     }
                     self.stats.ids_from_pool.inc_by(more.len() as u64);

@@ -103,6 +103,11 @@ impl LeaseReturns {
                     retrying.push((placement, report, token));
                 }
             }
+            self.pools.discards().lease_returns_waiting(
+                retrying
+                    .iter()
+                    .map(|(placement, _, _)| placement.pool.keys.clone()),
+            );
             let retrying_numbers: usize = retrying.iter().map(|(_, r, _)| r.seqs.len()).sum();
             self.stats
                 .lease_returns_retrying

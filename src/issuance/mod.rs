@@ -92,6 +92,11 @@ pub enum IssueError {
         doc_type: String,
         length: usize,
     },
+    #[error(
+        "{project}/{doc_type} has numbers below its max that wait to go back to its pool while \
+         Redis is away; send the request again shortly"
+    )]
+    HeldBack { project: String, doc_type: String },
     #[error("the definition of {project}/{doc_type} changed while this request ran; send it again")]
     DefinitionChanged { project: String, doc_type: String },
     #[error(

@@ -902,14 +902,12 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
 
 /// SPEC: `409 sequence_exhausted` means the sequence has no numbers left
 /// below its `max`. With Redis down, a lease's unused numbers wait in this
-/// instance to go back to their pool; a request then finds the counter
-/// spent and was told 409 while they were there (a review: P7/M1 answered
-/// 409 91 times while 489..499 waited, and issued them once Redis was
-/// back). Fails today (the answer should be a 503 with Retry-After, or
-/// those numbers); run it with
-/// `cargo nextest run --run-ignored only -E 'test(numbers_held_back)'`.
+/// instance to go back to their pool; a request that then finds the
+/// counter spent is told 503 with Retry-After (they come back with
+/// Redis). It was told 409 while they were there (a review: P7/M1
+/// answered 409 91 times while 489..499 waited, and issued them once
+/// Redis was back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "review of 2026-11-28, high, open: 409 exhausted while a lease's numbers wait to go back"]
 async fn no_exhausted_answer_while_numbers_held_back_wait_for_redis() {
     let mut redis = RedisServer::start();
     let env = TestEnv::new().with_redis(&redis.url());
@@ -944,8 +942,16 @@ async fn no_exhausted_answer_while_numbers_held_back_wait_for_redis() {
     let (status, body) = last.expect("the sequence ran out within 400 requests");
     let held = app.metrics().await["idpool_lease_returns_retrying"];
     assert!(
-        !(status == reqwest::StatusCode::CONFLICT && held > 0.0),
-        "answered {status} {body} while {held} numbers waited to go back to the pool"
+        held > 0.0,
+        "the lease's numbers still wait: the test tested"
+    );
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (
+            reqwest::StatusCode::SERVICE_UNAVAILABLE,
+            Some("unavailable")
+        ),
+        "answered {body} while {held} numbers waited to go back to the pool"
     );
 }
 

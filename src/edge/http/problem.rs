@@ -219,6 +219,12 @@ impl From<IssueError> for ApiError {
                 e.to_string(),
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            IssueError::HeldBack { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             IssueError::PostgresMoved => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "postgres_failover",

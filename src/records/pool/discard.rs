@@ -1,6 +1,7 @@
 //! Numbers that left a pool without being issued: why (`pool_discards.cause`),
 //! and the pool operations that discard them.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use super::{GiveBackToken, PoolKeys, PoolLists, PoolRef, RedisFailure, RedisLink};
@@ -24,6 +25,9 @@ pub struct Discards {
     /// circuit open: a failover): given back once the pools are checked
     /// and in use again. At most `MAX_UNRETURNED` numbers.
     unreturned: Mutex<Vec<(PoolRef, Vec<i64>, GiveBackToken)>>,
+    /// Pools whose numbers the lease returns are still trying to give
+    /// back (Redis away).
+    returns_waiting: Mutex<HashSet<Arc<PoolKeys>>>,
 }
 
 /// The word stored in `pool_discards.cause`, logged, and shown as the note
@@ -80,6 +84,7 @@ impl Discards {
             counter,
             stats,
             unreturned: Mutex::new(Vec::new()),
+            returns_waiting: Mutex::new(HashSet::new()),
         }
     }
 
@@ -113,6 +118,29 @@ impl Discards {
             tracing::warn!(error = %e, "could not return numbers to the pool; recording them as discarded");
             self.record_unreturned(pool, seqs).await;
         }
+    }
+
+    /// The pools whose lease returns wait for Redis now.
+    pub fn lease_returns_waiting(&self, pools: impl IntoIterator<Item = Arc<PoolKeys>>) {
+        *self
+            .returns_waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = pools.into_iter().collect();
+    }
+
+    /// Whether this instance holds numbers of the pool that wait to go
+    /// back to it: its counter being spent does not make the sequence so.
+    pub fn holds_back(&self, keys: &PoolKeys) -> bool {
+        self.returns_waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(keys)
+            || self
+                .unreturned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .any(|(pool, _, _)| *pool.keys == *keys)
     }
 
     /// Keeps numbers Redis could not take, within `MAX_UNRETURNED`.
