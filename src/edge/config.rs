@@ -154,6 +154,18 @@ pub struct Config {
     )]
     pub refill_concurrency: usize,
 
+    /// Seconds a pool may go unused before reconciliation gives it up: its
+    /// numbers go back to the counter (or are recorded as discarded) and
+    /// its keys leave Redis, so a quiet sequence costs Redis nothing.
+    #[arg(
+        long = "idpool-pool-idle-s",
+        env = "IDPOOL_POOL_IDLE_S",
+        value_name = "IDPOOL_POOL_IDLE_S",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(1..=86_400),
+    )]
+    pub pool_idle_s: u64,
+
     /// Longest time a request may take before it is answered 503.
     #[arg(
         long = "idpool-request-timeout-s",

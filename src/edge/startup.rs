@@ -405,6 +405,7 @@ impl Parts {
         let settings = PoolSettings {
             refill_concurrency: config.refill_concurrency,
             installation: installation.to_string(),
+            idle_after: Duration::from_secs(config.pool_idle_s),
             ..overrides.pool.clone()
         };
         // The batch collectors of the hot path live as long as the handles

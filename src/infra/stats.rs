@@ -71,6 +71,10 @@ pub struct Stats {
     /// Age of the oldest pending outbox row, as of the processor's last look.
     pub outbox_oldest_pending_seconds: Gauge,
     pub pool_numbers_discarded: Counter,
+    /// Pools given up after going unused (or their period ended), and the
+    /// numbers they held.
+    pub pools_given_up: Counter,
+    pub pool_numbers_given_up: Counter,
     pub redis_trips: Counter,
     pub redis_resyncs: Counter,
     pub ledger_batches: Counter,
@@ -162,6 +166,14 @@ const METRICS: &[(&str, &str)] = &[
     (
         "pool_numbers_discarded",
         "Numbers removed from pools unissued (recorded as pool_discarded)",
+    ),
+    (
+        "pools_given_up",
+        "Pools given up after going unused or at the end of their period (their keys left Redis)",
+    ),
+    (
+        "pool_numbers_given_up",
+        "Numbers of given-up pools (back to the counter where they were its last, else pool_discarded)",
     ),
     (
         "redis_trips",
@@ -326,6 +338,8 @@ impl Default for Stats {
                 Gauge::default(),
             ),
             pool_numbers_discarded: registered(r, "pool_numbers_discarded", Counter::default()),
+            pools_given_up: registered(r, "pools_given_up", Counter::default()),
+            pool_numbers_given_up: registered(r, "pool_numbers_given_up", Counter::default()),
             redis_trips: registered(r, "redis_trips", Counter::default()),
             redis_resyncs: registered(r, "redis_resyncs", Counter::default()),
             ledger_batches: registered(r, "ledger_batches", Counter::default()),

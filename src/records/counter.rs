@@ -151,6 +151,84 @@ impl Counter {
         Ok(())
     }
 
+    /// [`Counter::record_discards`] in the caller's transaction.
+    pub async fn record_discards_in(
+        conn: &mut impl Link,
+        sequence_id: i64,
+        period: &str,
+        ranges: &[SeqRange],
+        cause: &str,
+    ) -> Result<(), sqlx::Error> {
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let starts: Vec<i64> = ranges.iter().map(|r| r.start).collect();
+        let ends: Vec<i64> = ranges.iter().map(|r| r.end).collect();
+        sqlx::query!(
+            "INSERT INTO pool_discards (sequence_id, period, seqs, cause) \
+             SELECT $1, $2, int8range(s, e), $3 FROM UNNEST($4::bigint[], $5::bigint[]) AS t(s, e)",
+            sequence_id,
+            period,
+            cause,
+            &starts,
+            &ends,
+        )
+        .execute(conn.statements())
+        .await?;
+        Ok(())
+    }
+
+    /// Numbers a pool gave up that nobody took (its period ended, or it
+    /// went unused): the run at its top, if it ends where the counter
+    /// stands, goes back to the counter, which moves down to its first
+    /// number, and the blocks that held it no longer do; as if never
+    /// taken, so a quiet sequence loses none of them. Only under the
+    /// definition they were taken under (a forced change since must not
+    /// see its counter below numbers it printed). Returns the runs that
+    /// did not go back (below numbers taken since: the caller records
+    /// them) and where the counter stands.
+    pub async fn take_back(
+        conn: &mut impl Link,
+        sequence: &Sequence,
+        period: &str,
+        held: &[SeqRange],
+    ) -> Result<(Vec<SeqRange>, Option<i64>), sqlx::Error> {
+        let Some(top) = held.last().copied() else {
+            return Ok((Vec::new(), None));
+        };
+        let row = sqlx::query!(
+            "WITH lowered AS ( \
+                 UPDATE counters SET next_seq = $3 \
+                 WHERE sequence_id = $1 AND period = $2 AND next_seq = $4 \
+                   AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $5 FOR KEY SHARE) \
+                 RETURNING next_seq \
+             ), trimmed AS ( \
+                 UPDATE blocks SET seqs = seqs - int8range($3, $4) \
+                 WHERE sequence_id = $1 AND period = $2 AND seqs && int8range($3, $4) \
+                   AND lower(seqs) < $3 AND EXISTS (SELECT 1 FROM lowered) \
+                 RETURNING 1 \
+             ), removed AS ( \
+                 DELETE FROM blocks \
+                 WHERE sequence_id = $1 AND period = $2 AND seqs <@ int8range($3, $4) \
+                   AND EXISTS (SELECT 1 FROM lowered) \
+                 RETURNING 1 \
+             ) \
+             SELECT (SELECT next_seq FROM lowered) AS lowered, \
+                    (SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2) AS next",
+            sequence.id,
+            period,
+            top.start,
+            top.end,
+            sequence.identity_version,
+        )
+        .fetch_one(conn.statements())
+        .await?;
+        match row.lowered {
+            Some(next) => Ok((held[..held.len() - 1].to_vec(), Some(next))),
+            None => Ok((held.to_vec(), row.next)),
+        }
+    }
+
     pub fn instance_id(&self) -> &str {
         &self.instance_id
     }
@@ -217,6 +295,9 @@ impl Counter {
                  WHERE sequence_id = $1 AND period = $2 AND next_seq <= $4 \
                    AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $7 FOR KEY SHARE) \
                  RETURNING next_seq - last_grant AS first, next_seq AS next \
+             ), due AS ( \
+                 INSERT INTO reconcile_due (sequence_id, period) SELECT $1, $2 FROM taken \
+                 ON CONFLICT DO NOTHING \
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id, lock_acquired_at) \
              SELECT $1, $2, int8range(first, next), 'pool', $5, $6 FROM taken \
@@ -339,7 +420,10 @@ impl Counter {
         .execute(&mut tx)
         .await?;
         sqlx::query!(
-            "INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
+            "WITH due AS ( \
+                 INSERT INTO reconcile_due (sequence_id, period) VALUES ($1, $2) ON CONFLICT DO NOTHING \
+             ) \
+             INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
              VALUES ($1, $2, int8range($3, $4), 'pool', $5)",
             sequence.id,
             period.key(),
@@ -447,6 +531,9 @@ impl Counter {
                    AND ($7::text IS NULL OR substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) = $7) \
                    AND EXISTS (SELECT 1 FROM sequences WHERE id = $1 AND identity_version = $6 FOR KEY SHARE) \
                  RETURNING next_seq - $3 AS first, next_seq AS next \
+             ), due AS ( \
+                 INSERT INTO reconcile_due (sequence_id, period) SELECT $1, $2 FROM taken \
+                 ON CONFLICT DO NOTHING \
              ) \
              INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
              SELECT $1, $2, int8range(first, next), 'direct', $5 FROM taken \

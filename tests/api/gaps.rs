@@ -76,13 +76,13 @@ async fn each_reason_is_reported_as_such() {
     let (_, attached) = post_doc(&app, json!({"ok": 1})).await;
     let (dlq_id, dlq) = post_doc(&app, json!({"fail": true})).await;
     let (abandoned_id, abandoned) = post_doc(&app, json!({"fail": true})).await;
-    // A number popped straight from the pool key and never written anywhere.
-    let client = redis_client(&redis.url()).await;
-    let popped: Option<String> = client
-        .lpop(app.redis_pool_key("GAP", "1", ""), None)
+    // A number popped straight from the pool and never written anywhere.
+    let link = app.state.pools.redis().clone();
+    let popped = idpool::records::pool::PoolLists::new(link.clone())
+        .pop(&link.keys("GAP", "1", ""), 1)
         .await
         .unwrap();
-    let lost: i64 = popped.unwrap().parse().unwrap();
+    let lost: i64 = popped.seqs[0];
     app.wait_for_status(&dlq_id, "dead_letter", Duration::from_secs(10))
         .await;
     app.wait_for_status(&abandoned_id, "dead_letter", Duration::from_secs(10))
@@ -300,6 +300,7 @@ async fn a_run_after_a_million_numbers_costs_what_was_issued_since() {
     // counter, blocks and ledger record them.
     sqlx::query(
         "WITH c AS (INSERT INTO counters (sequence_id, period, next_seq) VALUES ($1, '', 1000001)), \
+              d AS (INSERT INTO reconcile_due (sequence_id, period) VALUES ($1, '')), \
               b AS (INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
                     SELECT $1, '', int8range(g, g + 10000), 'direct', 'seed' FROM generate_series(1, 1000000, 10000) g) \
          INSERT INTO issuance_ledger (sequence_id, period, seqs, via) \
@@ -343,33 +344,44 @@ async fn a_run_after_a_million_numbers_costs_what_was_issued_since() {
 /// answered, and the lease gives its numbers back unused: to the head,
 /// below numbers issued since. Reconciliation judges only below the
 /// pool's lowest number, so on a sequence gone quiet the numbers issued
-/// above the returned ones are never judged (a review after a Redis
+/// above the returned ones were never judged (a review after a Redis
 /// restart: 1,206 numbers issued without a document never listed as
-/// issued_unattached, 948 never listed at all). The lease is played by
-/// the test on the pool's list itself: its LPOP, and its return where the
-/// give-back script puts one (the head). Fails until returned numbers are
-/// kept where reconciliation can pass them (issue #45).
-#[ignore = "fails: numbers given back below issued ones hold reconciliation back (issue #45)"]
+/// issued_unattached, 948 never listed at all). A pool unused for its
+/// idle time is now given up: its top run goes back to the counter, the
+/// returned numbers below what was issued are recorded, and everything
+/// is judged. The lease is played by the test with the pool's own
+/// scripts: its pop, and its give-back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence() {
+    use idpool::records::pool::{GiveBackToken, PoolLists};
+
     let redis = RedisServer::start();
     let mut env = TestEnv::new().with_redis(&redis.url());
     env.settle = Duration::from_secs(2);
+    env.pool_idle = Duration::from_secs(1);
     let app = env.spawn().await;
     app.define("QUIET", "1", json!({"pool_size": 20})).await;
     let (_, first) = app.issue("QUIET", "1", 1).await;
     assert_eq!(first, vec![1]);
-    let pool_key = redis
-        .cli(&["--scan", "--pattern", "*QUIET*:pool"])
-        .trim()
-        .to_owned();
-    assert!(!pool_key.is_empty(), "the pool's list");
+    let link = app.state.pools.redis().clone();
+    let keys = link.keys("QUIET", "1", "");
+    let lists = PoolLists::new(link);
+    crate::support::app::eventually(Duration::from_secs(10), "the pool refilled", async || {
+        (lists.depth(&keys).await.unwrap() > 0).then_some(())
+    })
+    .await;
     // The lease takes 2-6; requests take 7-11.
-    redis.cli(&["LPOP", &pool_key, "5"]);
+    let leased = lists.pop(&keys, 5).await.unwrap().seqs;
+    assert_eq!(leased, (2..=6).collect::<Vec<i64>>());
     let (_, issued) = app.issue("QUIET", "1", 5).await;
     assert_eq!(issued, (7..=11).collect::<Vec<i64>>());
     // The lease's numbers come back unused, to the head.
-    redis.cli(&["LPUSH", &pool_key, "6", "5", "4", "3", "2"]);
+    assert!(
+        lists
+            .give_back(&keys, &leased, &GiveBackToken::new())
+            .await
+            .unwrap()
+    );
     app.settle_and_reconcile().await;
     app.settle_and_reconcile().await;
     let reasons = by_reason(&app.gaps("QUIET", "1").await);
@@ -377,6 +389,23 @@ async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence(
         reasons.get("issued_unattached"),
         Some(&vec![(1, 1), (7, 11)]),
         "every number issued without a document is listed: {reasons:?}"
+    );
+    assert_eq!(
+        reasons.get("pool_discarded"),
+        Some(&vec![(2, 6)]),
+        "the returned numbers below those issued are recorded: {reasons:?}"
+    );
+    assert_eq!(reasons.get("untracked_loss"), None, "{reasons:?}");
+    let next_seq: i64 = sqlx::query_scalar(
+        "SELECT next_seq FROM counters c JOIN sequences s ON s.id = c.sequence_id WHERE s.project = 'QUIET'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(next_seq, 12, "the pool's top run went back to the counter");
+    assert_eq!(
+        app.redis_keys_of("QUIET", "1", "").await,
+        Vec::<String>::new()
     );
 }
 
@@ -400,25 +429,36 @@ async fn an_ended_day_gives_up_its_pool() {
         closing["pools_closed"], 0,
         "the first run above closed it: {closing}"
     );
+    // The rest of the day's pool went back to its counter: never taken,
+    // so no gap; yesterday holds nothing in Redis any more.
     let reasons = by_reason(&app.gaps("DAY", "1").await);
     assert_eq!(reasons["issued_unattached"], vec![(1, 5)]);
-    let (discarded_from, discarded_to) = reasons["pool_discarded"][0];
-    assert_eq!(discarded_from, 6);
+    assert_eq!(reasons.get("pool_discarded"), None, "{reasons:?}");
     let next_seq: i64 =
         sqlx::query_scalar("SELECT next_seq FROM counters WHERE period = '20261122'")
             .fetch_one(&app.db)
             .await
             .unwrap();
     assert_eq!(
-        discarded_to,
-        next_seq - 1,
-        "the whole rest of the day's pool"
+        next_seq, 6,
+        "the day's counter stands after its last number issued"
+    );
+    let taken: i64 =
+        sqlx::query_scalar("SELECT max(upper(seqs)) FROM blocks WHERE period = '20261122'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(taken, 6, "the blocks no longer hold the pool's numbers");
+    assert_eq!(
+        app.redis_keys_of("DAY", "1", "20261122").await,
+        Vec::<String>::new(),
+        "the ended day's pool keys are gone"
     );
     let day = app
         .ok_json("/api/v1/ids/gaps?project=DAY&type=1&period=20261122")
         .await;
-    assert_eq!(day["gaps"].as_array().unwrap().len(), 2);
-    assert_eq!(day["gaps"][1]["from_id"], "120261122".to_owned() + "0006");
+    assert_eq!(day["gaps"].as_array().unwrap().len(), 1);
+    assert_eq!(day["gaps"][0]["to_id"], "120261122".to_owned() + "0005");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -697,7 +737,7 @@ async fn chaos_every_number_is_attached_or_in_exactly_one_gap() {
                 .await
                 .unwrap();
         let expected_checkpoint = head
-            .map(|h| h.parse::<i64>().unwrap())
+            .map(|h| crate::support::app::pool_numbers(&[h])[0])
             .unwrap_or(next_seq)
             .min(next_seq);
         assert_eq!(

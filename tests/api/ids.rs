@@ -393,7 +393,7 @@ async fn a_number_locked_by_a_hung_transaction_delays_only_its_own_request() {
         fred::prelude::ListInterface::lindex(&redis, app.redis_pool_key("LK", "1", ""), 0)
             .await
             .unwrap();
-    let next: i64 = head.parse().unwrap();
+    let next: i64 = crate::support::app::pool_numbers(&[head])[0];
     // Another transaction holds the next number and never finishes: the
     // request that meets it is refused (and says so in the log).
     crate::support::app::expect_error_lines("canceling statement due to lock timeout");

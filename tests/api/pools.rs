@@ -177,7 +177,10 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
     ));
     // Two leases take 1-10 and 11-20; their unused numbers come back, the
     // lower lease's first, then once more (a retried give-back).
-    server.cli(&["LPOP", &keys.pool, "20"]);
+    assert_eq!(
+        lists.pop(&keys, 20).await.unwrap().seqs,
+        (1..=20).collect::<Vec<i64>>()
+    );
     lists
         .give_back(&keys, &[5, 6, 7, 8, 9, 10], &GiveBackToken::new())
         .await
@@ -190,13 +193,12 @@ async fn numbers_given_back_in_any_order_keep_the_pool_ascending() {
         .give_back(&keys, &[20, 5], &GiveBackToken::new())
         .await
         .unwrap();
-    let pool: Vec<i64> = server
-        .cli(&["LRANGE", &keys.pool, "0", "-1"])
-        .lines()
-        .map(|n| n.trim().parse().unwrap())
-        .collect();
+    let runs = server.cli(&["LRANGE", &keys.pool, "0", "-1"]);
+    let runs: Vec<&str> = runs.lines().map(str::trim).collect();
+    // Runs, those given back joined where they touch.
+    assert_eq!(runs, ["5-10", "15-100"]);
     let expected: Vec<i64> = (5..=10).chain(15..=100).collect();
-    assert_eq!(pool, expected);
+    assert_eq!(crate::support::app::pool_numbers(&runs), expected);
     assert_eq!(lists.head(&keys).await.unwrap(), Some(5));
 }
 
@@ -230,18 +232,15 @@ async fn a_give_back_tried_again_after_it_landed_puts_nothing_back_twice() {
         Pushed::All(100)
     ));
     let pool = || -> Vec<i64> {
-        server
-            .cli(&["LRANGE", &keys.pool, "0", "-1"])
-            .lines()
-            .map(|n| n.trim().parse().unwrap())
-            .collect()
+        let runs = server.cli(&["LRANGE", &keys.pool, "0", "-1"]);
+        crate::support::app::pool_numbers(&runs.lines().collect::<Vec<_>>())
     };
     // A lease takes 1-10 and gives them back; requests take them again.
-    server.cli(&["LPOP", &keys.pool, "10"]);
     let back: Vec<i64> = (1..=10).collect();
+    assert_eq!(lists.pop(&keys, 10).await.unwrap().seqs, back);
     let token = GiveBackToken::new();
-    lists.give_back(&keys, &back, &token).await.unwrap();
-    server.cli(&["LPOP", &keys.pool, "10"]);
+    assert!(lists.give_back(&keys, &back, &token).await.unwrap());
+    assert_eq!(lists.pop(&keys, 10).await.unwrap().seqs, back);
     // The same give-back again: nothing.
     lists.give_back(&keys, &back, &token).await.unwrap();
     assert_eq!(
@@ -257,16 +256,147 @@ async fn a_give_back_tried_again_after_it_landed_puts_nothing_back_twice() {
     assert_eq!(pool(), (1..=100).collect::<Vec<i64>>());
 }
 
+/// A give-back tried again past its window puts nothing back and says
+/// so: an earlier try may have landed, and the pool been given back to
+/// the counter since, its `inflight` (which knew the token) gone with it;
+/// put back again, those numbers would be in the pool and in the counter
+/// at once. The caller records them as discarded instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_give_back_tried_again_past_its_window_puts_nothing_back() {
+    use idpool::domain::numbers::SeqRange;
+    use idpool::records::pool::{GiveBackToken, Pushed};
+
+    let server = crate::support::redis_server::RedisServer::start();
+    let link = link_to(&server, "idpool-late").await;
+    link.set_give_back_window(Duration::from_millis(300));
+    let lists = idpool::records::pool::PoolLists::new(link.clone());
+    let keys = link.keys("LATE", "1", "");
+    assert!(
+        lists
+            .acquire(&keys, "refill", Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(matches!(
+        lists
+            .push(&keys, "refill", SeqRange::new(1, 101), 100, 0)
+            .await,
+        Pushed::All(100)
+    ));
+    let taken = lists.pop(&keys, 10).await.unwrap().seqs;
+    let token = GiveBackToken::new();
+    assert!(lists.give_back(&keys, &taken, &token).await.unwrap());
+    // The pool's numbers leave it (given back to the counter), its keys
+    // with them, the token's record too.
+    server.cli(&["DEL", &keys.pool, &keys.inflight, &keys.meta]);
+    // The window is a span of Redis' clock: a real delay is the point.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        !lists.give_back(&keys, &taken, &token).await.unwrap(),
+        "past its window the give-back says it put nothing back"
+    );
+    assert_eq!(lists.depth(&keys).await.unwrap(), 0);
+    // A new give-back opens a window of its own.
+    assert!(
+        lists
+            .give_back(&keys, &taken, &GiveBackToken::new())
+            .await
+            .unwrap()
+    );
+    assert_eq!(lists.depth(&keys).await.unwrap(), 10);
+}
+
+/// A pool nobody used for its idle time is given up whole: what it held,
+/// the numbers of a pop whose answer never came, and no key left behind
+/// (an idle sequence costs Redis nothing). In use, or while a refill
+/// holds its lock, it stays, and the sweep says its lowest number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_unused_for_its_idle_time_is_given_up_whole_and_leaves_no_key() {
+    use idpool::domain::numbers::SeqRange;
+    use idpool::records::pool::{GiveBackToken, Pushed, Swept};
+
+    let server = crate::support::redis_server::RedisServer::start();
+    let link = link_to(&server, "idpool-idle").await;
+    let lists = idpool::records::pool::PoolLists::new(link.clone());
+    let keys = link.keys("IDLE", "1", "");
+    assert!(
+        lists
+            .acquire(&keys, "refill", Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    // A refill holding the lock: the pool stays.
+    assert_eq!(
+        lists.sweep(&keys, Duration::ZERO).await.unwrap(),
+        Swept::Kept { lowest: None }
+    );
+    assert!(matches!(
+        lists
+            .push(&keys, "refill", SeqRange::new(1, 1_001), 1000, 0)
+            .await,
+        Pushed::All(1000)
+    ));
+    // Answered pops, one given back in part; one pop whose answer is lost
+    // (played by its script's record, which only a lost answer leaves).
+    assert_eq!(
+        lists.pop(&keys, 10).await.unwrap().seqs,
+        (1..=10).collect::<Vec<i64>>()
+    );
+    assert!(
+        lists
+            .give_back(&keys, &[6, 7, 8, 9, 10], &GiveBackToken::new())
+            .await
+            .unwrap()
+    );
+    lists.forget_answered().await;
+    assert_eq!(
+        lists.pop(&keys, 5).await.unwrap().seqs,
+        vec![6, 7, 8, 9, 10]
+    );
+    lists.forget_answered().await;
+    server.cli(&["HSET", &keys.inflight, "lost-pop", "11,12"]);
+    server.cli(&["LSET", &keys.pool, "0", "13-1000"]);
+    assert_eq!(
+        lists.sweep(&keys, Duration::from_secs(3600)).await.unwrap(),
+        Swept::Kept { lowest: Some(13) },
+        "used a moment ago"
+    );
+    // Idle time is a span of Redis' clock: a real delay is the point.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        lists
+            .sweep(&keys, Duration::from_millis(200))
+            .await
+            .unwrap(),
+        Swept::GivenUp {
+            held: vec![SeqRange::new(13, 1_001)],
+            popped: vec![SeqRange::new(11, 13)],
+        }
+    );
+    assert_eq!(
+        server.cli(&["--scan", "--pattern", "*IDLE*"]).trim(),
+        "",
+        "no key of the pool is left"
+    );
+    assert_eq!(
+        lists.sweep(&keys, Duration::ZERO).await.unwrap(),
+        Swept::Kept { lowest: None },
+        "nothing left to give up"
+    );
+}
+
 /// Redis runs one script at a time for every tenant: a pool of a million
-/// numbers goes in, is trimmed and is emptied in parts, so no script holds
-/// it long enough to make another pool's pop wait.
+/// numbers goes in, is trimmed and is emptied, each in one short script
+/// (the pool's list holds runs, not numbers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_million_numbers_go_in_and_out_of_a_pool_without_a_long_script() {
     use idpool::domain::numbers::SeqRange;
     use idpool::records::pool::Pushed;
 
     let server = crate::support::redis_server::RedisServer::start();
-    // Anything over 50 ms is logged; a part takes about 2 ms.
+    // Anything over 50 ms is logged; each script here takes microseconds.
     server.cli(&["CONFIG", "SET", "slowlog-log-slower-than", "50000"]);
     server.cli(&["SLOWLOG", "RESET"]);
     let link = link_to(&server, "idpool-parts").await;

@@ -411,7 +411,9 @@ async fn lowering_max_takes_the_numbers_past_it_out_of_the_pool() {
             .await
             .unwrap();
     assert!(
-        pool.iter().all(|n| n.parse::<i64>().unwrap() <= 10),
+        crate::support::app::pool_numbers(&pool)
+            .iter()
+            .all(|n| *n <= 10),
         "{pool:?}"
     );
     let discarded: i64 = sqlx::query_scalar(

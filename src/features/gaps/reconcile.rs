@@ -25,7 +25,8 @@ use crate::domain::clock::Clock;
 use crate::domain::numbers::{SeqRange, runs};
 use crate::domain::sequence::Sequence;
 use crate::infra::stats::Stats;
-use crate::records::pool::PoolService;
+use crate::records::counter::Counter;
+use crate::records::pool::{DiscardCause, PoolService, Swept};
 use crate::records::sequence_store::SequenceStore;
 
 #[derive(Debug, Clone)]
@@ -256,7 +257,8 @@ impl Reconciler {
         let mut sequences: HashMap<i64, Arc<Sequence>> = HashMap::new();
         // Periods with numbers not judged yet: observe them, then judge
         // what has settled.
-        for period in &store::active_periods(conn).await? {
+        for mut period in store::active_periods(conn).await? {
+            let period = &mut period;
             let Some(sequence) = self
                 .sequence(conn, &mut sequences, period.sequence_id)
                 .await?
@@ -275,6 +277,12 @@ impl Reconciler {
             }
             self.judge_settled(conn, &sequence, period, run.now, &mut summary)
                 .await?;
+            // Judged to its counter, and this run saw its pool empty (its
+            // mark is the counter): nothing to do until numbers are taken
+            // again.
+            if summary.redis_available && period.checkpoint >= period.next_seq {
+                store::settle_due(conn, period, period.checkpoint).await?;
+            }
         }
         // Numbers already judged whose evidence changed since the last run.
         if let Some(previous) = run.previous {
@@ -317,7 +325,7 @@ impl Reconciler {
         &self,
         conn: &mut impl Link,
         sequence: &Arc<Sequence>,
-        period: &ActivePeriod,
+        period: &mut ActivePeriod,
         now: DateTime<Utc>,
         summary: &mut RunSummary,
     ) -> Result<(), ReconcileError> {
@@ -335,6 +343,7 @@ impl Reconciler {
         self.rejudge(conn, sequence, &period.period, &[window], now, summary)
             .await?;
         store::move_checkpoint(conn, period, bound, settled_before).await?;
+        period.checkpoint = bound;
         Ok(())
     }
 
@@ -360,13 +369,14 @@ impl Reconciler {
 
     /// Notes a mark for the period: every number below the counter read at
     /// the start of this run, and below the pool's head now, has left both.
-    /// An ended period's pool is discarded first (once), so its mark covers
-    /// everything. Returns whether a pool was closed.
+    /// A pool unused for its idle time, or of a period that ended, is given
+    /// up first (see [`Reconciler::give_up_pool`]); an ended period's mark
+    /// then covers everything. Returns whether a pool was closed.
     async fn observe(
         &self,
         conn: &mut impl Link,
         sequence: &Arc<Sequence>,
-        period: &ActivePeriod,
+        period: &mut ActivePeriod,
         now: DateTime<Utc>,
     ) -> Result<bool, ReconcileError> {
         let current = sequence.definition.period_at(self.clock.now());
@@ -375,23 +385,96 @@ impl Reconciler {
         let mut closed = false;
         let bound = if period.pool_closed {
             period.next_seq
-        } else if ended {
-            self.pools
-                .discards()
-                .close_period(sequence, &period.period)
-                .await?;
-            closed = true;
-            // Nothing can leave this period any more: all of it is settled
-            // once the settle time has passed.
-            store::close_pool(conn, period).await?
         } else {
-            match self.pools.head(sequence, &period.period).await? {
-                Some(head) => head.min(period.next_seq),
-                None => period.next_seq,
+            let idle = if ended {
+                Duration::ZERO
+            } else {
+                self.pools.idle_after()
+            };
+            match self.pools.sweep(sequence, &period.period, idle).await? {
+                Swept::Kept { lowest } => {
+                    lowest.map_or(period.next_seq, |h| h.min(period.next_seq))
+                }
+                Swept::GivenUp { held, popped } => {
+                    let cause = if ended {
+                        DiscardCause::PeriodEnded
+                    } else {
+                        DiscardCause::Idle
+                    };
+                    self.give_up_pool(conn, sequence, period, &held, &popped, cause)
+                        .await?;
+                    if ended {
+                        closed = true;
+                        // Nothing can leave this period any more: all of it
+                        // is settled once the settle time has passed.
+                        store::close_pool(conn, period).await?
+                    } else {
+                        period.next_seq
+                    }
+                }
             }
         };
         store::add_mark(conn, period, now, bound).await?;
         Ok(closed)
+    }
+
+    /// What a given-up pool held: the run at its top goes back to the
+    /// counter when it ends where the counter stands (the counter moves
+    /// down, as if those numbers were never taken: nothing to explain);
+    /// the rest, and the numbers of pops whose answers never came, are
+    /// recorded as discarded with `cause`. In one transaction with the
+    /// checkpoint and marks brought down to the counter. Should that fail,
+    /// the numbers go back to the pool.
+    async fn give_up_pool(
+        &self,
+        conn: &mut impl Link,
+        sequence: &Sequence,
+        period: &mut ActivePeriod,
+        held: &[SeqRange],
+        popped: &[SeqRange],
+        cause: DiscardCause,
+    ) -> Result<(), ReconcileError> {
+        let recorded = async {
+            let mut tx = conn.begin().await?;
+            let (left, next) = Counter::take_back(&mut tx, sequence, &period.period, held).await?;
+            let mut discarded = left;
+            discarded.extend_from_slice(popped);
+            discarded.sort();
+            Counter::record_discards_in(
+                &mut tx,
+                sequence.id,
+                &period.period,
+                &discarded,
+                cause.into(),
+            )
+            .await?;
+            if let Some(next) = next {
+                store::lower_to(&mut tx, period, next).await?;
+            }
+            tx.commit().await?;
+            Ok::<_, sqlx::Error>((discarded, next))
+        }
+        .await;
+        match recorded {
+            Ok((discarded, next)) => {
+                let numbers: i64 = discarded.iter().map(SeqRange::len).sum();
+                self.stats
+                    .pool_numbers_discarded
+                    .inc_by(numbers.max(0) as u64);
+                if let Some(next) = next {
+                    period.next_seq = next;
+                    period.checkpoint = period.checkpoint.min(next);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if let Err(back) = self.pools.restore(sequence, &period.period, held).await {
+                    tracing::error!(error = %back, held = ?held, pool_error = %e,
+                        "numbers of a given-up pool neither recorded nor back in it");
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// Whether `period` ended more than the settle time ago, so no request

@@ -195,6 +195,8 @@ pub(super) async fn active_periods(conn: &mut impl Link) -> Result<Vec<ActivePer
         pool_closed_at: Option<DateTime<Utc>>,
         first_block: Option<i64>,
     }
+    // The due periods only (`reconcile_due`): those a reservation took
+    // numbers of since everything below their counter was judged.
     let rows = sqlx::query_as!(
         Row,
         "SELECT c.sequence_id, c.period, c.next_seq, r.checkpoint AS \"checkpoint?\", \
@@ -202,25 +204,64 @@ pub(super) async fn active_periods(conn: &mut impl Link) -> Result<Vec<ActivePer
                 CASE WHEN r.checkpoint IS NULL THEN \
                     (SELECT min(lower(b.seqs)) FROM blocks b WHERE b.sequence_id = c.sequence_id AND b.period = c.period) \
                 END AS first_block \
-         FROM counters c JOIN sequences s ON s.id = c.sequence_id AND s.numbering = 'pooled' \
+         FROM reconcile_due d JOIN counters c USING (sequence_id, period) \
               LEFT JOIN reconcile_periods r USING (sequence_id, period) \
-         WHERE r.checkpoint IS NULL OR r.checkpoint < c.next_seq OR r.pool_closed_at IS NULL \
          ORDER BY c.sequence_id, c.period",
     )
     .fetch_all(conn.statements())
     .await?;
     Ok(rows
         .into_iter()
-        .filter_map(|row| {
-            Some(ActivePeriod {
-                sequence_id: row.sequence_id,
-                period: row.period,
-                next_seq: row.next_seq,
-                checkpoint: row.checkpoint.or(row.first_block)?,
-                pool_closed: row.pool_closed_at.is_some(),
-            })
+        .map(|row| ActivePeriod {
+            sequence_id: row.sequence_id,
+            period: row.period,
+            next_seq: row.next_seq,
+            // No block yet (a counter whose first take rolled back): the
+            // counter's own number, below which nothing was taken.
+            checkpoint: row.checkpoint.or(row.first_block).unwrap_or(row.next_seq),
+            pool_closed: row.pool_closed_at.is_some(),
         })
         .collect())
+}
+
+/// Takes `period` off the due list (and drops its marks) once everything
+/// below its counter is judged (`judged_to`), unless a reservation moved
+/// the counter since:
+/// the counter's row is locked first, so one under way is waited for and
+/// its numbers keep the period due.
+pub(super) async fn settle_due(
+    conn: &mut impl Link,
+    period: &ActivePeriod,
+    judged_to: i64,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let next = sqlx::query_scalar!(
+        "SELECT next_seq FROM counters WHERE sequence_id = $1 AND period = $2 FOR UPDATE",
+        period.sequence_id,
+        &period.period,
+    )
+    .fetch_optional(tx.statements())
+    .await?;
+    let settled = next.is_none_or(|next| next <= judged_to);
+    if settled {
+        sqlx::query!(
+            "DELETE FROM reconcile_due WHERE sequence_id = $1 AND period = $2",
+            period.sequence_id,
+            &period.period,
+        )
+        .execute(tx.statements())
+        .await?;
+        // Its marks are spent: numbers taken later are marked anew.
+        sqlx::query!(
+            "DELETE FROM reconcile_marks WHERE sequence_id = $1 AND period = $2",
+            period.sequence_id,
+            &period.period,
+        )
+        .execute(tx.statements())
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(settled)
 }
 
 /// Notes that `period`'s pool was closed (its numbers discarded); the
@@ -246,6 +287,35 @@ pub(super) async fn close_pool(
     )
     .fetch_one(conn.statements())
     .await
+}
+
+/// The period's counter moved down to `next` (a given-up pool's numbers
+/// went back to it): its checkpoint and marks come down with it, so the
+/// numbers it hands out again are judged when they settle.
+pub(super) async fn lower_to(
+    conn: &mut impl Link,
+    period: &ActivePeriod,
+    next: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "UPDATE reconcile_periods SET checkpoint = $3 \
+         WHERE sequence_id = $1 AND period = $2 AND checkpoint > $3",
+        period.sequence_id,
+        &period.period,
+        next,
+    )
+    .execute(conn.statements())
+    .await?;
+    sqlx::query!(
+        "UPDATE reconcile_marks SET bound = $3 \
+         WHERE sequence_id = $1 AND period = $2 AND bound > $3",
+        period.sequence_id,
+        &period.period,
+        next,
+    )
+    .execute(conn.statements())
+    .await?;
+    Ok(())
 }
 
 /// Every number of `period` below `bound` had left the counter and the

@@ -57,6 +57,14 @@ pub enum DiscardCause {
     PushFailed,
     /// Numbers a request did not use could not be pushed back.
     GiveBackFailed,
+    /// A give-back tried again past its window: an earlier try may have
+    /// landed in a pool given back to the counter since, so these numbers
+    /// are not put in a pool again.
+    GiveBackLate,
+    /// The pool went unused for its idle time and gave its numbers back;
+    /// these could not go back to the counter (numbers were taken above
+    /// them).
+    Idle,
     /// The pool's list held numbers the ledger had already recorded.
     StaleList,
     /// The sequence's definition changed; its pools were emptied.
@@ -89,16 +97,25 @@ impl Discards {
     }
 
     /// Numbers back to the head of their pool, once per `token` (a retry
-    /// of a give-back whose answer was lost carries its token).
+    /// of a give-back whose answer was lost carries its token); recorded
+    /// as discarded instead when the token's window has passed.
     pub async fn give_back(
         &self,
         pool: &PoolRef,
         seqs: &[i64],
         token: &GiveBackToken,
     ) -> Result<(), RedisFailure> {
-        let mut sorted = seqs.to_vec();
-        sorted.sort_unstable();
-        self.lists.give_back(&pool.keys, &sorted, token).await
+        if !self.lists.give_back(&pool.keys, seqs, token).await? {
+            let ranges = crate::domain::numbers::runs(seqs);
+            self.record_discard(
+                &pool.sequence,
+                pool.period.key(),
+                &ranges,
+                DiscardCause::GiveBackLate,
+            )
+            .await;
+        }
+        Ok(())
     }
 
     /// Numbers taken from the pool (or the counter) but surely not issued:
@@ -260,24 +277,6 @@ impl Discards {
                 Err(e) => tracing::warn!(error = %e, pool = %keys.pool, "could not trim pool"),
             }
         }
-    }
-
-    /// Empties the pool of `sequence` in the period named `period` (the
-    /// period ended) and records its numbers.
-    pub async fn close_period(
-        &self,
-        sequence: &Sequence,
-        period: &str,
-    ) -> Result<(), RedisFailure> {
-        let keys = self.redis.keys(
-            sequence.project.as_str(),
-            sequence.doc_type.as_str(),
-            period,
-        );
-        let ranges = self.lists.discard(&keys, false).await?;
-        self.record_discard(sequence, period, &ranges, DiscardCause::PeriodEnded)
-            .await;
-        Ok(())
     }
 
     /// The pools Redis holds for `sequence`, each with its period.

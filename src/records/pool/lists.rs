@@ -11,14 +11,30 @@ use super::redis::{PoolKeys, RedisFailure, RedisLink};
 use crate::domain::numbers::SeqRange;
 
 /// Names one give-back of numbers to a pool, kept across its retries:
-/// the pool takes the numbers once per token (see
-/// [`super::scripts::GIVE_BACK`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GiveBackToken(String);
+/// the pool takes the numbers once per token, and only until the
+/// deadline set when a try was first sent (see
+/// [`super::scripts::GIVE_BACK`]). Clones share the deadline.
+#[derive(Debug, Clone)]
+pub struct GiveBackToken {
+    id: String,
+    /// Ms on the server's clock; 0 while it was unknown.
+    deadline: Arc<std::sync::OnceLock<i64>>,
+}
+
+impl PartialEq for GiveBackToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl Eq for GiveBackToken {}
 
 impl GiveBackToken {
     pub fn new() -> Self {
-        Self(format!("{:016x}", rand::random::<u64>()))
+        Self {
+            id: format!("{:016x}", rand::random::<u64>()),
+            deadline: Arc::default(),
+        }
     }
 }
 
@@ -97,9 +113,15 @@ impl PoolLists {
     fn read_pop(reply: Value) -> Result<(Popped, i64), RedisFailure> {
         let mut parts = array(reply)?.into_iter();
         let seqs = match parts.next() {
-            Some(Value::Array(values)) => values.into_iter().filter_map(|v| integer(&v)).collect(),
+            Some(Value::Array(values)) => {
+                let bounds: Vec<i64> = values.iter().filter_map(integer).collect();
+                bounds
+                    .chunks_exact(2)
+                    .flat_map(|pair| pair[0]..=pair[1])
+                    .collect()
+            }
             Some(Value::Null) | None => Vec::new(),
-            Some(other) => return Err(RedisFailure::Reply(format!("pop list: {other:?}"))),
+            Some(other) => return Err(RedisFailure::Reply(format!("pop runs: {other:?}"))),
         };
         let depth = parts.next().as_ref().and_then(integer).unwrap_or(0);
         let target = parts.next().as_ref().and_then(integer).unwrap_or(0);
@@ -112,6 +134,31 @@ impl PoolLists {
         Ok((popped, server_ms))
     }
 
+    /// Forgets, in each pool's `inflight`, the pops whose answers arrived
+    /// (otherwise forgotten with the pool's next pop, which a quiet pool
+    /// never gets: its last pop would look like one whose answer was lost
+    /// when the pool is given up).
+    pub async fn forget_answered(&self) {
+        if !self.link.is_up() {
+            return;
+        }
+        let answered = std::mem::take(&mut self.pop_book().to_forget);
+        let forgets = answered.into_iter().map(|(inflight, tokens)| async move {
+            let client = self.link.clients.next().with_options(&self.link.options);
+            let forgot: Result<i64, _> = client.hdel(inflight.as_str(), tokens.clone()).await;
+            (inflight, tokens, forgot.is_ok())
+        });
+        for (inflight, tokens, forgot) in futures::future::join_all(forgets).await {
+            if !forgot {
+                self.pop_book()
+                    .to_forget
+                    .entry(inflight)
+                    .or_default()
+                    .extend(tokens);
+            }
+        }
+    }
+
     pub(super) fn pop_book(&self) -> std::sync::MutexGuard<'_, super::redis::PopBook> {
         self.link.pops.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -119,9 +166,13 @@ impl PoolLists {
     /// When our command timeout ends, on the server's clock (0 while its
     /// clock is unknown): a script past it does nothing.
     fn deadline(&self) -> i64 {
-        self.server_clock_offset().map_or(0, |offset| {
-            now_ms() + offset + self.link.command_timeout.as_millis() as i64
-        })
+        self.deadline_after(self.link.command_timeout)
+    }
+
+    /// `after` from now, on the server's clock (0 while it is unknown).
+    fn deadline_after(&self, after: Duration) -> i64 {
+        self.server_clock_offset()
+            .map_or(0, |offset| now_ms() + offset + after.as_millis() as i64)
     }
 
     fn server_clock_offset(&self) -> Option<i64> {
@@ -219,9 +270,8 @@ impl PoolLists {
             .await
     }
 
-    /// Appends `block` and releases the lock. The block goes in parts of at
-    /// most [`PUSH_PART`] numbers, one script each, so other pools' pops run
-    /// between them; what a lost lock or a failure left out is reported.
+    /// Appends `block` (one run, whatever its size) and releases the
+    /// lock; a lost lock or a failure leaves the block out.
     pub async fn push(
         &self,
         keys: &PoolKeys,
@@ -230,41 +280,30 @@ impl PoolLists {
         target: i64,
         now_ms: i64,
     ) -> Pushed {
-        let mut start = block.start;
-        loop {
-            let end = start.saturating_add(PUSH_PART).min(block.end);
-            let last = end >= block.end;
-            let part = self
-                .link
-                .guarded(async {
-                    let reply = self
-                        .link
-                        .eval(
-                            &self.link.scripts.push,
-                            vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
-                            vec![
-                                token.to_owned(),
-                                start.to_string(),
-                                end.to_string(),
-                                target.to_string(),
-                                now_ms.to_string(),
-                                if last { "1" } else { "0" }.to_owned(),
-                            ],
-                        )
-                        .await?;
-                    integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))
-                })
-                .await;
-            let rest = SeqRange {
-                start,
-                end: block.end,
-            };
-            match part {
-                Err(e) => return Pushed::Failed(e, rest),
-                Ok(depth) if depth < 0 => return Pushed::LockLost(rest),
-                Ok(depth) if last => return Pushed::All(depth),
-                Ok(_) => start = end,
-            }
+        let pushed = self
+            .link
+            .guarded(async {
+                let reply = self
+                    .link
+                    .eval(
+                        &self.link.scripts.push,
+                        vec![keys.lock.clone(), keys.pool.clone(), keys.meta.clone()],
+                        vec![
+                            token.to_owned(),
+                            block.start.to_string(),
+                            block.end.to_string(),
+                            target.to_string(),
+                            now_ms.to_string(),
+                        ],
+                    )
+                    .await?;
+                integer(&reply).ok_or_else(|| RedisFailure::Reply(format!("push: {reply:?}")))
+            })
+            .await;
+        match pushed {
+            Err(e) => Pushed::Failed(e, block),
+            Ok(depth) if depth < 0 => Pushed::LockLost(block),
+            Ok(depth) => Pushed::All(depth),
         }
     }
 
@@ -286,7 +325,7 @@ impl PoolLists {
     /// Empties the pool (with `keep_if_filled_here`, only if the server
     /// holding it did not fill it: a restart, a promoted replica), returning
     /// the numbers it held. The pool is emptied in one step; its numbers are
-    /// then read back in parts of [`PUSH_PART`], so that no script holds
+    /// then read back in parts of [`PART`], so that no script holds
     /// Redis for long. Parts a failure left unread are logged and expire.
     pub async fn discard(
         &self,
@@ -313,10 +352,17 @@ impl PoolLists {
                 Ok(integer(&reply) == Some(1))
             })
             .await?;
-        let mut ranges: Vec<SeqRange> = Vec::new();
         if !moved {
-            return Ok(ranges);
+            return Ok(Vec::new());
         }
+        Ok(self.drain(keys, &drain).await)
+    }
+
+    /// Reads an emptied pool's list back, [`PART`] runs at a time, each
+    /// read taking them off; runs that touch are joined. Parts a failure
+    /// left unread are logged and expire with the list.
+    async fn drain(&self, keys: &PoolKeys, drain: &str) -> Vec<SeqRange> {
+        let mut ranges: Vec<SeqRange> = Vec::new();
         loop {
             let part = self
                 .link
@@ -325,8 +371,8 @@ impl PoolLists {
                         .link
                         .eval(
                             &self.link.scripts.drain,
-                            vec![drain.clone()],
-                            vec![PUSH_PART.to_string()],
+                            vec![drain.to_owned()],
+                            vec![PART.to_string()],
                         )
                         .await?;
                     counted_runs(reply)
@@ -336,20 +382,19 @@ impl PoolLists {
                 Ok((left, runs)) => {
                     merge_runs(&mut ranges, runs);
                     if left <= 0 {
-                        break;
+                        return ranges;
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, pool = %keys.pool, drained = ?ranges,
                         "emptied pool only partly read back; the rest goes unrecorded");
-                    break;
+                    return ranges;
                 }
             }
         }
-        Ok(ranges)
     }
 
-    /// Removes the numbers above `max` and returns them, [`PUSH_PART`] at
+    /// Removes the numbers above `max` and returns them, [`PART`] at
     /// a time.
     pub async fn trim_above(
         &self,
@@ -366,7 +411,7 @@ impl PoolLists {
                         .eval(
                             &self.link.scripts.trim_above,
                             vec![keys.pool.clone()],
-                            vec![max.to_string(), PUSH_PART.to_string()],
+                            vec![max.to_string(), PART.to_string()],
                         )
                         .await?;
                     counted_runs(reply)
@@ -383,59 +428,147 @@ impl PoolLists {
     /// ascending, so they are the next ones taken (see
     /// [`super::scripts::GIVE_BACK`]). Pushed at the head as they came, numbers
     /// given back after lower ones went back sat above them: handed out
-    /// out of order, and the lower ones judged lost by reconciliation,
-    /// which trusts the head to be the pool's lowest number.
+    /// out of order. `Ok(false)`: the give-back's window had passed and
+    /// nothing was put back (the caller records the numbers instead).
     pub async fn give_back(
         &self,
         keys: &PoolKeys,
         seqs: &[i64],
         token: &GiveBackToken,
-    ) -> Result<(), RedisFailure> {
+    ) -> Result<bool, RedisFailure> {
+        self.give_back_runs(keys, &crate::domain::numbers::runs(seqs), token)
+            .await
+    }
+
+    /// [`PoolLists::give_back`] of runs.
+    pub async fn give_back_runs(
+        &self,
+        keys: &PoolKeys,
+        runs: &[SeqRange],
+        token: &GiveBackToken,
+    ) -> Result<bool, RedisFailure> {
         if !self.link.is_up() {
             return Err(RedisFailure::Open);
         }
-        if seqs.is_empty() {
-            return Ok(());
+        if runs.is_empty() {
+            return Ok(true);
         }
-        for (i, part) in seqs.chunks(PUSH_PART as usize).enumerate() {
-            let mut args = vec![format!("{}.{i}", token.0)];
-            args.extend(part.iter().map(i64::to_string));
-            self.link
-                .guarded(async {
-                    let _: i64 = self
-                        .link
-                        .eval(
-                            &self.link.scripts.give_back,
-                            vec![keys.pool.clone(), keys.inflight.clone()],
-                            args,
-                        )
-                        .await?
-                        .convert()?;
-                    Ok(())
-                })
-                .await?;
+        // The window opens with the first try that reaches Redis: one that
+        // never left cannot have landed.
+        let deadline = match token.deadline.get() {
+            Some(deadline) => *deadline,
+            None => {
+                let deadline = self.deadline_after(self.link.give_back_window());
+                if deadline > 0 {
+                    let _ = token.deadline.set(deadline);
+                }
+                deadline
+            }
+        };
+        let mut args = vec![token.id.clone(), deadline.to_string()];
+        for run in runs.iter().filter(|run| !run.is_empty()) {
+            args.push(run.start.to_string());
+            args.push(run.last().to_string());
         }
-        Ok(())
+        let depth: i64 = self
+            .link
+            .guarded(async {
+                Ok(self
+                    .link
+                    .eval(
+                        &self.link.scripts.give_back,
+                        vec![keys.pool.clone(), keys.inflight.clone(), keys.meta.clone()],
+                        args,
+                    )
+                    .await?
+                    .convert()?)
+            })
+            .await?;
+        Ok(depth != GIVE_BACK_TOO_LATE)
     }
 
     /// The lowest number waiting in the pool, if any.
     pub async fn head(&self, keys: &PoolKeys) -> Result<Option<i64>, RedisFailure> {
+        Ok(self.depth_and_head(keys).await?.1)
+    }
+
+    pub async fn depth(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
+        Ok(self.depth_and_head(keys).await?.0)
+    }
+
+    /// How many numbers the pool holds, and its lowest.
+    async fn depth_and_head(&self, keys: &PoolKeys) -> Result<(i64, Option<i64>), RedisFailure> {
         self.link
             .guarded(async {
-                let client = self.link.clients.next().with_options(&self.link.options);
-                let head: Option<String> = client.lindex(keys.pool.as_str(), 0).await?;
-                Ok(head.and_then(|h| h.parse().ok()))
+                let reply = self
+                    .link
+                    .eval(&self.link.scripts.depth, vec![keys.pool.clone()], vec![])
+                    .await?;
+                let parts = array(reply)?;
+                let depth = parts.first().and_then(integer).unwrap_or(0);
+                Ok((depth, parts.get(1).and_then(integer)))
             })
             .await
     }
 
-    pub async fn depth(&self, keys: &PoolKeys) -> Result<i64, RedisFailure> {
+    /// The runs of the pool, lowest first (a few: one per block pushed and
+    /// per give-back that joined no neighbour).
+    pub async fn runs(&self, keys: &PoolKeys) -> Result<Vec<SeqRange>, RedisFailure> {
         self.link
             .guarded(async {
                 let client = self.link.clients.next().with_options(&self.link.options);
-                Ok(client.llen(keys.pool.as_str()).await?)
+                let runs: Vec<String> = client.lrange(keys.pool.as_str(), 0, -1).await?;
+                Ok(runs.iter().filter_map(|r| run_of(r)).collect())
             })
             .await
+    }
+
+    /// Gives up the pool if nobody popped from it or gave back to it for
+    /// `idle` (see [`super::scripts::SWEEP`]): what it held, lowest first,
+    /// and the numbers of pops whose answers never came; or, in use, its
+    /// lowest number.
+    pub async fn sweep(&self, keys: &PoolKeys, idle: Duration) -> Result<Swept, RedisFailure> {
+        let drain = keys.drain_key();
+        let reply = self
+            .link
+            .guarded(async {
+                self.link
+                    .eval(
+                        &self.link.scripts.sweep,
+                        vec![
+                            keys.lock.clone(),
+                            keys.pool.clone(),
+                            keys.meta.clone(),
+                            keys.inflight.clone(),
+                            drain.clone(),
+                        ],
+                        vec![idle.as_millis().to_string()],
+                    )
+                    .await
+            })
+            .await?;
+        let parts = array(reply)?;
+        if parts.first().and_then(integer) != Some(1) {
+            return Ok(Swept::Kept {
+                lowest: parts.get(1).and_then(integer),
+            });
+        }
+        let drained = parts.get(1).and_then(integer) == Some(1);
+        let popped: Vec<i64> = match parts.into_iter().nth(2) {
+            Some(values) => array(values)?.iter().filter_map(integer).collect(),
+            None => Vec::new(),
+        };
+        let mut popped: Vec<SeqRange> = popped
+            .chunks_exact(2)
+            .map(|pair| SeqRange::new(pair[0], pair[1] + 1))
+            .collect();
+        popped.sort();
+        let held = if drained {
+            self.drain(keys, &drain).await
+        } else {
+            Vec::new()
+        };
+        Ok(Swept::GivenUp { held, popped })
     }
 
     /// The highest block end ever pushed into the pool; 0 when none.
@@ -450,9 +583,38 @@ impl PoolLists {
     }
 }
 
-/// Most numbers one push script appends: about 2 ms of Redis, which every
-/// other pool waits for.
-pub const PUSH_PART: i64 = 8_192;
+/// Most runs one script reads off a drained pool or looks at from a
+/// pool's tail: every other pool waits for a script.
+pub const PART: i64 = 8_192;
+
+/// What [`super::scripts::GIVE_BACK`] answers past the give-back's deadline.
+const GIVE_BACK_TOO_LATE: i64 = -2;
+
+/// What a sweep found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Swept {
+    /// The pool was used within the idle time, or a refill holds it (or
+    /// there is none); its lowest number.
+    Kept { lowest: Option<i64> },
+    /// The pool and its keys are gone: the runs it held, and those of
+    /// pops whose answers never came (`inflight`), each lowest first.
+    GivenUp {
+        held: Vec<SeqRange>,
+        popped: Vec<SeqRange>,
+    },
+}
+
+/// A list element: `first-last`, or a bare number (earlier versions).
+fn run_of(element: &str) -> Option<SeqRange> {
+    let (first, last) = match element.split_once('-') {
+        Some((first, last)) => (first.parse().ok()?, last.parse().ok()?),
+        None => {
+            let n: i64 = element.parse().ok()?;
+            (n, n)
+        }
+    };
+    (first <= last).then(|| SeqRange::new(first, last + 1))
+}
 
 /// What became of a block pushed to its pool.
 pub enum Pushed {

@@ -24,11 +24,12 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 pub use self::discard::{DiscardCause, Discards};
-pub use self::lists::{GiveBackToken, PoolLists, Popped, Pushed};
+pub use self::lists::{GiveBackToken, PoolLists, Popped, Pushed, Swept};
 pub use self::redis::{PoolKeys, RedisFailure, RedisLink, RedisSettings};
 use self::refill::RefillParts;
 pub use self::refill::{RefillOutcome, Refills};
 pub use self::watch::{PoolWatch, ResyncError, Resynced};
+use crate::domain::numbers::SeqRange;
 use crate::domain::sequence::{Period, Sequence};
 use crate::infra::stats::Stats;
 use crate::records::batch::Batcher;
@@ -56,6 +57,10 @@ pub struct PoolSettings {
     pub grow_within: Duration,
     /// ...and one idle longer than this halves it, never below `pool_size`.
     pub shrink_after: Duration,
+    /// A pool nobody popped from or gave back to for this long is given
+    /// up by reconciliation: its numbers go back to the counter (or are
+    /// recorded), its keys leave Redis. Give-backs land within half of it.
+    pub idle_after: Duration,
     /// Largest target depth as a multiple of `pool_size`.
     pub max_growth: u32,
     /// This database's installation id; the Redis key prefix must be its own.
@@ -70,6 +75,7 @@ impl Default for PoolSettings {
             short_wait: Duration::from_millis(250),
             grow_within: Duration::from_secs(2),
             shrink_after: Duration::from_secs(60),
+            idle_after: Duration::from_secs(60),
             max_growth: 64,
             installation: String::new(),
         }
@@ -102,6 +108,10 @@ pub struct PoolService {
     watch: Arc<PoolWatch>,
 }
 
+/// How often the pops whose answers arrived are forgotten in their pools
+/// (a pool's next pop forgets them too).
+const FORGET_ANSWERED_EVERY: Duration = Duration::from_secs(1);
+
 /// Most sequences whose current pool one instance remembers.
 const MAX_POOL_REFS: usize = 10_000;
 
@@ -115,6 +125,17 @@ impl PoolService {
         clock: Arc<dyn Clock>,
         tasks: &TaskTracker,
     ) -> Arc<Self> {
+        redis.set_give_back_window(settings.idle_after / 2);
+        let forgetting = Arc::downgrade(&redis);
+        tasks.spawn(async move {
+            loop {
+                tokio::time::sleep(FORGET_ANSWERED_EVERY).await;
+                let Some(link) = forgetting.upgrade() else {
+                    return;
+                };
+                PoolLists::new(link).forget_answered().await;
+            }
+        });
         let lists = PoolLists::new(redis.clone());
         let (pop_lists, pop_stats) = (lists.clone(), stats.clone());
         let pops = Batcher::spawn(tasks, "pool pops", 4096, move |batch| {
@@ -323,19 +344,67 @@ impl PoolService {
         seqs
     }
 
-    /// The lowest number the pool of `sequence` in `period` holds; None
-    /// when it is empty.
-    pub async fn head(
+    /// How long a pool may go unused before it is given up.
+    pub fn idle_after(&self) -> Duration {
+        self.settings.idle_after
+    }
+
+    /// Gives up the pool of `sequence` in the period named `period` if
+    /// nobody used it for `idle` (zero: whatever its use, unless a refill
+    /// is pushing to it); see [`Swept`].
+    pub async fn sweep(
         &self,
         sequence: &Sequence,
         period: &str,
-    ) -> Result<Option<i64>, RedisFailure> {
+        idle: Duration,
+    ) -> Result<Swept, RedisFailure> {
         let keys = self.redis.keys(
             sequence.project.as_str(),
             sequence.doc_type.as_str(),
             period,
         );
-        self.lists.head(&keys).await
+        let swept = self.lists.sweep(&keys, idle).await?;
+        if let Swept::GivenUp { held, .. } = &swept {
+            self.stats.pools_given_up.inc();
+            let numbers: i64 = held.iter().map(SeqRange::len).sum();
+            self.stats
+                .pool_numbers_given_up
+                .inc_by(numbers.max(0) as u64);
+        }
+        Ok(swept)
+    }
+
+    /// Puts runs a sweep took back in their pool (recording them failed):
+    /// nobody was handed them.
+    pub async fn restore(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+        runs: &[SeqRange],
+    ) -> Result<(), RedisFailure> {
+        let keys = self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period,
+        );
+        self.lists
+            .give_back_runs(&keys, runs, &GiveBackToken::new())
+            .await
+            .map(|_| ())
+    }
+
+    /// The runs the pool of `sequence` in `period` holds, lowest first.
+    pub async fn runs(
+        &self,
+        sequence: &Sequence,
+        period: &str,
+    ) -> Result<Vec<SeqRange>, RedisFailure> {
+        let keys = self.redis.keys(
+            sequence.project.as_str(),
+            sequence.doc_type.as_str(),
+            period,
+        );
+        self.lists.runs(&keys).await
     }
 
     async fn pop(&self, pool: &PoolRef, count: usize) -> Result<Popped, RedisFailure> {

@@ -94,6 +94,8 @@ pub(super) struct Scripts {
     pub(super) claim_prefix: Script,
     pub(super) resolve_pop: Script,
     pub(super) clock: Script,
+    pub(super) depth: Script,
+    pub(super) sweep: Script,
 }
 
 /// Pops whose answers arrived (their tokens are forgotten with the next
@@ -126,7 +128,14 @@ pub struct RedisLink {
     /// is set on the server's clock); None until first seen.
     pub(super) clock_offset_ms: std::sync::Mutex<Option<i64>>,
     pub(super) command_timeout: Duration,
+    /// How long after its first try a give-back may still land (ms; see
+    /// `scripts::GIVE_BACK`): less than a pool's idle time, so none lands
+    /// in a pool given back meanwhile.
+    give_back_window_ms: AtomicU64,
 }
+
+/// The give-back window until the pools' service sets its own.
+const DEFAULT_GIVE_BACK_WINDOW: Duration = Duration::from_secs(30);
 
 pub struct RedisSettings {
     pub url: String,
@@ -196,6 +205,8 @@ impl RedisLink {
                 claim_prefix: Script::from_lua(scripts::CLAIM_PREFIX),
                 resolve_pop: Script::from_lua(scripts::RESOLVE_POP),
                 clock: Script::from_lua(scripts::CLOCK),
+                depth: Script::from_lua(scripts::DEPTH),
+                sweep: Script::from_lua(scripts::SWEEP),
             },
             up: AtomicBool::new(false),
             came_up: Notify::new(),
@@ -206,6 +217,7 @@ impl RedisLink {
             pops: Default::default(),
             clock_offset_ms: Default::default(),
             command_timeout: settings.command_timeout,
+            give_back_window_ms: AtomicU64::new(DEFAULT_GIVE_BACK_WINDOW.as_millis() as u64),
         });
         link.watch_connections();
         link.clients.connect_pool();
@@ -244,6 +256,17 @@ impl RedisLink {
 
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    pub(super) fn give_back_window(&self) -> Duration {
+        Duration::from_millis(self.give_back_window_ms.load(Ordering::Relaxed))
+    }
+
+    /// Give-backs land within `window` of their first try (the pools'
+    /// service sets it below their idle time).
+    pub fn set_give_back_window(&self, window: Duration) {
+        self.give_back_window_ms
+            .store(window.as_millis() as u64, Ordering::Relaxed);
     }
 
     pub fn keys(&self, project: &str, doc_type: &str, period: &str) -> PoolKeys {

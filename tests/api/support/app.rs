@@ -250,6 +250,9 @@ pub struct TestEnv {
     pub outbox_batch: i64,
     /// Reconciliation timing; tests run it on demand.
     pub settle: Duration,
+    /// `IDPOOL_POOL_IDLE_S`: how long a pool goes unused before
+    /// reconciliation gives it up.
+    pub pool_idle: Duration,
     pub header_timeout_s: u64,
     pub write_timeout_s: u64,
     pub idle_timeout_s: u64,
@@ -318,6 +321,7 @@ impl TestEnv {
             outbox_backoff_max_ms: 3_600_000,
             outbox_batch: 500,
             settle: Duration::from_secs(2),
+            pool_idle: Duration::from_secs(60),
             header_timeout_s: 10,
             write_timeout_s: 30,
             idle_timeout_s: 60,
@@ -397,6 +401,10 @@ impl TestEnv {
                 self.settle.as_secs().max(1).to_string(),
             ),
             (
+                "IDPOOL_POOL_IDLE_S",
+                self.pool_idle.as_secs().max(1).to_string(),
+            ),
+            (
                 "IDPOOL_REQUEST_TIMEOUT_S",
                 self.request_timeout_s.to_string(),
             ),
@@ -467,6 +475,7 @@ impl TestEnv {
             redis_timeout_ms: self.redis_timeout_ms,
             db_pool_size: self.db_pool_size,
             refill_concurrency: self.refill_concurrency,
+            pool_idle_s: self.pool_idle.as_secs().max(1),
             request_timeout_s: self.request_timeout_s,
             instance_id: Some(format!("test-{}", uuid::Uuid::new_v4().simple())),
             sink: self.sink.clone(),
@@ -879,6 +888,36 @@ impl TestApp {
     pub fn redis_pool_key(&self, project: &str, doc_type: &str, period: &str) -> String {
         format!("{}:{{{project}:{doc_type}:{period}}}:pool", self.env.prefix)
     }
+
+    /// Every Redis key of one sequence period's pool (list, meta, lock,
+    /// pops in flight), sorted.
+    pub async fn redis_keys_of(&self, project: &str, doc_type: &str, period: &str) -> Vec<String> {
+        let pattern = format!("{}:{{{project}:{doc_type}:{period}}}:*", self.env.prefix);
+        let client = self.state.pools.redis().client().clone();
+        let mut keys: Vec<String> =
+            fred::prelude::ClientLike::custom(&client, fred::cmd!("KEYS"), vec![pattern])
+                .await
+                .expect("KEYS");
+        keys.sort();
+        keys
+    }
+}
+
+/// The numbers a pool's list elements hold: each is a run `first-last`
+/// (or a bare number), lowest first.
+pub fn pool_numbers<S: AsRef<str>>(elements: &[S]) -> Vec<i64> {
+    elements
+        .iter()
+        .flat_map(|element| {
+            let element = element.as_ref().trim();
+            let (first, last) = element.split_once('-').unwrap_or((element, element));
+            let (first, last): (i64, i64) = (
+                first.parse().expect("a run's first number"),
+                last.parse().expect("a run's last number"),
+            );
+            first..=last
+        })
+        .collect()
 }
 
 /// The numbers of a `POST /ids` answer.
