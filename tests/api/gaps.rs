@@ -833,3 +833,137 @@ async fn an_idle_instance_on_the_defaults_never_fails_a_reconciliation_run() {
         "after {runs} runs, failures: {failed:#?}"
     );
 }
+
+/// Issue #45: a quiet sequence's pool and an ended day's pool leave Redis
+/// and give back or record every number they held: through two instances
+/// serving the same sequences (leases, documents and IDs), a Redis that
+/// restarts empty once the pools were given up, and a midnight. No number
+/// is untracked_loss, none is answered twice, and every number below each
+/// counter was answered or is recorded as discarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_pools_and_ended_days_account_for_every_number_on_two_instances_through_a_redis_restart()
+ {
+    let mut redis = RedisServer::start();
+    let clock = Arc::new(ManualClock::new(
+        "2026-11-22T22:00:00Z".parse::<DateTime<Utc>>().unwrap(),
+    ));
+    let mut env = TestEnv::new().with_redis(&redis.url());
+    env.settle = Duration::from_secs(2);
+    env.pool_idle = Duration::from_secs(2);
+    let a = env.spawn_with_clock(clock.clone()).await;
+    let b = env.spawn_with_clock(clock.clone()).await;
+    a.define("QUIET", "1", json!({"pool_size": 50})).await;
+    a.define(
+        "QUIET",
+        "2",
+        json!({"pool_size": 50, "reset": "daily", "format": "{type}{date:%Y%m%d}{seq:4}"}),
+    )
+    .await;
+    let answered: Arc<std::sync::Mutex<Vec<(&'static str, String, i64)>>> = Arc::default();
+    let traffic = async |rounds: usize, period: &'static str| {
+        let mut calls = Vec::new();
+        for round in 0..rounds {
+            for app in [&a, &b] {
+                let answered = answered.clone();
+                calls.push(async move {
+                    for doc_type in ["1", "2"] {
+                        let (_, seqs) = app.issue("QUIET", doc_type, 3 + round as i64).await;
+                        let period = if doc_type == "1" { "" } else { period };
+                        let document = app
+                            .post_document(
+                                &json!({"project": "QUIET", "type": doc_type, "metadata": {}}),
+                                None,
+                            )
+                            .await;
+                        assert_eq!(document.status(), StatusCode::ACCEPTED);
+                        let body: Value = document.json().await.unwrap();
+                        let mut answered = answered.lock().unwrap();
+                        for seq in seqs.into_iter().chain(body["seq"].as_i64()) {
+                            answered.push((doc_type_name(doc_type), period.to_owned(), seq));
+                        }
+                    }
+                });
+            }
+        }
+        futures::future::join_all(calls).await;
+    };
+    fn doc_type_name(doc_type: &str) -> &'static str {
+        if doc_type == "1" { "1" } else { "2" }
+    }
+    let gone = async |doc_type: &str, period: &str| {
+        let label = format!("the pool of QUIET/{doc_type} {period:?} given up");
+        crate::support::app::eventually(Duration::from_secs(30), &label, async || {
+            a.reconcile().await;
+            a.redis_keys_of("QUIET", doc_type, period)
+                .await
+                .is_empty()
+                .then_some(())
+        })
+        .await;
+    };
+
+    traffic(4, "20261122").await;
+    // Quiet: both pools (and what leases gave back to them) leave Redis.
+    gone("1", "").await;
+    gone("2", "20261122").await;
+    // Redis restarts empty: it held nothing of them.
+    redis.restart_empty();
+    a.wait_for_mode("pool", Duration::from_secs(20)).await;
+    b.wait_for_mode("pool", Duration::from_secs(20)).await;
+    traffic(3, "20261122").await;
+    // Midnight: the day's pool, refilled since, is given up at once.
+    clock.set("2026-11-23T00:00:05Z".parse::<DateTime<Utc>>().unwrap());
+    traffic(2, "20261123").await;
+    gone("2", "20261122").await;
+    gone("1", "").await;
+    a.settle_and_reconcile().await;
+    a.settle_and_reconcile().await;
+
+    let answered = answered.lock().unwrap().clone();
+    let mut seen = HashSet::new();
+    for (doc_type, period, seq) in &answered {
+        assert!(
+            seen.insert((*doc_type, period.clone(), *seq)),
+            "{doc_type} {period:?} {seq} answered twice"
+        );
+    }
+    for (doc_type, period) in [("1", ""), ("2", "20261122"), ("2", "20261123")] {
+        let next: i64 = sqlx::query_scalar(
+            "SELECT c.next_seq FROM counters c JOIN sequences s ON s.id = c.sequence_id \
+             WHERE s.project = 'QUIET' AND s.doc_type = $1 AND c.period = $2",
+        )
+        .bind(doc_type)
+        .bind(period)
+        .fetch_one(&a.db)
+        .await
+        .unwrap();
+        let gaps: Vec<Value> = a
+            .gaps("QUIET", doc_type)
+            .await
+            .into_iter()
+            .filter(|g| g["period"] == period)
+            .collect();
+        let reasons = by_reason(&gaps);
+        assert_eq!(
+            reasons.get("untracked_loss"),
+            None,
+            "{doc_type} {period:?}: {reasons:?}"
+        );
+        let discarded: HashSet<i64> = reasons
+            .get("pool_discarded")
+            .into_iter()
+            .flatten()
+            .flat_map(|(from, to)| *from..=*to)
+            .collect();
+        let unexplained: Vec<i64> = (1..next)
+            .filter(|n| {
+                !seen.contains(&(doc_type_name(doc_type), period.to_owned(), *n))
+                    && !discarded.contains(n)
+            })
+            .collect();
+        assert!(
+            unexplained.is_empty(),
+            "{doc_type} {period:?}: below the counter {next}, neither answered nor recorded: {unexplained:?} ({reasons:?})"
+        );
+    }
+}
