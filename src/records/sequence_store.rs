@@ -5,6 +5,7 @@
 //! sequence of the project prints, or like IDs the sequence printed before.
 
 mod conflicts;
+mod first_use;
 mod writes;
 
 use conflicts::{check_against_other_projects, check_against_project, stored_pattern};
@@ -65,6 +66,9 @@ pub enum StoreError {
         sequence: String,
         reason: DefinitionError,
     },
+    /// One failure shared by every request a joined statement served.
+    #[error(transparent)]
+    Shared(Arc<StoreError>),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -115,12 +119,16 @@ pub struct SequenceStore {
     /// Definitions read from Postgres by name, since start.
     loads: AtomicU64,
     max_per_project: usize,
+    /// Reads and creations of definitions missing from the cache, joined
+    /// across concurrent requests (started at the first miss).
+    first_uses: std::sync::OnceLock<first_use::FirstUses>,
 }
 
 fn cache_key(project: &str, doc_type: &str) -> String {
     format!("{project}/{doc_type}")
 }
 
+#[derive(Clone)]
 struct SequenceRow {
     id: i64,
     project: String,
@@ -224,6 +232,7 @@ impl SequenceStore {
                 .build(),
             loads: AtomicU64::new(0),
             max_per_project: max_per_project.max(1),
+            first_uses: std::sync::OnceLock::new(),
         }
     }
 
@@ -262,69 +271,58 @@ impl SequenceStore {
         self.loads.load(Ordering::Relaxed)
     }
 
-    /// The cached definition of `key`, or the one load of it that
-    /// concurrent callers share; None when it is not defined (or the
-    /// load failed: the error is the caller's whose load it was, and the
-    /// others find out on their own).
-    async fn cached_or_loaded(
-        &self,
-        project: &str,
-        doc_type: &str,
-    ) -> Result<Option<Arc<Sequence>>, StoreError> {
-        let key = cache_key(project, doc_type);
-        if let Some(sequence) = self.cache.get(&key).await {
-            return Ok(Some(sequence));
-        }
-        let mut failed = None;
-        let loaded = self
-            .cache
-            .optionally_get_with(key, async {
-                match self.load(project, doc_type).await {
-                    Ok(found) => found.map(Arc::new),
-                    Err(e) => {
-                        failed = Some(e);
-                        None
-                    }
-                }
-            })
-            .await;
-        match (loaded, failed) {
-            (Some(sequence), _) => Ok(Some(sequence)),
-            (None, Some(e)) => Err(e),
-            (None, None) => Ok(None),
-        }
-    }
-
     /// The sequence, created with the default definition on first use.
+    /// A miss joins the other misses of the moment: one statement reads
+    /// every one of them that is defined, one short transaction creates
+    /// the rest ([`first_use`]); concurrent misses of one definition share
+    /// one ask.
     pub async fn get_or_create(
         &self,
         project: &ProjectCode,
         doc_type: &TypeCode,
     ) -> Result<Arc<Sequence>, StoreError> {
-        if let Some(sequence) = self
-            .cached_or_loaded(project.as_str(), doc_type.as_str())
-            .await?
-        {
+        let key = cache_key(project.as_str(), doc_type.as_str());
+        if let Some(sequence) = self.cache.get(&key).await {
             return Ok(sequence);
         }
-        let definition =
-            Definition::defaults(project, doc_type).map_err(|reason| StoreError::NoDefault {
-                sequence: cache_key(project.as_str(), doc_type.as_str()),
-                reason,
-            })?;
-        let mut tx = self.db.begin().await?;
-        lock_project(&mut tx, project).await?;
-        // Another request may have created it while we waited for the lock.
-        let created = match select_for_update(&mut tx, project, doc_type).await? {
-            Some(row) => row,
-            None => {
-                self.check_room(&mut tx, project).await?;
-                check_against_project(&mut tx, project, doc_type, None, &definition).await?;
-                insert_definition(&mut tx, project, doc_type, &definition).await?
+        let first_uses = self
+            .first_uses
+            .get_or_init(|| first_use::FirstUses::spawn(self.db.clone(), self.max_per_project));
+        let mut failed = None;
+        let found = self
+            .cache
+            .optionally_get_with(key, async {
+                self.loads.fetch_add(1, Ordering::Relaxed);
+                let row = match first_uses.get_or_create(project, doc_type).await {
+                    Ok(row) => row,
+                    Err(e) => {
+                        failed = Some(e);
+                        return None;
+                    }
+                };
+                match row.into_sequence() {
+                    Ok(sequence) => Some(Arc::new(sequence)),
+                    Err(e) => {
+                        failed = Some(Arc::new(e));
+                        None
+                    }
+                }
+            })
+            .await;
+        let shared = |e: Arc<StoreError>| Arc::try_unwrap(e).unwrap_or_else(StoreError::Shared);
+        match (found, failed) {
+            (Some(sequence), _) => Ok(sequence),
+            (None, Some(e)) => Err(shared(e)),
+            // Another request's ask, which this one waited for, failed (its
+            // error is its own): this one asks for itself.
+            (None, None) => {
+                let row = first_uses
+                    .get_or_create(project, doc_type)
+                    .await
+                    .map_err(shared)?;
+                Ok(self.remember(row.into_sequence()?).await)
             }
-        };
-        tx.commit().await?;
-        Ok(self.remember(created.into_sequence()?).await)
+        }
     }
 
     /// Creates with the default definition every one of `pairs` not yet

@@ -182,14 +182,19 @@ impl From<PathRejection> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::Db(e) => db_error(e),
-            StoreError::Definition(e) => Self::bad_request("invalid_definition", e.to_string()),
-            StoreError::Conflict { .. } => Self::conflict("format_conflict", e.to_string()),
-            StoreError::TooMany { .. } => Self::conflict("sequence_limit_reached", e.to_string()),
-            StoreError::NoDefault { .. } => Self::conflict("sequence_not_defined", e.to_string()),
-            StoreError::Corrupt(..) => Self::internal(e),
-        }
+        store_error(&e)
+    }
+}
+
+fn store_error(e: &StoreError) -> ApiError {
+    match e {
+        StoreError::Db(db) => db_error(db),
+        StoreError::Definition(d) => ApiError::bad_request("invalid_definition", d.to_string()),
+        StoreError::Conflict { .. } => ApiError::conflict("format_conflict", e.to_string()),
+        StoreError::TooMany { .. } => ApiError::conflict("sequence_limit_reached", e.to_string()),
+        StoreError::NoDefault { .. } => ApiError::conflict("sequence_not_defined", e.to_string()),
+        StoreError::Corrupt(..) => ApiError::internal(e),
+        StoreError::Shared(inner) => store_error(inner),
     }
 }
 
