@@ -253,6 +253,39 @@ impl Counter {
         Ok(())
     }
 
+    /// [`Counter::ensure_period`] of many periods in one statement (the
+    /// joined direct reservations' first uses).
+    pub(super) async fn ensure_periods<'e, E: sqlx::PgExecutor<'e>>(
+        &self,
+        db: E,
+        periods: &[(&Sequence, &Period)],
+    ) -> Result<(), sqlx::Error> {
+        let unknown: Vec<&(&Sequence, &Period)> = periods
+            .iter()
+            .filter(|(sequence, period)| !self.known(&(sequence.id, period.key().to_owned())))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<i64> = unknown.iter().map(|(s, _)| s.id).collect();
+        let keys: Vec<&str> = unknown.iter().map(|(_, p)| p.key()).collect();
+        let firsts: Vec<i64> = unknown.iter().map(|(s, p)| s.first_number(p)).collect();
+        sqlx::query!(
+            "INSERT INTO counters (sequence_id, period, next_seq) \
+             SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[]) \
+             ON CONFLICT (sequence_id, period) DO NOTHING",
+            &ids,
+            &keys as &[&str],
+            &firsts,
+        )
+        .execute(db)
+        .await?;
+        for (sequence, period) in unknown {
+            self.now_known((sequence.id, period.key().to_owned()));
+        }
+        Ok(())
+    }
+
     /// The counter of `(sequence id, period)` exists.
     fn now_known(&self, key: (i64, String)) {
         let mut known = self.known_periods.lock().unwrap_or_else(|e| e.into_inner());
@@ -568,6 +601,98 @@ impl Counter {
         }
     }
 
+    /// [`Counter::take_direct`] for many counters in one statement, each
+    /// taken only if nobody holds it or its definition: `None` for those
+    /// held (they are asked again, each in a statement that waits), or
+    /// not taken for another reason (exhausted, a changed definition, a
+    /// failover: the waiting statement tells which). Never waiting for a
+    /// lock, it can be in no deadlock, however many it locks (a statement
+    /// that waited for counters while holding others deadlocked with
+    /// batches that lock definitions in their items' order). One counter
+    /// appears once among `asks`.
+    pub(super) async fn take_direct_unless_locked(
+        &self,
+        conn: &mut impl Link,
+        asks: &[DirectAsk<'_>],
+    ) -> Result<Vec<Option<Reserved<SeqRange>>>, sqlx::Error> {
+        let fenced = self.fenced_timeline();
+        let ids: Vec<i64> = asks.iter().map(|a| a.sequence.id).collect();
+        let periods: Vec<&str> = asks.iter().map(|a| a.period.key()).collect();
+        let ns: Vec<i64> = asks.iter().map(|a| a.n).collect();
+        let maxes: Vec<i64> = asks
+            .iter()
+            .map(|a| a.sequence.definition.max_seq())
+            .collect();
+        let versions: Vec<i32> = asks.iter().map(|a| a.sequence.identity_version).collect();
+        let tags: Vec<&str> = asks.iter().map(|a| a.tag).collect();
+        let rows = sqlx::query!(
+            "WITH asks AS ( \
+                 SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], \
+                                      $5::int[], $6::text[]) WITH ORDINALITY \
+                     AS a(sid, period, n, mx, iv, tag, ord) \
+             ), locked AS ( \
+                 SELECT c.sequence_id, c.period FROM counters c \
+                 JOIN asks a ON c.sequence_id = a.sid AND c.period = a.period \
+                 FOR UPDATE OF c SKIP LOCKED \
+             ), defined AS ( \
+                 SELECT s.id, s.identity_version FROM sequences s \
+                 WHERE s.id IN (SELECT sid FROM asks) \
+                 FOR KEY SHARE OF s SKIP LOCKED \
+             ), free AS ( \
+                 SELECT a.* FROM asks a \
+                 JOIN locked l ON l.sequence_id = a.sid AND l.period = a.period \
+                 JOIN defined d ON d.id = a.sid \
+             ), taken AS ( \
+                 UPDATE counters c SET last_grant = f.n, next_seq = c.next_seq + f.n \
+                 FROM free f, defined d \
+                 WHERE c.sequence_id = f.sid AND c.period = f.period AND d.id = f.sid \
+                   AND d.identity_version = f.iv AND c.next_seq + f.n - 1 <= f.mx \
+                   AND ($7::text IS NULL OR substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) = $7) \
+                 RETURNING c.sequence_id, c.period, c.next_seq - f.n AS first, c.next_seq AS next, f.tag \
+             ), due AS ( \
+                 INSERT INTO reconcile_due (sequence_id, period) SELECT sequence_id, period FROM taken \
+                 ON CONFLICT DO NOTHING \
+             ), block AS ( \
+                 INSERT INTO blocks (sequence_id, period, seqs, purpose, instance_id) \
+                 SELECT sequence_id, period, int8range(first, next), 'direct', tag FROM taken \
+                 RETURNING sequence_id, period, lower(seqs) AS first \
+             ) \
+             SELECT a.ord AS \"ord!\", b.first, \
+                    substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS \"timeline!\" \
+             FROM asks a LEFT JOIN block b ON b.sequence_id = a.sid AND b.period = a.period \
+             ORDER BY a.ord",
+            &ids,
+            &periods as &[&str],
+            &ns,
+            &maxes,
+            &versions,
+            &tags as &[&str],
+            fenced,
+        )
+        .fetch_all(conn.statements())
+        .await?;
+        // Taken on a timeline the counters were not fenced on: nothing
+        // can be handed out (committed already, reconciliation names them).
+        let on_fenced = rows
+            .iter()
+            .find(|r| r.first.is_some())
+            .is_none_or(|r| self.on_fenced_timeline(&r.timeline));
+        let mut out = vec![None; asks.len()];
+        for row in rows {
+            let (Ok(i), Some(first)) = (usize::try_from(row.ord - 1), row.first) else {
+                continue;
+            };
+            if let Some(ask) = asks.get(i) {
+                out[i] = Some(if on_fenced {
+                    Reserved::Got(SeqRange::new(first, first + ask.n))
+                } else {
+                    Reserved::Unfenced
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// A name for one direct reservation's block, unique to it: this
     /// instance and a count.
     pub fn direct_tag(&self) -> String {
@@ -716,6 +841,15 @@ impl Counter {
         };
         Ok(Some((reserved, taken.xid)))
     }
+}
+
+/// One counter's share of a joined direct reservation.
+pub(super) struct DirectAsk<'a> {
+    pub sequence: &'a Sequence,
+    pub period: &'a Period,
+    pub n: i64,
+    /// The name its block is recorded under.
+    pub tag: &'a str,
 }
 
 /// The period's counter at its first number, unless it exists.
