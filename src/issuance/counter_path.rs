@@ -121,11 +121,12 @@ impl CounterPath {
         count: usize,
         mut db: Through<'_, '_>,
     ) -> Result<Obtained, IssueError> {
-        let mut seqs = match self.pools.take(pool, count).await {
-            Ok(seqs) => seqs,
+        let outside_transactions = matches!(db, Through::Joined);
+        let (mut seqs, first_use) = match self.pools.take(pool, count, outside_transactions).await {
+            Ok(taken) => taken,
             Err(e) => {
                 tracing::debug!(error = %e, "pool unavailable, taking numbers from postgres");
-                Vec::new()
+                (Vec::new(), None)
             }
         };
         self.stats.ids_from_pool.inc_by(seqs.len() as u64);
@@ -153,7 +154,11 @@ impl CounterPath {
                 Ok(Reserved::Exhausted) => {
                     // The counter is spent, but a refill may have moved its
                     // last numbers into the pool.
-                    let more = self.pools.take(pool, missing).await.unwrap_or_default();
+                    let (more, _) = self
+                        .pools
+                        .take(pool, missing, false)
+                        .await
+                        .unwrap_or_default();
                     if more.is_empty() {
                         self.give_back(pool, &seqs).await;
                         // Numbers of the pool wait here for Redis: not
@@ -175,6 +180,9 @@ impl CounterPath {
                     return Err(e);
                 }
             }
+        }
+        if let Some(first_use) = first_use {
+            first_use.release().await;
         }
         seqs.sort_unstable();
         popped.sort_unstable();

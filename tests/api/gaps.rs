@@ -361,8 +361,11 @@ async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence(
     env.pool_idle = Duration::from_secs(1);
     let app = env.spawn().await;
     app.define("QUIET", "1", json!({"pool_size": 20})).await;
+    // The first use takes from the counter; the second fills the pool.
     let (_, first) = app.issue("QUIET", "1", 1).await;
     assert_eq!(first, vec![1]);
+    let (_, second) = app.issue("QUIET", "1", 1).await;
+    assert_eq!(second, vec![2]);
     let link = app.state.pools.redis().clone();
     let keys = link.keys("QUIET", "1", "");
     let lists = PoolLists::new(link);
@@ -370,11 +373,11 @@ async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence(
         (lists.depth(&keys).await.unwrap() > 0).then_some(())
     })
     .await;
-    // The lease takes 2-6; requests take 7-11.
+    // The lease takes 3-7; requests take 8-12.
     let leased = lists.pop(&keys, 5).await.unwrap().seqs;
-    assert_eq!(leased, (2..=6).collect::<Vec<i64>>());
+    assert_eq!(leased, (3..=7).collect::<Vec<i64>>());
     let (_, issued) = app.issue("QUIET", "1", 5).await;
-    assert_eq!(issued, (7..=11).collect::<Vec<i64>>());
+    assert_eq!(issued, (8..=12).collect::<Vec<i64>>());
     // The lease's numbers come back unused, to the head.
     assert!(
         lists
@@ -387,12 +390,12 @@ async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence(
     let reasons = by_reason(&app.gaps("QUIET", "1").await);
     assert_eq!(
         reasons.get("issued_unattached"),
-        Some(&vec![(1, 1), (7, 11)]),
+        Some(&vec![(1, 2), (8, 12)]),
         "every number issued without a document is listed: {reasons:?}"
     );
     assert_eq!(
         reasons.get("pool_discarded"),
-        Some(&vec![(2, 6)]),
+        Some(&vec![(3, 7)]),
         "the returned numbers below those issued are recorded: {reasons:?}"
     );
     assert_eq!(reasons.get("untracked_loss"), None, "{reasons:?}");
@@ -402,7 +405,7 @@ async fn numbers_issued_above_numbers_given_back_are_judged_on_a_quiet_sequence(
     .fetch_one(&app.db)
     .await
     .unwrap();
-    assert_eq!(next_seq, 12, "the pool's top run went back to the counter");
+    assert_eq!(next_seq, 13, "the pool's top run went back to the counter");
     assert_eq!(
         app.redis_keys_of("QUIET", "1", "").await,
         Vec::<String>::new()
@@ -859,7 +862,9 @@ async fn idle_pools_and_ended_days_account_for_every_number_on_two_instances_thr
         json!({"pool_size": 50, "reset": "daily", "format": "{type}{date:%Y%m%d}{seq:4}"}),
     )
     .await;
-    let answered: Arc<std::sync::Mutex<Vec<(&'static str, String, i64)>>> = Arc::default();
+    // Every number answered: (type, period, number).
+    type Answered = Vec<(&'static str, String, i64)>;
+    let answered: Arc<std::sync::Mutex<Answered>> = Arc::default();
     let traffic = async |rounds: usize, period: &'static str| {
         let mut calls = Vec::new();
         for round in 0..rounds {

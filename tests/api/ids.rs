@@ -164,9 +164,11 @@ async fn three_instances_issue_30000_ids_over_3_sequences_without_duplicates_in_
         assert_eq!(ledgered.len(), seqs.len());
     }
     assert_eq!(total, 30_000);
-    // Every ID came from a pool while Redis was up: none straight from the
-    // counter. (Leases count what they take, so the pools gave at least
-    // the 30,000.)
+    // Every ID came from a pool while Redis was up but first uses: a
+    // sequence's first request an instance sees takes its number straight
+    // from the counter (the pool is filled once it is asked again), so at
+    // most one per sequence and instance. (Leases count what they take, so
+    // the pools gave at least the rest.)
     let (mut from_pool, mut direct) = (0.0, 0.0);
     for app in apps.iter() {
         let metrics = app.metrics().await;
@@ -176,8 +178,12 @@ async fn three_instances_issue_30000_ids_over_3_sequences_without_duplicates_in_
             .copied()
             .unwrap_or_default();
     }
-    assert_eq!(direct, 0.0, "IDs taken straight from the counter");
-    assert!(from_pool >= 30_000.0, "{from_pool} from pools");
+    let first_uses = (sequences.len() * apps.len()) as f64;
+    assert!(
+        direct <= first_uses,
+        "{direct} IDs taken straight from the counter"
+    );
+    assert!(from_pool >= 30_000.0 - direct, "{from_pool} from pools");
 }
 
 fn at(s: &str) -> DateTime<Utc> {

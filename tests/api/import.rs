@@ -524,7 +524,8 @@ async fn an_import_run_again_days_later_with_another_key_creates_no_document_twi
     assert_eq!(
         mapping(&third_out).len(),
         4,
-        "the other lines were imported"
+        "the other lines were imported: {:?}",
+        std::fs::read_to_string(work.path().join("third.rejects.jsonl"))
     );
     let rejects = std::fs::read_to_string(work.path().join("third.rejects.jsonl")).unwrap();
     assert!(rejects.contains("document_id_taken"), "{rejects}");

@@ -29,8 +29,11 @@ async fn health_readiness_and_metrics_answer() {
         ready,
         serde_json::json!({"postgres": "up", "redis": "up", "mode": "pool"})
     );
+    // The first use takes from the counter, the next from the pool it fills.
+    app.issue("M", "1", 3).await;
     app.issue("M", "1", 3).await;
     let metrics = app.metrics().await;
+    assert_eq!(metrics["idpool_ids_issued_total{source=\"direct\"}"], 3.0);
     assert_eq!(metrics["idpool_ids_issued_total{source=\"pool\"}"], 3.0);
     assert_eq!(metrics["idpool_mode_pool"], 1.0);
     assert_eq!(metrics["idpool_ready"], 1.0);

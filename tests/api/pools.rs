@@ -470,6 +470,8 @@ async fn a_request_waits_for_the_block_a_slow_refill_has_taken_and_gets_its_numb
         .put_sequence("ORDER", "1", json!({"pool_size": 10}))
         .await;
     assert_eq!(created.status(), StatusCode::CREATED);
+    // The first use takes from the counter; the next fills the pool.
+    app.issue("ORDER", "1", 1).await;
     let (_, first) = app.issue("ORDER", "1", 1).await;
     // The pool's own refill after that pop has landed.
     let depth =

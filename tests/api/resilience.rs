@@ -158,6 +158,8 @@ async fn a_stale_pool_list_never_yields_a_duplicate() {
 async fn a_pool_filled_on_another_server_is_discarded_after_reconnect() {
     let mut redis = RedisServer::start();
     let app = TestEnv::new().with_redis(&redis.url()).spawn().await;
+    // The first use takes from the counter; the next fills the pool.
+    app.issue("FAIL", "1", 1).await;
     let (_, before) = app.issue("FAIL", "1", 10).await;
     // Same data, new server: like a failover to a replica.
     redis.restart_with_data();

@@ -12,7 +12,14 @@ use crate::support::app::{TestEnv, assert_problem};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_used_before_it_is_defined_gets_the_defaults() {
     let app = TestEnv::new().spawn().await;
-    app.issue("NEW", "1", 2).await;
+    // Its first use takes from the counter: a sequence used once holds no
+    // pool (issue #45: an idle sequence costs Redis nothing).
+    app.issue("NEW", "1", 1).await;
+    let (_, once) = app.get_json("/api/v1/sequences/NEW/1").await;
+    assert_eq!(once["live"]["last_issued"], 1);
+    assert_eq!(once["live"]["pool_depth"], 0, "{once}");
+    assert_eq!(once["live"]["refills"], 0, "{once}");
+    app.issue("NEW", "1", 1).await;
     let (status, view) = app.get_json("/api/v1/sequences/NEW/1").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(view["format"], "{project}-{type}-{seq}");
@@ -23,7 +30,8 @@ async fn a_sequence_used_before_it_is_defined_gets_the_defaults() {
     assert_eq!(view["refill_at"], 0.75);
     assert_eq!(view["live"]["last_issued"], 2);
     assert_eq!(view["live"]["last_issued_id"], "NEW-1-2");
-    // The first refill brought the pool up to pool_size after serving the request.
+    // Asked again, it is filled: the first refill brought the pool up to
+    // pool_size after serving the request.
     assert_eq!(view["live"]["pool_depth"], 1000);
     assert_eq!(view["live"]["refills"], 1);
 
@@ -395,6 +403,8 @@ async fn lowering_max_takes_the_numbers_past_it_out_of_the_pool() {
     let app = TestEnv::new().spawn().await;
     let created = app.put_sequence("MX", "1", json!({"pool_size": 100})).await;
     assert_eq!(created.status(), StatusCode::CREATED);
+    // The first use takes from the counter; the second fills the pool.
+    app.issue("MX", "1", 1).await;
     app.issue("MX", "1", 1).await;
     let lowered = app
         .put_sequence("MX", "1", json!({"pool_size": 100, "max": 10}))
@@ -423,7 +433,7 @@ async fn lowering_max_takes_the_numbers_past_it_out_of_the_pool() {
     .await
     .unwrap();
     assert!(discarded > 0, "the trimmed numbers were recorded");
-    let (_, seqs) = app.issue("MX", "1", 9).await;
+    let (_, seqs) = app.issue("MX", "1", 8).await;
     assert_eq!(*seqs.last().unwrap(), 10);
     let past = app.post_ids("MX", "1", 1).await;
     assert_problem(past, StatusCode::CONFLICT, "sequence_exhausted").await;

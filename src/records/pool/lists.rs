@@ -79,7 +79,12 @@ impl PoolLists {
             .link
             .guarded(self.link.eval(
                 &self.link.scripts.pop,
-                vec![keys.pool.clone(), keys.meta.clone(), keys.inflight.clone()],
+                vec![
+                    keys.pool.clone(),
+                    keys.meta.clone(),
+                    keys.inflight.clone(),
+                    keys.lock.clone(),
+                ],
                 args,
             ))
             .await;

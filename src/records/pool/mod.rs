@@ -36,6 +36,39 @@ use crate::records::batch::Batcher;
 use crate::records::counter::Counter;
 use crate::records::sequence_store::SequenceStore;
 
+/// The refill lock a sequence's first use holds while it takes its
+/// numbers from the counter ([`PoolService::take`]); released by
+/// [`FirstUse::release`], or when dropped.
+pub struct FirstUse {
+    lists: PoolLists,
+    keys: Arc<PoolKeys>,
+    token: Option<String>,
+}
+
+impl FirstUse {
+    pub async fn release(mut self) {
+        if let Some(token) = self.token.take() {
+            let _ = self.lists.release(&self.keys, &token).await;
+        }
+    }
+}
+
+impl Drop for FirstUse {
+    fn drop(&mut self) {
+        let Some(token) = self.token.take() else {
+            return;
+        };
+        // An error path that did not release it: let go at once rather
+        // than hold the pool's refills for the lock's whole life.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (lists, keys) = (self.lists.clone(), self.keys.clone());
+            runtime.spawn(async move {
+                let _ = lists.release(&keys, &token).await;
+            });
+        }
+    }
+}
+
 /// One sequence period's pool.
 #[derive(Clone)]
 pub struct PoolRef {
@@ -248,15 +281,33 @@ impl PoolService {
     /// needs (waited for up to `short_wait`, or until it is pushed once it
     /// has taken its block) and one more pop; what is still missing is the
     /// caller's to take from Postgres.
+    /// With `first_use`, a pool's first use takes its numbers from the
+    /// counter (see [`FirstUse`]): for callers that take them outside any
+    /// transaction (a rollback would hand the counter's numbers out again,
+    /// where a pool's stay refused).
     pub async fn take(
         self: &Arc<Self>,
         pool: &PoolRef,
         count: usize,
-    ) -> Result<Vec<i64>, RedisFailure> {
+        first_use: bool,
+    ) -> Result<(Vec<i64>, Option<FirstUse>), RedisFailure> {
         let mut popped = self.pop(pool, count).await?;
         let mut seqs = self
             .within_max(pool, std::mem::take(&mut popped.seqs))
             .await;
+        if first_use
+            && seqs.is_empty()
+            && popped.target == 0
+            && self.refills.first_ask(pool)
+            && let Some(claim) = self.claim_first_use(pool).await
+        {
+            // A pool never filled (or given up), asked for the first time
+            // here: the request's numbers come from the counter, and the
+            // pool is filled only when it is asked again. A sequence used
+            // once costs Redis nothing, and ten thousand first uses at
+            // once wait for no refill.
+            return Ok((seqs, Some(claim)));
+        }
         if seqs.len() < count {
             self.stats.pool_short.inc();
             // The refill also brings what waiting requests lack, so a big
@@ -302,8 +353,39 @@ impl PoolService {
                 }
                 self.refills.refill_if_low(pool, &again);
             }
+            if seqs.len() < count {
+                // The rest comes from the counter: a refill not begun yet
+                // must not bring it too (the pool would hold it past its
+                // bound, for nobody).
+                self.refills.withdraw_demand(pool, count - seqs.len());
+            }
         }
-        Ok(seqs)
+        Ok((seqs, None))
+    }
+
+    /// The refill lock of a pool found empty and never filled, held while
+    /// the counter hands out its first use's numbers: no refill can take a
+    /// block meanwhile, so those numbers stay below every block the pool
+    /// gets (taken while another instance's refill had begun, they came
+    /// after its block, and that instance's next answers went below them).
+    /// None when a refill holds the lock or the pool has numbers by now.
+    async fn claim_first_use(&self, pool: &PoolRef) -> Option<FirstUse> {
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let locked = self
+            .lists
+            .acquire(&pool.keys, &token, self.settings.lock_ttl)
+            .await
+            .ok()??;
+        let claim = FirstUse {
+            lists: self.lists.clone(),
+            keys: pool.keys.clone(),
+            token: Some(token),
+        };
+        if locked.depth > 0 {
+            claim.release().await;
+            return None;
+        }
+        Some(claim)
     }
 
     /// One pop, shared with every request waiting for one (a Redis call

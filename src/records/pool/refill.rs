@@ -39,6 +39,9 @@ pub struct Refills {
     numbering: Mutex<std::collections::HashSet<Arc<PoolKeys>>>,
     /// Numbers requests of this instance are waiting for, per pool.
     demand: Mutex<HashMap<Arc<PoolKeys>, i64>>,
+    /// Pools found empty and never filled that this instance was asked for
+    /// once (at most [`MAX_ASKED`]; forgotten all at once beyond).
+    asked: Mutex<std::collections::HashSet<String>>,
     refill_slots: Arc<Semaphore>,
     /// Refills running in the background; awaited (for a while) at shutdown.
     refills: TaskTracker,
@@ -79,6 +82,7 @@ impl Refills {
             refills_in_flight: Mutex::new(HashMap::new()),
             numbering: Mutex::new(std::collections::HashSet::new()),
             demand: Mutex::new(HashMap::new()),
+            asked: Mutex::new(std::collections::HashSet::new()),
             refills: TaskTracker::new(),
         })
     }
@@ -292,12 +296,34 @@ impl Refills {
         RefillOutcome::Failed
     }
 
+    /// Whether this is the first time this instance is asked for `pool`
+    /// finding it empty and never filled: then it is not filled yet.
+    pub(super) fn first_ask(&self, pool: &PoolRef) -> bool {
+        let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        if asked.len() >= MAX_ASKED {
+            asked.clear();
+        }
+        asked.insert(pool.keys.pool.clone())
+    }
+
     pub(super) fn add_demand(&self, pool: &PoolRef, numbers: usize) {
         let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
         let waiting = demand.entry(pool.keys.clone()).or_default();
         *waiting = waiting
             .saturating_add(numbers as i64)
             .min(i64::from(MAX_TARGET));
+    }
+
+    /// A request that stopped waiting no longer lacks `numbers` here (what
+    /// a refill took for it already stays taken).
+    pub(super) fn withdraw_demand(&self, pool: &PoolRef, numbers: usize) {
+        let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(waiting) = demand.get_mut(&pool.keys) {
+            *waiting -= (numbers as i64).min(*waiting);
+            if *waiting == 0 {
+                demand.remove(&pool.keys);
+            }
+        }
     }
 
     /// What requests waiting on this pool lack; the refill about to reserve
@@ -347,6 +373,9 @@ pub enum RefillOutcome {
     Exhausted,
     Failed,
 }
+
+/// Most pools an instance remembers having been asked for once.
+const MAX_ASKED: usize = 100_000;
 
 /// Upper bound for any pool's target depth.
 const MAX_TARGET: u32 = 1_000_000;

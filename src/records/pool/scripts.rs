@@ -153,12 +153,13 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 "#;
 
-/// KEYS: pool, meta, inflight. ARGV: count, token, deadline (ms on the
-/// server's clock, 0 for none), then tokens of earlier pops whose answers
-/// arrived (forgotten here).
+/// KEYS: pool, meta, inflight, lock. ARGV: count, token, deadline (ms on
+/// the server's clock, 0 for none), then tokens of earlier pops whose
+/// answers arrived (forgotten here).
 /// Pops up to `count` numbers off the head and reports them as flat
-/// first, last pairs, with what is left, the pool's target, the server's
-/// time (ms) and whether the pop came too late (1). A pop the server runs
+/// first, last pairs, with what is left, the pool's target (0 for a pool
+/// never filled, -1 for one whose first refill holds the lock), the
+/// server's time (ms) and whether the pop came too late (1). A pop the server runs
 /// after its caller gave up takes nothing: past its deadline, or after its
 /// caller cancelled its token (see [`RESOLVE_POP`]). What a pop takes is
 /// kept under its token in `inflight` until its caller says it got the
@@ -173,6 +174,9 @@ for i = 4, #ARGV do redis.call('HDEL', inflight, ARGV[i]) end
 local now = now_ms()
 local target = tonumber(redis.call('HGET', KEYS[2], 'target') or '0') or 0
 local deadline = tonumber(ARGV[3])
+-- A refill under way somewhere (its lock held): the pool is being
+-- filled, whatever its target says.
+if target == 0 and redis.call('EXISTS', KEYS[4]) == 1 then target = -1 end
 if redis.call('HDEL', inflight, ARGV[2]) == 1 or (deadline > 0 and now > deadline) then
   return {{}, depth(KEYS[1]), target, now, 1}
 end

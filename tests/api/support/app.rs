@@ -478,6 +478,7 @@ impl TestEnv {
             pool_idle_s: self.pool_idle.as_secs().max(1),
             request_timeout_s: self.request_timeout_s,
             instance_id: Some(format!("test-{}", uuid::Uuid::new_v4().simple())),
+            clock_offset_file: None,
             sink: self.sink.clone(),
             outbox_processor: if self.processor {
                 Switch::On
