@@ -67,6 +67,51 @@ pub(super) async fn project_patterns(
         .collect())
 }
 
+/// [`project_patterns`] of many projects at once, without their default
+/// sequences (what a new default sequence is checked against), by project.
+pub(super) async fn non_default_patterns(
+    conn: &mut Tx<'_>,
+    projects: &[&str],
+) -> Result<std::collections::HashMap<String, Vec<Printed>>, StoreError> {
+    let rows = sqlx::query!(
+        "SELECT s.project AS \"project!\", s.id AS \"id!\", s.doc_type AS \"doc_type!\", \
+                s.layout AS \"layout!\", s.format AS \"format!\", s.max_seq, true AS \"current!\" \
+           FROM sequences s \
+          WHERE s.project = ANY($1) AND NOT (s.layout = 'text' AND s.format = $2) \
+         UNION ALL \
+         SELECT s.project, s.id, s.doc_type, f.layout, f.format, NULL, false FROM sequence_formats f \
+           JOIN sequences s ON s.id = f.sequence_id \
+          WHERE s.project = ANY($1) AND NOT (f.layout = 'text' AND f.format = $2)",
+        projects as &[&str],
+        DEFAULT_FORMAT,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut by_project: std::collections::HashMap<String, Vec<Printed>> =
+        std::collections::HashMap::new();
+    for r in rows {
+        let digits = r.max_seq.map_or(19, |m| m.max(0).to_string().len());
+        let Some(pattern) = stored_pattern(&r.layout, &r.format, &r.project, &r.doc_type, digits)
+        else {
+            continue;
+        };
+        let name = if r.current {
+            format!("{}/{}", r.project, r.doc_type)
+        } else {
+            format!(
+                "{}/{} printed with its earlier format {:?}",
+                r.project, r.doc_type, r.format
+            )
+        };
+        by_project.entry(r.project).or_default().push(Printed {
+            sequence_id: r.id,
+            name,
+            pattern,
+        });
+    }
+    Ok(by_project)
+}
+
 /// Refuses `definition` for `project`/`doc_type` when its IDs could read
 /// like IDs another sequence of the project prints or printed. The
 /// sequence's own earlier formats are checked when it is changed.
@@ -175,7 +220,11 @@ pub(super) async fn check_against_other_projects(
         });
     }
     let offsets = definition.int64_day_offsets();
-    for other in other_projects_definitions(conn, project).await? {
+    // Two formats that each begin with their own project's code and a `-`
+    // never print alike (a code holds no `-`): with such a format, those of
+    // other projects are not even read, so a PUT costs what the
+    // installation's other kinds of formats number, not its projects.
+    for other in other_projects_definitions(conn, project, starts_with_own_code).await? {
         let clash = match (&offsets, other.int64_offsets()) {
             // Two int64 layouts clash only if their days can start at the
             // same time of day after their epochs.
@@ -217,25 +266,31 @@ impl OtherDefinition {
 }
 
 /// Every definition of other projects that does not print the default
-/// format, with the formats they printed before a forced change.
+/// format, with the formats they printed before a forced change; with
+/// `skip_own_prefixed`, none whose format begins with `{project}-`.
 pub(super) async fn other_projects_definitions(
     conn: &mut Tx<'_>,
     project: &ProjectCode,
+    skip_own_prefixed: bool,
 ) -> Result<Vec<OtherDefinition>, StoreError> {
     let current = sequence_rows!(
         "SELECT",
-        "FROM sequences WHERE project <> $1 AND NOT (layout = 'text' AND format = $2)",
+        "FROM sequences WHERE project <> $1 AND NOT (layout = 'text' AND format = $2) \
+           AND NOT ($3 AND layout = 'text' AND starts_with(format, '{project}-'))",
         project.as_str(),
-        DEFAULT_FORMAT
+        DEFAULT_FORMAT,
+        skip_own_prefixed,
     )
     .fetch_all(&mut *conn)
     .await?;
     let retired: Vec<(String, String, String, String)> = sqlx::query!(
         "SELECT s.project, s.doc_type, f.layout, f.format FROM sequence_formats f \
          JOIN sequences s ON s.id = f.sequence_id \
-         WHERE s.project <> $1 AND NOT (f.layout = 'text' AND f.format = $2)",
+         WHERE s.project <> $1 AND NOT (f.layout = 'text' AND f.format = $2) \
+           AND NOT ($3 AND f.layout = 'text' AND starts_with(f.format, '{project}-'))",
         project.as_str(),
         DEFAULT_FORMAT,
+        skip_own_prefixed,
     )
     .fetch_all(&mut *conn)
     .await?
