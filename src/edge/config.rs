@@ -432,6 +432,17 @@ pub struct Config {
     )]
     pub reconcile_settle_s: u64,
 
+    /// For benchmarks and tests of a running binary: a file holding a
+    /// number of seconds the service's clock runs ahead of the system's
+    /// (negative: behind), read at start and every half second after, so
+    /// periods can be crossed without waiting for them. Unset in service.
+    #[arg(
+        long = "idpool-clock-offset-file",
+        env = "IDPOOL_CLOCK_OFFSET_FILE",
+        value_name = "IDPOOL_CLOCK_OFFSET_FILE"
+    )]
+    pub clock_offset_file: Option<std::path::PathBuf>,
+
     /// Name of this instance in block records and logs (default: host-pid).
     #[arg(
         long = "idpool-instance-id",

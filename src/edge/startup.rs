@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 
 use tokio::sync::Notify;
 
-use crate::domain::clock::{Clock, SystemClock};
+use crate::domain::clock::{Clock, OffsetClock, SystemClock};
 use crate::edge::config::Config;
 use crate::edge::http::server::ServerLimits;
 use crate::edge::http::{AppInner, AppState};
@@ -56,6 +56,38 @@ impl Default for Overrides {
     }
 }
 
+/// A clock `file` says how far ahead of the system's to run (seconds),
+/// read now and every half second while the clock lives; a file that
+/// cannot be read leaves the offset as it was.
+async fn offset_clock(file: &std::path::Path) -> anyhow::Result<Arc<dyn Clock>> {
+    async fn read(file: &std::path::Path) -> anyhow::Result<chrono::Duration> {
+        let text = tokio::fs::read_to_string(file).await?;
+        let seconds: i64 = text.trim().parse()?;
+        Ok(chrono::Duration::seconds(seconds))
+    }
+    let clock = Arc::new(OffsetClock::default());
+    let offset = read(file)
+        .await
+        .map_err(|e| anyhow::anyhow!("IDPOOL_CLOCK_OFFSET_FILE {}: {e}", file.display()))?;
+    clock.set_offset(offset);
+    tracing::warn!(file = %file.display(), offset_s = offset.num_seconds(),
+        "the service's clock follows IDPOOL_CLOCK_OFFSET_FILE (benchmarks and tests only)");
+    let following = Arc::downgrade(&clock);
+    let file = file.to_owned();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let Some(clock) = following.upgrade() else {
+                return;
+            };
+            if let Ok(offset) = read(&file).await {
+                clock.set_offset(offset);
+            }
+        }
+    });
+    Ok(clock)
+}
+
 pub struct Application {
     listener: TcpListener,
     state: AppState,
@@ -68,7 +100,11 @@ pub struct Application {
 
 impl Application {
     pub async fn build(config: &Config) -> anyhow::Result<Self> {
-        Self::build_with(config, Overrides::default()).await
+        let mut overrides = Overrides::default();
+        if let Some(file) = &config.clock_offset_file {
+            overrides.clock = offset_clock(file).await?;
+        }
+        Self::build_with(config, overrides).await
     }
 
     pub async fn build_with(config: &Config, overrides: Overrides) -> anyhow::Result<Self> {
