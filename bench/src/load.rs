@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -70,10 +70,10 @@ struct Document {
     seq: i64,
 }
 
-pub type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+pub type Connection = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 /// A keep-alive HTTP/1.1 connection to `addr`.
-pub async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
+pub async fn connect(addr: SocketAddr) -> anyhow::Result<Connection> {
     let stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
     let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -85,16 +85,17 @@ pub async fn connect(addr: SocketAddr) -> anyhow::Result<Sender> {
 
 /// `Authorization` values: the load connections send project keys, one
 /// per connection in turn (the bench is many customers, each within its
-/// rate); single requests (setting up, polling) send the admin key.
-static KEYS: OnceLock<Keys> = OnceLock::new();
+/// rate); single requests (setting up, polling) send the admin key. A
+/// scenario against an installation of its own swaps in its keys.
+static KEYS: RwLock<Option<Arc<Keys>>> = RwLock::new(None);
 
-struct Keys {
+pub struct Keys {
     load: Vec<hyper::header::HeaderValue>,
     admin: hyper::header::HeaderValue,
 }
 
-/// Sets the API keys every later request sends (once per run).
-pub fn use_keys(load: &[String], admin: &str) -> anyhow::Result<()> {
+/// Sets the API keys every later request sends; the ones set before.
+pub fn use_keys(load: &[String], admin: &str) -> anyhow::Result<Option<Arc<Keys>>> {
     let bearer = |k: &str| hyper::header::HeaderValue::from_str(&format!("Bearer {k}"));
     let keys = Keys {
         load: load
@@ -103,8 +104,12 @@ pub fn use_keys(load: &[String], admin: &str) -> anyhow::Result<()> {
             .collect::<Result<Vec<_>, _>>()?,
         admin: bearer(admin)?,
     };
-    KEYS.set(keys)
-        .map_err(|_| anyhow::anyhow!("keys were set already"))
+    Ok(restore_keys(Some(Arc::new(keys))))
+}
+
+/// Puts back keys `use_keys` replaced; the ones set until now.
+pub fn restore_keys(keys: Option<Arc<Keys>>) -> Option<Arc<Keys>> {
+    std::mem::replace(&mut *KEYS.write().unwrap_or_else(|e| e.into_inner()), keys)
 }
 
 /// The `Authorization` value load connection `connection` sends.
@@ -114,11 +119,21 @@ pub fn key_of(connection: usize) -> Option<hyper::header::HeaderValue> {
 
 /// The key of load connection `connection`, or the admin key (`None`).
 fn key_for(connection: Option<usize>) -> Option<hyper::header::HeaderValue> {
-    let keys = KEYS.get()?;
+    let keys = KEYS.read().unwrap_or_else(|e| e.into_inner()).clone()?;
     match connection {
         Some(c) if !keys.load.is_empty() => Some(keys.load[c % keys.load.len()].clone()),
         _ => Some(keys.admin.clone()),
     }
+}
+
+/// Whose key a load run's connections send.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Sender {
+    /// A project key per connection, in turn.
+    Tenants,
+    /// The admin key on every connection (a crowd of projects no project
+    /// key covers).
+    Admin,
 }
 
 fn request(
@@ -146,6 +161,17 @@ pub async fn run(
     until: Until,
     call: impl Fn(u64) -> Call + Send + Sync + 'static,
 ) -> anyhow::Result<Outcome> {
+    run_as(addr, connections, until, Sender::Tenants, call).await
+}
+
+/// [`run`], each connection sending `sender`'s key.
+pub async fn run_as(
+    addr: SocketAddr,
+    connections: usize,
+    until: Until,
+    sender: Sender,
+    call: impl Fn(u64) -> Call + Send + Sync + 'static,
+) -> anyhow::Result<Outcome> {
     let call = Arc::new(call);
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -165,7 +191,7 @@ pub async fn run(
                 latency: Some(Histogram::new_with_bounds(1, 60_000_000, 3)?),
                 ..Default::default()
             };
-            let mut sender = connect(addr).await?;
+            let mut link = connect(addr).await?;
             loop {
                 if deadline.is_some_and(|d| Instant::now() >= d) {
                     break;
@@ -180,11 +206,12 @@ pub async fn run(
                     body,
                     sequence,
                 } = call(i);
-                let request = request(method, path, body, Some(connection))?;
+                let key = (sender == Sender::Tenants).then_some(connection);
+                let request = request(method, path, body, key)?;
                 let sent = Instant::now();
                 let answer = async {
-                    sender.ready().await?;
-                    let response = sender.send_request(request).await?;
+                    link.ready().await?;
+                    let response = link.send_request(request).await?;
                     let status = response.status().as_u16();
                     let body = response.into_body().collect().await?.to_bytes();
                     anyhow::Ok((status, body))
@@ -221,7 +248,7 @@ pub async fn run(
                     }
                     Err(_) => {
                         out.failed += 1;
-                        sender = connect(addr).await?;
+                        link = connect(addr).await?;
                     }
                 }
             }

@@ -13,6 +13,7 @@ mod neighbour;
 mod pooler;
 mod registers;
 mod services;
+mod tenants;
 mod webhook;
 
 use std::collections::{HashMap, HashSet};
@@ -54,6 +55,7 @@ const SCENARIOS: &[&str] = &[
     "webhooks",
     "endpoints",
     "registers",
+    "tenants",
 ];
 
 #[derive(Parser)]
@@ -64,7 +66,8 @@ struct Args {
     quick: bool,
     /// Run only these scenarios (comma separated): delivery, ratio,
     /// latency, fallback, topologies, id-batches, doc-batches, doc-single,
-    /// gapless, drain, neighbour, poolers, webhooks, endpoints, registers.
+    /// gapless, drain, neighbour, poolers, webhooks, endpoints, registers,
+    /// tenants.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The neighbour scenario's floods (comma separated: keys, readers,
@@ -114,6 +117,8 @@ struct Sizes {
     neighbour_documents: u64,
     /// Documents per round delivered to each webhook target.
     webhook_documents: u64,
+    /// Projects of the tenants scenario (ten sequences each).
+    tenant_projects: usize,
 }
 
 struct Bench {
@@ -382,6 +387,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             scale: 0.1,
             neighbour_documents: 2_000,
             webhook_documents: 500,
+            tenant_projects: 1_000,
         }
     } else {
         Sizes {
@@ -395,6 +401,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             scale: 1.0,
             neighbour_documents: 20_000,
             webhook_documents: 5_000,
+            tenant_projects: 10_000,
         }
     };
     for name in &args.only {
@@ -510,6 +517,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if wanted("registers") {
         registers::chained(&mut bench, &idpool, &args.binary, &database, &sizes).await?;
+    }
+    if wanted("tenants") {
+        tenants::crowd(&mut bench, &args.binary, &env, &postgres, &sizes).await?;
     }
     if !bench.peak_rss.is_empty() {
         let (worst, peak) =

@@ -326,6 +326,36 @@ impl Redis {
         self.stop();
         self.launch()
     }
+
+    /// The server's `used_memory` (bytes).
+    pub fn used_memory(&self) -> anyhow::Result<u64> {
+        let info = redis_cli(self.port, &["INFO", "memory"])?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .context("used_memory in INFO memory")
+    }
+
+    /// How many keys match `pattern`, and their `MEMORY USAGE` summed
+    /// (bytes), in one script on the server.
+    pub fn keys_memory(&self, pattern: &str) -> anyhow::Result<(u64, u64)> {
+        const SUM: &str = "local cursor, keys, bytes = '0', 0, 0 \
+            repeat \
+              local page = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000) \
+              cursor = page[1] \
+              for _, key in ipairs(page[2]) do \
+                keys = keys + 1 \
+                bytes = bytes + (redis.call('MEMORY', 'USAGE', key) or 0) \
+              end \
+            until cursor == '0' \
+            return {keys, bytes}";
+        let out = redis_cli(self.port, &["EVAL", SUM, "0", pattern])?;
+        let mut numbers = out.lines().filter_map(|l| l.trim().parse::<u64>().ok());
+        match (numbers.next(), numbers.next()) {
+            (Some(keys), Some(bytes)) => Ok((keys, bytes)),
+            _ => bail!("keys_memory {pattern}: {out:?}"),
+        }
+    }
 }
 
 impl Drop for Redis {

@@ -434,6 +434,10 @@ impl Reconciler {
         popped: &[SeqRange],
         cause: DiscardCause,
     ) -> Result<(), ReconcileError> {
+        if held.is_empty() && popped.is_empty() {
+            // Only its keys were left (what a pop of an empty pool stamps).
+            return Ok(());
+        }
         let recorded = async {
             let mut tx = conn.begin().await?;
             let (left, next) = Counter::take_back(&mut tx, sequence, &period.period, held).await?;

@@ -1,0 +1,425 @@
+//! A hundred thousand sequences on one installation (issue #45): what
+//! first use costs at scale, what idle sequences and ended periods leave
+//! in Redis, what reconciliation costs with all of them there, and what
+//! the crowd costs a busy tenant. On an installation of its own (its
+//! database, Redis and idpool), so that its figures are the crowd's
+//! alone.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use hyper::Method;
+use serde_json::json;
+
+use crate::load::{self, Call, Outcome, Sender, Until};
+use crate::services::{self, Idpool, Postgres, Redis};
+use crate::{Bench, Sizes, median, wait_for_mode};
+
+const DATABASE: &str = "idpool_tenants";
+
+/// Types per project: nine that never reset and one daily (`D`).
+const TYPES: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "D"];
+
+/// How long a pool may go unused here before it is given up (the
+/// default is 60 s; the scenario waits it out).
+const POOL_IDLE_S: u64 = 10;
+
+/// Settle time of this installation: reconciliation judges a number once
+/// it has been out of every pool this long (at least the request timeout,
+/// 30 s by default).
+const SETTLE_S: u64 = 30;
+
+/// Connections the crowd's first uses come in on: many projects at once,
+/// as many as one key may have requests in flight
+/// (`IDPOOL_MAX_IN_FLIGHT_PER_KEY`).
+const CROWD_CONNECTIONS: usize = 256;
+
+fn project(p: usize) -> String {
+    format!("T{p:05}")
+}
+
+fn small(p: usize) -> String {
+    format!("S{p:03}")
+}
+
+/// The crowd: 10,000 projects (a tenth with --quick) of ten types each,
+/// first used at once; a busy tenant beside it; then idle, and midnight.
+pub async fn crowd(
+    bench: &mut Bench,
+    binary: &Path,
+    base_env: &[(String, String)],
+    postgres: &Postgres,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    let projects = sizes.tenant_projects;
+    let sequences = projects * TYPES.len();
+    let database = postgres.url(DATABASE);
+    let redis = Redis::start()?;
+    let clock = tempfile::tempdir()?;
+    let clock_file = clock.path().join("offset");
+    std::fs::write(&clock_file, "0")?;
+    let mut env: Vec<(String, String)> = base_env
+        .iter()
+        .filter(|(k, _)| k != "DATABASE_URL" && k != "REDIS_URL")
+        .cloned()
+        .collect();
+    env.extend(
+        [
+            ("DATABASE_URL", database.clone()),
+            ("REDIS_URL", redis.url()),
+            ("IDPOOL_POOL_IDLE_S", POOL_IDLE_S.to_string()),
+            // Runs are asked for by the scenario, and timed.
+            ("IDPOOL_RECONCILE_INTERVAL_S", "3600".to_owned()),
+            ("IDPOOL_RECONCILE_SETTLE_S", SETTLE_S.to_string()),
+            ("IDPOOL_CLOCK_OFFSET_FILE", clock_file.display().to_string()),
+        ]
+        .map(|(k, v)| (k.to_owned(), v)),
+    );
+    let mut idpool = Idpool::start(binary, &env)?;
+    let addr: SocketAddr = format!("127.0.0.1:{}", idpool.port).parse()?;
+    let keys = services::create_keys(binary, &database, &["BUSY"], 64)?;
+    let admin = services::create_keys(binary, &database, &[], 1)?;
+    let earlier = load::use_keys(&keys, &admin[0])?;
+    let outcome = run_crowd(
+        bench,
+        addr,
+        &database,
+        &idpool,
+        &redis,
+        &clock_file,
+        projects,
+        sequences,
+        sizes,
+    )
+    .await;
+    load::restore_keys(earlier);
+    idpool.stop();
+    outcome
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_crowd(
+    bench: &mut Bench,
+    addr: SocketAddr,
+    database: &str,
+    idpool: &Idpool,
+    redis: &Redis,
+    clock_file: &Path,
+    projects: usize,
+    sequences: usize,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    wait_for_mode(addr, "pool").await?;
+    let db = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(database)
+        .await
+        .context("the bench's connection to the crowd's database")?;
+
+    // A small installation's reconciliation run: 100 sequences used once,
+    // then quiet.
+    let smalls: Vec<String> = (0..100).map(small).collect();
+    first_uses(bench, addr, &smalls, &["1"]).await?;
+    let busy_alone = busy_rounds(bench, addr, sizes).await?;
+    settled(addr, &db, redis, "S", Duration::from_secs(120)).await?;
+    let with_100 = reconcile_times(addr).await?;
+
+    // The crowd: a daily sequence per project defined, then every sequence
+    // used for the first time, at once.
+    let names: Vec<String> = (0..projects).map(project).collect();
+    let used_before = redis.used_memory()?;
+    let started = Instant::now();
+    define_daily(addr, &names).await?;
+    bench.context(
+        &format!("{projects} daily sequences defined (PUT, 64 connections, wall)"),
+        started.elapsed().as_secs_f64(),
+        "s",
+    );
+    idpool.reset_peak_rss();
+    let first = first_uses(bench, addr, &names, &TYPES).await?;
+    let rate = first.requests as f64 / first.elapsed.as_secs_f64();
+    bench.at_least(
+        &format!("first uses of {sequences} sequences, one POST /ids each, {CROWD_CONNECTIONS} connections"),
+        rate,
+        "seq/s",
+        5000.0,
+    );
+    bench.at_most(
+        &format!("idpool RSS with {sequences} sequences known (peak while first used)"),
+        idpool.peak_rss_mib(),
+        "MiB",
+        150.0,
+    );
+
+    // The busy tenant while the crowd goes quiet and its pools are given up.
+    let giving_up = tokio::spawn(keep_reconciling(addr, Duration::from_secs(2)));
+    let busy_beside = busy_rounds(bench, addr, sizes).await?;
+    let ratio = busy_beside / busy_alone;
+    bench.context(
+        "busy tenant POST /ids alone (median of rounds)",
+        busy_alone,
+        "req/s",
+    );
+    bench.context(
+        "busy tenant POST /ids beside the crowd going quiet (median of rounds)",
+        busy_beside,
+        "req/s",
+    );
+    bench.at_least(
+        &format!("busy tenant beside {sequences} sequences ÷ alone"),
+        ratio,
+        "ratio",
+        0.9,
+    );
+    let idle_started = Instant::now();
+    settled(addr, &db, redis, "T", Duration::from_secs(600)).await?;
+    giving_up.abort();
+    bench.context(
+        "until every crowd pool was given up and its numbers judged (after its last use)",
+        idle_started.elapsed().as_secs_f64() + POOL_IDLE_S as f64,
+        "s",
+    );
+    let (keys, bytes) = redis.keys_memory("*:{T[0-9]*")?;
+    let used_after = redis.used_memory()?;
+    bench.context(
+        "Redis keys of the crowd after the idle delay",
+        keys as f64,
+        "keys",
+    );
+    bench.at_most(
+        "Redis memory per idle sequence after the idle delay (its keys' MEMORY USAGE)",
+        bytes as f64 / sequences as f64,
+        "B",
+        200.0,
+    );
+    bench.context(
+        "Redis used_memory per idle sequence after the idle delay, less before the crowd",
+        (used_after as f64 - used_before as f64).max(0.0) / sequences as f64,
+        "B",
+    );
+    let with_all = reconcile_times(addr).await?;
+    bench.context(
+        "reconciliation run with 100 idle sequences (median of 5)",
+        with_100,
+        "ms",
+    );
+    bench.context(
+        &format!("reconciliation run with {sequences} idle sequences (median of 5)"),
+        with_all,
+        "ms",
+    );
+    bench.at_most(
+        &format!("reconciliation run, {sequences} idle sequences ÷ 100"),
+        with_all / with_100.max(1.0),
+        "ratio",
+        2.0,
+    );
+
+    // Midnight, with every daily sequence just used: their pools end with
+    // the day.
+    let daily: Vec<String> = names.clone();
+    let again = first_uses(bench, addr, &daily, &["D"]).await?;
+    if again.failed > 0 {
+        bail!("daily sequences used again: {:?}", again.statuses);
+    }
+    let today = chrono::Utc::now().date_naive();
+    let midnight = (today + chrono::Days::new(1))
+        .and_hms_opt(0, 0, 0)
+        .context("midnight")?
+        .and_utc();
+    let ahead = (midnight - chrono::Utc::now()).num_seconds() + 2 * SETTLE_S as i64;
+    std::fs::write(clock_file, ahead.to_string())?;
+    let yesterday = format!("*:{{T[0-9]*:D:{}}}:*", today.format("%Y%m%d"));
+    let ended_started = Instant::now();
+    loop {
+        reconcile(addr).await?;
+        if redis.keys_memory(&yesterday)?.0 == 0 {
+            break;
+        }
+        if ended_started.elapsed() > Duration::from_secs(300) {
+            bail!("yesterday's pools still in Redis after 5 minutes");
+        }
+    }
+    bench.context(
+        "until every ended day's pool was given up, after midnight",
+        ended_started.elapsed().as_secs_f64(),
+        "s",
+    );
+    let (_, ended_bytes) = redis.keys_memory(&yesterday)?;
+    bench.at_most(
+        "Redis memory per ended period (its keys' MEMORY USAGE)",
+        ended_bytes as f64 / projects as f64,
+        "B",
+        0.0,
+    );
+    Ok(())
+}
+
+/// One `POST /ids` of count 1 for every type of every project (admin
+/// key, 64 connections); fails the run on any failure.
+async fn first_uses(
+    bench: &mut Bench,
+    addr: SocketAddr,
+    projects: &[String],
+    types: &[&'static str],
+) -> anyhow::Result<Outcome> {
+    let calls: Arc<Vec<(Bytes, Arc<str>)>> = Arc::new(
+        projects
+            .iter()
+            .flat_map(|p| {
+                types.iter().map(move |t| {
+                    (
+                        Bytes::from(json!({"project": p, "type": t, "count": 1}).to_string()),
+                        Arc::from(format!("{p}/{t}")),
+                    )
+                })
+            })
+            .collect(),
+    );
+    let total = calls.len() as u64;
+    let outcome = load::run_as(
+        addr,
+        CROWD_CONNECTIONS,
+        Until::Count(total),
+        Sender::Admin,
+        move |i| {
+            let (body, sequence) = &calls[i as usize];
+            Call {
+                method: Method::POST,
+                path: "/ids",
+                body: body.clone(),
+                sequence: Some(sequence.clone()),
+            }
+        },
+    )
+    .await?;
+    bench.check("first uses", &outcome)?;
+    Ok(outcome)
+}
+
+/// Defines a daily type `D` for every project (PUT, admin key).
+async fn define_daily(addr: SocketAddr, projects: &[String]) -> anyhow::Result<()> {
+    let paths: Arc<Vec<&'static str>> = Arc::new(
+        projects
+            .iter()
+            .map(|p| &*Box::leak(format!("/api/v1/sequences/{p}/D").into_boxed_str()))
+            .collect(),
+    );
+    let body = Bytes::from(
+        json!({"reset": "daily", "format": "{project}-{type}-{date:%Y%m%d}-{seq}"}).to_string(),
+    );
+    let total = paths.len() as u64;
+    let outcome = load::run_as(addr, 64, Until::Count(total), Sender::Admin, move |i| {
+        Call {
+            method: Method::PUT,
+            path: paths[i as usize],
+            body: body.clone(),
+            sequence: None,
+        }
+    })
+    .await?;
+    if outcome.failed > 0 {
+        bail!("defining daily sequences: {:?}", outcome.statuses);
+    }
+    Ok(())
+}
+
+/// The busy tenant at full speed: `POST /ids` count 1 on one sequence, 64
+/// connections, in rounds; the median rate.
+async fn busy_rounds(bench: &mut Bench, addr: SocketAddr, sizes: &Sizes) -> anyhow::Result<f64> {
+    let body = Bytes::from(json!({"project": "BUSY", "type": "1", "count": 1}).to_string());
+    let name: Arc<str> = Arc::from("BUSY/1");
+    let mut rates = Vec::new();
+    for _ in 0..sizes.rounds {
+        let (body, name) = (body.clone(), name.clone());
+        let outcome = load::run(addr, 64, Until::Elapsed(sizes.slice), move |_| Call {
+            method: Method::POST,
+            path: "/ids",
+            body: body.clone(),
+            sequence: Some(name.clone()),
+        })
+        .await?;
+        bench.check("busy tenant", &outcome)?;
+        rates.push(outcome.per_second());
+    }
+    Ok(median(&mut rates))
+}
+
+/// One reconciliation run asked for (admin key); its duration in ms. A
+/// run under way (409) is waited for.
+async fn reconcile(addr: SocketAddr) -> anyhow::Result<f64> {
+    loop {
+        let (status, body) = load::send(
+            addr,
+            Method::POST,
+            "/api/v1/ids/gaps/reconcile",
+            Bytes::new(),
+        )
+        .await?;
+        match status {
+            200 => {
+                let summary: serde_json::Value = serde_json::from_slice(&body)?;
+                return summary["duration_ms"]
+                    .as_f64()
+                    .context("a run's summary without duration_ms");
+            }
+            // Under way (another's, or one that outlived its request's
+            // timeout): asked again once it is done.
+            409 | 503 => tokio::time::sleep(Duration::from_millis(200)).await,
+            other => bail!("reconcile: {other} {}", String::from_utf8_lossy(&body)),
+        }
+    }
+}
+
+/// Runs every `every` until aborted.
+async fn keep_reconciling(addr: SocketAddr, every: Duration) -> anyhow::Result<()> {
+    loop {
+        reconcile(addr).await?;
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Five runs in a row once nothing is due; the median duration.
+async fn reconcile_times(addr: SocketAddr) -> anyhow::Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        times.push(reconcile(addr).await?);
+    }
+    Ok(median(&mut times))
+}
+
+/// Asks for runs until the pools of projects starting with `prefix` have
+/// left Redis and none of their periods is due any more (every number
+/// judged: a run has nothing of theirs to do).
+async fn settled(
+    addr: SocketAddr,
+    db: &sqlx::PgPool,
+    redis: &Redis,
+    prefix: &str,
+    limit: Duration,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let pattern = format!("*:{{{prefix}[0-9]*");
+    loop {
+        reconcile(addr).await?;
+        let (keys, _) = redis.keys_memory(&pattern)?;
+        let due: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM reconcile_due d JOIN sequences s ON s.id = d.sequence_id \
+             WHERE s.project LIKE $1",
+        )
+        .bind(format!("{prefix}%"))
+        .fetch_one(db)
+        .await?;
+        if keys == 0 && due == 0 {
+            return Ok(());
+        }
+        if started.elapsed() > limit {
+            bail!("{prefix}…: {keys} keys in Redis, {due} periods due after {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
