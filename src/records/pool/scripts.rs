@@ -113,7 +113,8 @@ return {depth(KEYS[2]), tonumber(meta[1] or '0') or 0, tonumber(meta[2] or '0') 
 /// must not push numbers behind a newer block), stamps the server's run_id
 /// so a pool replayed by another server is recognised, keeps the highest
 /// block end ever pushed (`max_end`: Postgres must never be found behind
-/// it), records the target and releases the lock. Returns the new depth,
+/// it), records the target and when it was used (`used_at`, on the
+/// server's clock) and releases the lock. Returns the new depth,
 /// or -1 if the lock was lost.
 pub const PUSH: &str = concat!(
     pool_lua!(),
@@ -141,7 +142,7 @@ local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 local max_end = tonumber(redis.call('HGET', KEYS[3], 'max_end') or '0') or 0
 if tonumber(ARGV[3]) > max_end then max_end = tonumber(ARGV[3]) end
 redis.call('HSET', KEYS[3], 'run_id', run_id, 'max_end', string.format('%d', max_end),
-  'target', ARGV[4], 'refilled_at', ARGV[5])
+  'target', ARGV[4], 'refilled_at', ARGV[5], 'used_at', string.format('%d', now_ms()))
 redis.call('DEL', KEYS[1])
 return depth(KEYS[2])
 "#
@@ -395,8 +396,9 @@ local a = head and bounds(head)
 if a then lowest = string.format('%d', a) end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, lowest} end
 if redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4]) == 0 then return {0, false} end
-local meta = redis.call('HMGET', KEYS[3], 'used_at', 'refilled_at')
-local used = math.max(tonumber(meta[1] or '0') or 0, tonumber(meta[2] or '0') or 0)
+-- On the server's clock only (`refilled_at` is the instance's, which a
+-- test or bench may move ahead): stamped by every pop, push and give-back.
+local used = tonumber(redis.call('HGET', KEYS[3], 'used_at') or '0') or 0
 if now_ms() - used < tonumber(ARGV[1]) then return {0, lowest} end
 local popped = {}
 local entries = redis.call('HGETALL', KEYS[4])
