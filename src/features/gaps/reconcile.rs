@@ -81,6 +81,51 @@ pub struct RunSummary {
     pub duration_ms: u64,
 }
 
+/// How hard a run works: a periodic run, which nobody waits for, rests
+/// after each period for three times what the period took, so it works
+/// the instance's processors and Postgres a quarter of the time at most,
+/// however much there is to judge (its one connection stays held through
+/// the rests, as through the whole run; a crowd of sequences
+/// used at once cost a busy tenant half its rate while a full-speed run
+/// judged it). A run asked for is not paced.
+struct Pace {
+    rest_per_work: u32,
+    since: Instant,
+    owed: Duration,
+}
+
+/// Rest owed is taken once it reaches this (a timer's granularity).
+const PACE_REST_STEP: Duration = Duration::from_millis(20);
+
+impl Pace {
+    fn background() -> Self {
+        Self {
+            rest_per_work: 3,
+            since: Instant::now(),
+            owed: Duration::ZERO,
+        }
+    }
+
+    fn unpaced() -> Self {
+        Self {
+            rest_per_work: 0,
+            ..Self::background()
+        }
+    }
+
+    /// After a period's work: rests what is owed for it, once enough is.
+    async fn step(&mut self) {
+        if self.rest_per_work == 0 {
+            return;
+        }
+        self.owed += self.since.elapsed() * self.rest_per_work;
+        if self.owed >= PACE_REST_STEP {
+            tokio::time::sleep(std::mem::take(&mut self.owed)).await;
+        }
+        self.since = Instant::now();
+    }
+}
+
 /// `issued_unattached=3 untracked_loss=1`: counts by the API's reason codes.
 fn reason_counts(counts: &BTreeMap<Reason, i64>) -> String {
     counts
@@ -139,15 +184,21 @@ impl Reconciler {
             }
             static FAILED: crate::infra::log_limit::Repeated =
                 crate::infra::log_limit::Repeated::new("reconciliation failed");
-            match self.run_once().await {
+            match self.run(Pace::background()).await {
                 Ok(_) => FAILED.ended(),
                 Err(e) => FAILED.warn(&e),
             }
         }
     }
 
-    /// One run, unless another is under way.
+    /// One run, unless another is under way, as fast as it can (asked for
+    /// by an operator, or a test).
     pub async fn run_once(&self) -> Result<RunSummary, ReconcileError> {
+        self.run(Pace::unpaced()).await
+    }
+
+    /// One run, unless another is under way, working at `pace`.
+    async fn run(&self, mut pace: Pace) -> Result<RunSummary, ReconcileError> {
         let started = Instant::now();
         let mut conn = self.db.acquire().await?;
         let Some(run) = store::start_run(&mut conn, &self.instance_id, RUN_LEASE).await? else {
@@ -160,7 +211,7 @@ impl Reconciler {
             });
         };
         let result = tokio::select! {
-            result = self.run_started(&mut conn, &run) => result,
+            result = self.run_started(&mut conn, &run, &mut pace) => result,
             lost = self.keep_alive(run.id) => Err(lost),
         };
         drop(conn);
@@ -249,6 +300,7 @@ impl Reconciler {
         &self,
         conn: &mut impl Link,
         run: &store::Run,
+        pace: &mut Pace,
     ) -> Result<RunSummary, ReconcileError> {
         let mut summary = RunSummary {
             redis_available: self.pools.in_use(),
@@ -283,6 +335,7 @@ impl Reconciler {
             if summary.redis_available && period.checkpoint >= period.next_seq {
                 store::settle_due(conn, period, period.checkpoint).await?;
             }
+            pace.step().await;
         }
         // Numbers already judged whose evidence changed since the last run.
         if let Some(previous) = run.previous {
@@ -295,6 +348,7 @@ impl Reconciler {
                 let windows = runs(&seqs);
                 self.rejudge(conn, &sequence, &period, &windows, run.now, &mut summary)
                     .await?;
+                pace.step().await;
             }
         }
         // Gapless sequences are not judged: every number below a period's
@@ -311,6 +365,7 @@ impl Reconciler {
             summary.periods_scanned += 1;
             summary.numbers_checked += checked.numbers;
             violations += checked.violations;
+            pace.step().await;
         }
         self.count_gapless_violations(violations);
         summary.gapless_violations = violations;

@@ -87,3 +87,56 @@ async fn overlapping_runs_of_each_table_are_those_the_windows_touch() {
         assert!(other_period.is_empty());
     }
 }
+
+/// The open numbers per reason are kept as gaps are written, resolved and
+/// removed: what a run reads equals the sum over the open gaps, without
+/// summing them.
+#[tokio::test]
+async fn open_totals_follow_every_insert_resolution_and_removal_of_gaps() {
+    let db = seeded().await;
+    let summed = async || -> Vec<(Reason, i64)> {
+        let mut rows: Vec<(Reason, i64)> = sqlx::query_as(
+            "SELECT reason, sum(to_seq - from_seq + 1)::bigint FROM id_gaps \
+             WHERE resolved_at IS NULL GROUP BY reason",
+        )
+        .fetch_all(&db)
+        .await
+        .expect("sums");
+        rows.sort();
+        rows
+    };
+    let kept = async || -> Vec<(Reason, i64)> {
+        let mut rows = open_gap_totals(&db).await.expect("totals");
+        rows.retain(|(_, n)| *n != 0);
+        rows.sort();
+        rows
+    };
+    // In the order of `Reason`.
+    assert_eq!(
+        kept().await,
+        vec![
+            (Reason::PoolDiscarded, 1),
+            (Reason::UntrackedLoss, 2),
+            (Reason::LeaseLost, 2),
+        ]
+    );
+    assert_eq!(kept().await, summed().await);
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM id_gaps WHERE reason = 'lease_lost'")
+        .fetch_all(&db)
+        .await
+        .expect("ids");
+    resolve_gaps(
+        &mut db.acquire().await.expect("connection"),
+        &ids,
+        Utc::now(),
+    )
+    .await
+    .expect("resolved");
+    assert_eq!(kept().await, summed().await);
+    sqlx::query("DELETE FROM id_gaps WHERE reason = 'pool_discarded'")
+        .execute(&db)
+        .await
+        .expect("removed");
+    assert_eq!(kept().await, summed().await);
+    assert_eq!(kept().await, vec![(Reason::UntrackedLoss, 2)]);
+}
