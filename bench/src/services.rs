@@ -336,6 +336,28 @@ impl Redis {
             .context("used_memory in INFO memory")
     }
 
+    /// Up to `n` keys matching `pattern`, each with its type and the
+    /// fields or elements it holds (for a failure's message).
+    pub fn some_keys(&self, pattern: &str, n: usize) -> anyhow::Result<Vec<String>> {
+        let keys = redis_cli(self.port, &["--scan", "--pattern", pattern])?;
+        keys.lines()
+            .take(n)
+            .map(|key| {
+                let kind = redis_cli(self.port, &["TYPE", key])?;
+                let shown = match kind.trim() {
+                    "hash" => redis_cli(self.port, &["HGETALL", key])?,
+                    "list" => redis_cli(self.port, &["LRANGE", key, "0", "5"])?,
+                    _ => redis_cli(self.port, &["GET", key])?,
+                };
+                Ok(format!(
+                    "{key} ({}): {}",
+                    kind.trim(),
+                    shown.replace('\n', " ")
+                ))
+            })
+            .collect()
+    }
+
     /// How many keys match `pattern`, and their `MEMORY USAGE` summed
     /// (bytes), in one script on the server.
     pub fn keys_memory(&self, pattern: &str) -> anyhow::Result<(u64, u64)> {
