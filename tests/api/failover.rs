@@ -608,22 +608,56 @@ async fn a_postgres_restart_is_503_while_it_lasts_and_served_after() {
     // Stopped: every request is answered (503) while it is down. Each
     // waits out the 2 s pool acquire timeout, and the writes in doubt at
     // the stop wait up to `IN_DOUBT_PATIENCE` (30 s) for Postgres to say
-    // whether they landed: the outage is kept short (one answer per
-    // client) so that a loaded machine still brings Postgres back well
-    // within it, and they get their true answer.
-    traffic.answers(4).await;
+    // whether they landed: the outage lasts until one new request is
+    // refused, so that a loaded machine still brings Postgres back well
+    // within it, and they get their true answer. (Waiting for answers of
+    // the traffic's clients, as this once did, waited out the patience
+    // whenever every client had a write in doubt: `outcome_unknown`.) The
+    // probe is keyed: its transaction needs a request connection of its
+    // own, refused within the acquire timeout, where an unkeyed request
+    // queues behind the shared writer while it settles what is in doubt.
+    let probes = std::sync::atomic::AtomicUsize::new(0);
     let refused = eventually(
         Duration::from_secs(10),
         "a 503 while it is down",
         async || {
-            let response = app.post_ids("PR", "A", 1).await;
-            (response.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(response)
+            let probe = probes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let response = app
+                .client
+                .post(app.url("/ids"))
+                .header("idempotency-key", format!("down-{probe}"))
+                .json(&serde_json::json!({"project": "PR", "type": "A", "count": 1}))
+                .send()
+                .await
+                .expect("request");
+            if response.status() != StatusCode::SERVICE_UNAVAILABLE {
+                return None;
+            }
+            let header = |name: &str| {
+                response
+                    .headers()
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            };
+            let (retry_after, content_type) = (header("retry-after"), header("content-type"));
+            let body: Value = response.json().await.unwrap();
+            match body["code"].as_str() {
+                Some("unavailable") => Some((retry_after, content_type, body)),
+                // A request the stop met half-way, at its deadline.
+                Some("timeout") => None,
+                _ => panic!("an unexpected 503 while Postgres is down: {body}"),
+            }
         },
     )
     .await;
-    assert_eq!(refused.headers()["retry-after"], "1");
-    crate::support::app::assert_problem(refused, StatusCode::SERVICE_UNAVAILABLE, "unavailable")
-        .await;
+    let (retry_after, content_type, body) = refused;
+    assert_eq!(retry_after.as_deref(), Some("1"), "{body}");
+    assert_eq!(
+        content_type.as_deref(),
+        Some("application/problem+json"),
+        "{body}"
+    );
     postgres.start();
     eventually(Duration::from_secs(20), "served again", async || {
         (app.post_ids("PR", "A", 1).await.status() == StatusCode::OK).then_some(())
