@@ -81,6 +81,7 @@ async fn concurrent_writers_on_two_instances_leave_exactly_start_to_n() {
                             let problem: Value = response.json().await.unwrap();
                             assert_eq!(problem["code"], "unavailable", "{problem}");
                             tries += 1;
+                            // A real delay is the point: the client honours Retry-After.
                             tokio::time::sleep(std::time::Duration::from_secs(retry_after)).await;
                         }
                     }
