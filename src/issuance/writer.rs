@@ -21,7 +21,7 @@ use crate::records::ledger::{
     self, GaplessTake, LeaseReport, LedgerError, LedgerWrite, Recorded, Unnumbered, Via,
     numbered_in,
 };
-use crate::records::pool::PoolService;
+use crate::records::pool::{DiscardCause, PoolService};
 
 /// What a request wants from a batch.
 pub enum Demand {
@@ -460,7 +460,10 @@ impl Writer {
 
     /// Numbers of writes that surely wrote nothing go back to the head of
     /// their pool (those of a lease's documents go back to the lease, by
-    /// its caller).
+    /// its caller). Those of a write that gave up on another transaction's
+    /// lock are recorded as discarded instead: the head of the pool, they
+    /// would fail the next request too, and that transaction may yet
+    /// commit them.
     async fn give_back_unwritten(
         &self,
         popped: &[PoppedJob],
@@ -472,10 +475,24 @@ impl Writer {
                 popped.job.demand,
                 Demand::Ids { .. } | Demand::Lease { .. } | Demand::Document { .. }
             );
-            if from_pool && e.numbers_reusable() && !popped.seqs.is_empty() {
+            if !from_pool || popped.seqs.is_empty() {
+                continue;
+            }
+            let pool = &popped.job.placement.pool;
+            if e.lock_held_elsewhere() {
                 self.pools
                     .discards()
-                    .return_unissued(&popped.job.placement.pool, &popped.seqs)
+                    .record_discard(
+                        &pool.sequence,
+                        pool.period.key(),
+                        &crate::domain::numbers::runs(&popped.seqs),
+                        DiscardCause::LockedElsewhere,
+                    )
+                    .await;
+            } else if e.numbers_reusable() {
+                self.pools
+                    .discards()
+                    .return_unissued(pool, &popped.seqs)
                     .await;
             }
         }

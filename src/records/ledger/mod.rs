@@ -191,6 +191,19 @@ impl LedgerError {
         )
     }
 
+    /// The write gave up waiting for a lock another transaction holds on
+    /// a number it carried: a number that may be that transaction's once
+    /// it commits. Given back to its pool, it would be popped by the next
+    /// request, which would wait and fail the same way.
+    pub fn lock_held_elsewhere(&self) -> bool {
+        let LedgerError::Waited(e) = self else {
+            return false;
+        };
+        e.as_database_error()
+            .and_then(|db| db.code())
+            .is_some_and(|code| code == sqlstate::LOCK_NOT_AVAILABLE)
+    }
+
     /// Whether the write may have committed although it failed: its
     /// connection broke before the answer came.
     pub fn in_doubt(&self) -> bool {

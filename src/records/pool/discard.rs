@@ -82,6 +82,10 @@ pub enum DiscardCause {
     /// was is unknown, or the ID it prints is another document's): never
     /// handed out again.
     DocumentNotWritten,
+    /// A number whose ledger write gave up waiting for another
+    /// transaction's lock on it (that transaction may yet commit it):
+    /// never handed out again.
+    LockedElsewhere,
 }
 
 impl Discards {
