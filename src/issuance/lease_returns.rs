@@ -145,7 +145,8 @@ impl LeaseReturns {
     }
 
     /// Numbers a lease did not hand out go back to the head of their pool
-    /// (off the ledger first; those of a lease an attach ended stay its).
+    /// (off the ledger first; those of a lease an attach ended stay its),
+    /// or, once their period has ended, are recorded as discarded.
     /// When Postgres or Redis cannot take them
     /// (a failover) they are handed back to be tried again, unless this is
     /// the `last` try (a stop); where it cannot be done they are recorded as
@@ -162,6 +163,9 @@ impl LeaseReturns {
             Err(e) => Err(e),
         };
         let (cause, numbers) = match released {
+            // An ended period's pool is given up once and never looked at
+            // again: pushed back, they would sit in Redis unrecorded.
+            Ok(free) if self.leases.period_ended(placement) => (DiscardCause::PeriodEnded, free),
             // Taking them off the ledger again finds nothing to take: the
             // next try only pushes them.
             Ok(free) => match self

@@ -236,6 +236,16 @@ impl Leases {
         &self.settings
     }
 
+    /// Whether `placement`'s period has ended on the injected clock: no
+    /// request takes its numbers any more, and reconciliation gives its
+    /// pool up for good.
+    pub fn period_ended(&self, placement: &Placement) -> bool {
+        placement
+            .period
+            .ends_at()
+            .is_some_and(|end| self.clock.now() >= end)
+    }
+
     /// Holders kept now.
     pub fn holders(&self) -> usize {
         self.holders.lock().unwrap_or_else(|e| e.into_inner()).len()
