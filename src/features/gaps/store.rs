@@ -349,10 +349,16 @@ pub(super) async fn contradicting_changes(
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
     let mut changed = documents_contradicting(conn, since).await?;
     let late: [(LateRuns, &[Reason]); 3] = [
-        // A late ledger write of a number judged lost or discarded.
+        // A late ledger write of a number judged lost or discarded, or
+        // judged lease-lost while its lease was still held (a settle time
+        // shorter than a lease lives) and then given back and issued again.
         (
             LateRuns::Ledger,
-            &[Reason::UntrackedLoss, Reason::PoolDiscarded],
+            &[
+                Reason::UntrackedLoss,
+                Reason::PoolDiscarded,
+                Reason::LeaseLost,
+            ],
         ),
         // A late discard record of a number judged lost or lease-lost.
         (
