@@ -130,15 +130,20 @@ async fn three_instances_issue_30000_ids_over_3_sequences_without_duplicates_in_
         by_sequence.entry(sequence).or_default().extend(seen);
     }
     let mut total = 0;
+    // Answers below a number the instance had answered before they were
+    // asked for: (sequence, instance, number, highest answered before).
+    let mut late = Vec::new();
     for (sequence, mut observed) in by_sequence {
         total += observed.len();
         let seqs: Vec<i64> = observed.iter().map(|o| o.seq).collect();
         assert_distinct(&seqs, &sequence);
         // Issue order on each instance: a request sent after another was
-        // answered by the same instance gets a higher number. (Across
-        // instances each serves from its own lease at this rate.) Sweep
-        // requests by send time, tracking the highest number among those
-        // already answered.
+        // answered by the same instance gets a higher number, but for
+        // numbers a lease gave back (unused within its time) to the head
+        // of the pool, which go out next to whichever instance asks.
+        // (Across instances each serves from its own lease at this rate.)
+        // Sweep requests by send time, tracking the highest number among
+        // those already answered.
         observed.sort_by_key(|o| o.sent);
         for instance in 0..apps.len() {
             let mine: Vec<&Observed> = observed.iter().filter(|o| o.instance == instance).collect();
@@ -151,12 +156,9 @@ async fn three_instances_issue_30000_ids_over_3_sequences_without_duplicates_in_
                     highest_answered = highest_answered.max(answered[next].seq);
                     next += 1;
                 }
-                assert!(
-                    request.seq > highest_answered,
-                    "{sequence} on instance {instance}: got {} after {} had been answered",
-                    request.seq,
-                    highest_answered
-                );
+                if request.seq < highest_answered {
+                    late.push((sequence.clone(), instance, request.seq, highest_answered));
+                }
             }
         }
         // All three instances' numbers are in the one ledger.
@@ -164,6 +166,21 @@ async fn three_instances_issue_30000_ids_over_3_sequences_without_duplicates_in_
         assert_eq!(ledgered.len(), seqs.len());
     }
     assert_eq!(total, 30_000);
+    let mut given_back = 0.0;
+    for app in apps.iter() {
+        given_back += app
+            .metrics()
+            .await
+            .get("idpool_lease_numbers_returned_total")
+            .copied()
+            .unwrap_or_default();
+    }
+    assert!(
+        late.len() as f64 <= given_back,
+        "{} answers below a number their instance had answered, {given_back} numbers given back by leases: {:?}",
+        late.len(),
+        &late[..late.len().min(20)]
+    );
     // Every ID came from a pool while Redis was up but first uses: a
     // sequence's first request an instance sees takes its number straight
     // from the counter (the pool is filled once it is asked again), so at

@@ -761,25 +761,38 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
 
     let (sent, mut answered) = tokio::sync::mpsc::unbounded_channel::<(Instant, String)>();
     let running = Arc::new(AtomicBool::new(true));
+    // The clients hold off while paused, so the lease is not drawn on
+    // between the look at what it holds and the stall.
+    let (pause, paused) = tokio::sync::watch::channel(false);
+    let in_flight = Arc::new(AtomicUsize::new(0));
     let clients: Vec<_> = (0..16)
         .map(|_| {
-            let (client, url, sent, running) = (
+            let (client, url, sent, running, mut paused, in_flight) = (
                 attaching.client.clone(),
                 format!("{base}/ids"),
                 sent.clone(),
                 running.clone(),
+                paused.clone(),
+                in_flight.clone(),
             );
             tokio::spawn(async move {
                 while running.load(Ordering::Relaxed) {
-                    let Ok(response) = client
-                        .post(&url)
-                        .json(&json!({"project": "ATK", "type": "1", "count": 1}))
-                        .send()
-                        .await
-                    else {
+                    if paused.wait_for(|p| !*p).await.is_err() {
                         return;
-                    };
-                    let Ok(body) = response.json::<Value>().await else {
+                    }
+                    in_flight.fetch_add(1, Ordering::SeqCst);
+                    let answer = async {
+                        let response = client
+                            .post(&url)
+                            .json(&json!({"project": "ATK", "type": "1", "count": 1}))
+                            .send()
+                            .await
+                            .ok()?;
+                        response.json::<Value>().await.ok()
+                    }
+                    .await;
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    let Some(body) = answer else {
                         return;
                     };
                     if let Some(id) = body["ids"][0].as_str() {
@@ -791,8 +804,9 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
         .collect();
     drop(sent);
     let mut ids: Vec<(Instant, String)> = Vec::new();
-    // Busy long enough to hold a good part of a lease: stalled then, it
-    // answers for a while from memory alone. A lease carries 50 ms of
+    // Busy long enough to hold a good part of a lease; then the clients
+    // pause, and the instance, stalled with numbers in memory, answers
+    // them for a while from memory alone. A lease carries 50 ms of
     // traffic, so what it holds follows the machine's speed: 20 numbers
     // (more than one for each of the 16 clients) are some 400 a second,
     // reached within seconds even on a loaded machine.
@@ -809,7 +823,16 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
         let now_held = held(&attaching.client, &base).await;
         most_held = most_held.max(now_held);
         if now_held >= 20.0 {
-            break;
+            pause.send_replace(true);
+            until(Duration::from_secs(10), "the clients paused", async || {
+                in_flight.load(Ordering::SeqCst) == 0
+            })
+            .await;
+            // Drawn on until the pause; a lease taken meanwhile counts.
+            if held(&attaching.client, &base).await >= 1.0 {
+                break;
+            }
+            pause.send_replace(false);
         }
         assert!(
             Instant::now() < deadline,
@@ -818,6 +841,7 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
     }
     proxy.stall();
     let stalled_at = Instant::now();
+    pause.send_replace(false);
     // The lease keeps answering without Postgres until it runs dry.
     while let Ok(Some(one)) =
         tokio::time::timeout(Duration::from_millis(300), answered.recv()).await
@@ -835,7 +859,9 @@ async fn ids_answered_with_no_handout_written_before_a_kill_are_attachable() {
     proxy.resume();
     let after_stall: Vec<&String> = ids
         .iter()
-        .filter(|(at, _)| *at > stalled_at + Duration::from_millis(5))
+        // Nothing was in flight at the stall: an answer received after it
+        // was asked for after it.
+        .filter(|(at, _)| *at > stalled_at)
         .map(|(_, id)| id)
         .collect();
     assert!(
