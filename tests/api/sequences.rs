@@ -9,6 +9,44 @@ use serde_json::json;
 
 use crate::support::app::{TestEnv, assert_problem};
 
+/// Issue #45: two thousand projects making their first request at once
+/// are all served, each sequence created once with the defaults and its
+/// first number 1, while a tenant's busy sequence beside them is no slower
+/// than sharing the cores makes it (their first uses are read and created
+/// per batch, on one request connection at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_of_first_uses_is_served_and_leaves_a_busy_sequence_unharmed() {
+    use futures::StreamExt;
+    let app = TestEnv::new().spawn().await;
+    let probe = Probe::start(&app).await;
+    let projects = 2_000;
+    let answers: Vec<(usize, StatusCode, Value)> = futures::stream::iter(0..projects)
+        .map(|p| {
+            let app = &app;
+            async move {
+                let response = app.post_ids(&format!("FU{p}"), "1", 1).await;
+                let status = response.status();
+                (p, status, response.json().await.unwrap_or(Value::Null))
+            }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    for (p, status, body) in &answers {
+        assert_eq!(*status, StatusCode::OK, "FU{p}: {body}");
+        assert_eq!(body["ids"][0], format!("FU{p}-1-1"), "FU{p}: {body}");
+    }
+    let created: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sequences WHERE project LIKE 'FU%'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(created, projects as i64, "one sequence per project");
+    probe
+        .assert_unharmed("two thousand first uses at once")
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_used_before_it_is_defined_gets_the_defaults() {
     let app = TestEnv::new().spawn().await;
