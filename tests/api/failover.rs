@@ -200,7 +200,9 @@ async fn a_sentinel_failover_to_a_lagging_replica_hands_out_no_number_twice() {
     sentinel.replica.pause();
     let done = "idpool_refills_total{outcome=\"done\"}";
     let refills = a.metrics().await.get(done).copied().unwrap_or_default();
-    a.wait_for_metric_above(done, refills + 6.0, Duration::from_secs(30))
+    // Refills follow the traffic's rate, which a loaded machine slows: a
+    // safety net, not a bound.
+    a.wait_for_metric_above(done, refills + 6.0, Duration::from_secs(120))
         .await;
     sentinel.master.kill();
     sentinel.replica.resume();
