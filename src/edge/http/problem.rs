@@ -275,6 +275,15 @@ impl From<LedgerError> for ApiError {
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             LedgerError::Withdrawn => timed_out(),
+            // Postgres answers: the write gave up on another transaction's
+            // lock on a number it drew (written off, never drawn again).
+            LedgerError::Waited(_) if e.lock_held_elsewhere() => {
+                let mut problem = Self::unavailable(&e);
+                problem.detail = "another transaction holds a number this request drew; \
+                                  nothing was written; retry shortly"
+                    .to_owned();
+                problem
+            }
             LedgerError::OutcomeUnknown(cause) => {
                 crate::infra::commitment::NotAnswered::Unknown(cause.to_string()).into()
             }
