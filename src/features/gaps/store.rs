@@ -348,18 +348,18 @@ pub(super) async fn contradicting_changes(
     since: DateTime<Utc>,
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
     let mut changed = documents_contradicting(conn, since).await?;
-    let late: [(LateRuns, &[Reason]); 3] = [
-        // A late ledger write of a number judged lost or discarded, or
-        // judged lease-lost while its lease was still held (a settle time
-        // shorter than a lease lives) and then given back and issued again.
+    let late: [(LateRuns, &[Reason]); 4] = [
+        // A late ledger write of a number judged lost or discarded.
         (
             LateRuns::Ledger,
-            &[
-                Reason::UntrackedLoss,
-                Reason::PoolDiscarded,
-                Reason::LeaseLost,
-            ],
+            &[Reason::UntrackedLoss, Reason::PoolDiscarded],
         ),
+        // A number judged lease-lost while its lease was still held (a
+        // settle time shorter than a lease lives), then given back and
+        // issued again: a late record of it issued, not leased (its own
+        // lease row, or what is left of it after a return, says nothing
+        // new, and would have every run judge the gap again).
+        (LateRuns::LedgerIssued, &[Reason::LeaseLost]),
         // A late discard record of a number judged lost or lease-lost.
         (
             LateRuns::Discards,
@@ -414,17 +414,21 @@ async fn documents_contradicting(
 #[derive(Clone, Copy)]
 enum LateRuns {
     Ledger,
+    /// The ledger's records of numbers issued, not leased.
+    LedgerIssued,
     Discards,
     Handouts,
 }
 
 impl LateRuns {
-    /// The table and its time column (ours, never caller input).
-    fn source(self) -> (&'static str, &'static str) {
+    /// The table, its time column and a condition on its rows (ours,
+    /// never caller input).
+    fn source(self) -> (&'static str, &'static str, &'static str) {
         match self {
-            Self::Ledger => ("issuance_ledger", "issued_at"),
-            Self::Discards => ("pool_discards", "discarded_at"),
-            Self::Handouts => ("lease_handouts", "reported_at"),
+            Self::Ledger => ("issuance_ledger", "issued_at", ""),
+            Self::LedgerIssued => ("issuance_ledger", "issued_at", " AND t.via <> 'lease'"),
+            Self::Discards => ("pool_discards", "discarded_at", ""),
+            Self::Handouts => ("lease_handouts", "reported_at", ""),
         }
     }
 }
@@ -437,13 +441,13 @@ async fn late_runs(
     since: DateTime<Utc>,
     reasons: &[Reason],
 ) -> Result<Vec<(i64, String, i64, i64)>, sqlx::Error> {
-    let (name, written_at) = table.source();
+    let (name, written_at, rows) = table.source();
     let query = format!(
         "SELECT t.sequence_id, t.period, greatest(lower(t.seqs), g.from_seq), least(upper(t.seqs), g.to_seq + 1) \
            FROM {name} t JOIN id_gaps g ON g.sequence_id = t.sequence_id AND g.period = t.period \
             AND g.resolved_at IS NULL AND g.reason = ANY($2) \
             AND int8range(g.from_seq, g.to_seq, '[]') && t.seqs \
-          WHERE t.{written_at} > $1"
+          WHERE t.{written_at} > $1{rows}"
     );
     let reasons: Vec<&str> = reasons.iter().map(|r| r.as_str()).collect();
     sqlx::query_as(sqlx::AssertSqlSafe(query))

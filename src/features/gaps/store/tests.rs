@@ -70,16 +70,19 @@ async fn late_runs_of_each_table_are_the_parts_inside_gaps_of_the_reasons_asked(
 
 /// A number judged lease-lost while its lease was still held (a settle
 /// time shorter than a lease lives), then given back and issued again: its
-/// late ledger record is a change the gap contradicts.
+/// late ledger record is a change the gap contradicts. A lease's own row
+/// (recorded, or rewritten by a return) is none.
 #[tokio::test]
 async fn a_late_ledger_record_contradicts_a_lease_lost_gap() {
     let db = crate::infra::db::scratch().await;
     sqlx::raw_sql(
         "INSERT INTO sequences (id, project, doc_type, format, layout, start_seq, reset, timezone, \
            pool_size, refill_at) VALUES (1, 'A', 'T', '{PROJECT}-{SEQ}', 'text', 1, 'never', 'UTC', 100, 0.2); \
-         INSERT INTO issuance_ledger (sequence_id, period, seqs, via) VALUES (1, '', '[15,17)', 'ids'); \
+         INSERT INTO issuance_ledger (sequence_id, period, seqs, via) VALUES (1, '', '[15,17)', 'ids'), \
+           (1, '', '[30,32)', 'lease'); \
          INSERT INTO id_gaps (sequence_id, period, from_seq, to_seq, from_id, to_id, reason, detected_at) VALUES \
-           (1, '', 15, 16, 'A-15', 'A-16', 'lease_lost', now())",
+           (1, '', 15, 16, 'A-15', 'A-16', 'lease_lost', now()), \
+           (1, '', 30, 31, 'A-30', 'A-31', 'lease_lost', now())",
     )
     .execute(&db)
     .await
