@@ -482,12 +482,7 @@ impl Writer {
             if e.lock_held_elsewhere() {
                 self.pools
                     .discards()
-                    .record_discard(
-                        &pool.sequence,
-                        pool.period.key(),
-                        &crate::domain::numbers::runs(&popped.seqs),
-                        DiscardCause::LockedElsewhere,
-                    )
+                    .discard_numbers(pool, &popped.seqs, DiscardCause::LockedElsewhere)
                     .await;
             } else if e.numbers_reusable() {
                 self.pools

@@ -179,14 +179,15 @@ impl Discards {
     }
 
     async fn record_unreturned(&self, pool: &PoolRef, seqs: &[i64]) {
+        self.discard_numbers(pool, seqs, DiscardCause::GiveBackFailed)
+            .await;
+    }
+
+    /// [`Discards::record_discard`] of numbers of `pool`.
+    pub async fn discard_numbers(&self, pool: &PoolRef, seqs: &[i64], cause: DiscardCause) {
         let ranges = crate::domain::numbers::runs(seqs);
-        self.record_discard(
-            &pool.sequence,
-            pool.period.key(),
-            &ranges,
-            DiscardCause::GiveBackFailed,
-        )
-        .await;
+        self.record_discard(&pool.sequence, pool.period.key(), &ranges, cause)
+            .await;
     }
 
     /// Gives back what Redis could not take before (the pools are in use
