@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::features::gaps::evidence::{RunsTable, overlapping_runs};
+use crate::records::ledger::outbox_rows::DocumentStatus;
 
 /// Numbers 10..20 of sequence 1, period "", in the ledger, the discards
 /// and the handouts; open gaps: 12-13 untracked loss, 15-16 lease lost,
@@ -165,4 +166,56 @@ async fn open_totals_follow_every_insert_resolution_and_removal_of_gaps() {
         .expect("removed");
     assert_eq!(kept().await, summed().await);
     assert_eq!(kept().await, vec![(Reason::UntrackedLoss, 2)]);
+}
+
+/// The documents a run re-judges: an ended one without the gap of its
+/// status, a pending or delivered one inside any open gap, none changed
+/// before `since` and none past the checkpoint.
+#[tokio::test]
+async fn documents_contradicting_the_open_gaps_are_found_from_either_side() {
+    let db = seeded().await;
+    // The statement names these statuses as literals.
+    assert_eq!(
+        [
+            DocumentStatus::DeadLetter.as_str(),
+            DocumentStatus::Abandoned.as_str()
+        ],
+        ["dead_letter", "abandoned"]
+    );
+    sqlx::raw_sql(
+        "INSERT INTO reconcile_periods (sequence_id, period, checkpoint) VALUES (1, '', 30); \
+         INSERT INTO id_gaps (sequence_id, period, from_seq, to_seq, from_id, to_id, reason, detected_at) VALUES \
+           (1, '', 21, 21, 'A-21', 'A-21', 'outbox_dlq', now()), \
+           (1, '', 25, 26, 'A-25', 'A-26', 'untracked_loss', now()); \
+         INSERT INTO id_outbox (document_id, tenant_code, entity_type_id, payload, status, sequence_id, period, seq, seq_number, status_changed_at) VALUES \
+           ('d12', 'A', 'T', '{}', 'committed',   1, '', 12, 12, now()), \
+           ('d13', 'A', 'T', '{}', 'committed',   1, '', 13, 13, now() - interval '1 hour'), \
+           ('d14', 'A', 'T', '{}', 'committed',   1, '', 14, 14, now()), \
+           ('d15', 'A', 'T', '{}', 'pending',     1, '', 15, 15, now()), \
+           ('d21', 'A', 'T', '{}', 'dead_letter', 1, '', 21, 21, now()), \
+           ('d22', 'A', 'T', '{}', 'dead_letter', 1, '', 22, 22, now()), \
+           ('d23', 'A', 'T', '{}', 'abandoned',   1, '', 23, 23, now()), \
+           ('d24', 'A', 'T', '{}', 'dead_letter', 1, '', 24, 24, now() - interval '1 hour'), \
+           ('d25', 'A', 'T', '{}', 'abandoned',   1, '', 25, 25, now()), \
+           ('d40', 'A', 'T', '{}', 'dead_letter', 1, '', 40, 40, now())",
+    )
+    .execute(&db)
+    .await
+    .expect("documents");
+    let mut conn = db.acquire().await.expect("connection");
+    let mut found: Vec<i64> =
+        documents_contradicting(&mut conn, Utc::now() - chrono::Duration::minutes(10))
+            .await
+            .expect("contradicting")
+            .into_iter()
+            .map(|(sequence_id, period, start, end)| {
+                assert_eq!((sequence_id, period.as_str(), end), (1, "", start + 1));
+                start
+            })
+            .collect();
+    found.sort_unstable();
+    // 12 and 15 inside gaps; 22, 23 and 25 ended without their own gap
+    // (25's gap says untracked_loss). Not 13 or 24 (changed before), 14
+    // (outside every gap), 21 (its gap says so) or 40 (past the checkpoint).
+    assert_eq!(found, vec![12, 15, 22, 23, 25]);
 }
