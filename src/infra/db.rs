@@ -59,15 +59,9 @@ impl Limits {
         }
     }
 
-    fn settings(&self) -> [(&'static str, String); 4] {
+    fn settings(&self) -> [(&'static str, String); 3] {
         let ms = |d: Duration| format!("{}ms", d.as_millis().max(1));
         [
-            // Our statements read by index and end in milliseconds; JIT
-            // compiles any whose estimate is high (a join over a large
-            // table the planner cannot see through), and spent 44 ms
-            // compiling a reconciliation statement that ran in 0.4 ms
-            // (EXPLAIN ANALYZE, 300,000 documents, 51 open gaps).
-            ("jit", "off".to_owned()),
             ("statement_timeout", ms(self.statement)),
             ("lock_timeout", ms(self.lock)),
             (
