@@ -99,10 +99,14 @@ impl Postgres {
             bail!("initdb failed");
         }
         let port = free_port()?;
+        // BENCH_PG_OPTIONS: more settings of this server for a diagnosis
+        // (`-c shared_preload_libraries=pg_stat_statements`, say), never
+        // for a figure that is compared with another run's.
         let options = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c max_connections=300 -c shared_buffers=256MB \
-             -c max_wal_size=4GB -c checkpoint_timeout=30min -c wal_buffers=16MB",
-            dir.display()
+             -c max_wal_size=4GB -c checkpoint_timeout=30min -c wal_buffers=16MB {}",
+            dir.display(),
+            std::env::var("BENCH_PG_OPTIONS").unwrap_or_default()
         );
         let status = pg_command(&bindir.join("pg_ctl"))
             .arg("-D")

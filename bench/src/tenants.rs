@@ -221,7 +221,7 @@ async fn run_crowd(
         &format!(
             "reconciliation run once the crowd settled, its writes inside the lookback (median of {RUNS})"
         ),
-        settled_crowd,
+        settled_crowd.ms,
         "ms",
     );
 
@@ -292,17 +292,29 @@ async fn run_crowd(
     );
     bench.context(
         &format!("reconciliation run with 100 idle sequences (median of {RUNS})"),
-        with_100,
+        with_100.ms,
         "ms",
     );
     bench.context(
+        &format!("rows read by a reconciliation run with 100 idle sequences (most of {RUNS})"),
+        with_100.rows as f64,
+        "rows",
+    );
+    bench.context(
         &format!("reconciliation run with {sequences} idle sequences (median of {RUNS})"),
-        with_all,
+        with_all.ms,
         "ms",
+    );
+    bench.context(
+        &format!(
+            "rows read by a reconciliation run with {sequences} idle sequences (most of {RUNS})"
+        ),
+        with_all.rows as f64,
+        "rows",
     );
     bench.at_most(
         &format!("reconciliation run, {sequences} idle sequences ÷ 100"),
-        with_all / with_100,
+        with_all.ms / with_100.ms,
         "ratio",
         2.0,
     );
@@ -415,7 +427,7 @@ async fn busy_rounds(bench: &mut Bench, addr: SocketAddr, sizes: &Sizes) -> anyh
 /// One reconciliation run asked for (admin key): how long it took to be
 /// answered, in ms (a run under way, 409, is waited for first, and not
 /// counted).
-async fn reconcile(addr: SocketAddr) -> anyhow::Result<f64> {
+async fn reconcile(addr: SocketAddr) -> anyhow::Result<Timed> {
     loop {
         let started = Instant::now();
         let (status, body) = load::send(
@@ -432,7 +444,8 @@ async fn reconcile(addr: SocketAddr) -> anyhow::Result<f64> {
                 if summary["skipped"] == true {
                     continue;
                 }
-                return Ok(took);
+                let rows = summary["rows_read"].as_i64().unwrap_or(0);
+                return Ok(Timed { ms: took, rows });
             }
             // Under way (another's, or one that outlived its request's
             // timeout): asked again once it is done.
@@ -444,13 +457,29 @@ async fn reconcile(addr: SocketAddr) -> anyhow::Result<f64> {
 
 /// Runs in a row once nothing is due; the median time each took to be
 /// answered, in ms (the run's own figure is whole milliseconds; this one
-/// carries one round trip more, alike for both sides of the ratio).
-async fn reconcile_times(addr: SocketAddr) -> anyhow::Result<f64> {
+/// carries one round trip more, alike for both sides of the ratio), and
+/// the most rows one of them read.
+async fn reconcile_times(addr: SocketAddr) -> anyhow::Result<Timed> {
     let mut times = Vec::new();
+    let mut rows = 0;
     for _ in 0..RUNS {
-        times.push(reconcile(addr).await?);
+        let run = reconcile(addr).await?;
+        times.push(run.ms);
+        rows = rows.max(run.rows);
     }
-    Ok(median(&mut times))
+    Ok(Timed {
+        ms: median(&mut times),
+        rows,
+    })
+}
+
+/// A reconciliation run as answered: how long it took (or the median of
+/// several), and the rows it read (the most of them), which tells a run
+/// that had work left from one slow at doing nothing.
+#[derive(Debug, Clone, Copy)]
+struct Timed {
+    ms: f64,
+    rows: i64,
 }
 
 /// Reconciliation runs timed for each figure.
