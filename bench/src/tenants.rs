@@ -192,7 +192,7 @@ async fn run_crowd(
         "ratio",
     );
     let idle_started = Instant::now();
-    settled(&db, redis, "T", Duration::from_secs(1800)).await?;
+    settled(&db, redis, "T", SETTLE_LIMIT).await?;
     bench.context(
         "until every crowd pool was given up and its numbers judged (after its last use)",
         idle_started.elapsed().as_secs_f64() + POOL_IDLE_S as f64,
@@ -269,7 +269,7 @@ async fn run_crowd(
     // Idle: nothing due, and the crowd's last writes older than the
     // lookback, within which a run reads changes again for transactions
     // that committed late.
-    settled(&db, redis, "T", Duration::from_secs(1800)).await?;
+    settled(&db, redis, "T", SETTLE_LIMIT).await?;
     // Reconciliation's lookback is a span of time: a real wait is the
     // point (not in a quick run, a smoke test of the scenario).
     if sizes.scale >= 1.0 {
@@ -481,6 +481,13 @@ struct Timed {
     ms: f64,
     rows: i64,
 }
+
+/// How long the crowd may take to settle before the run is given up as
+/// hung. Paced periodic runs judge about 57 periods a second on the
+/// bench's machine, and a first-used period needs two visits: 100,000
+/// take about half an hour at that rate, which a 30-minute limit could
+/// not tell from a hang.
+const SETTLE_LIMIT: Duration = Duration::from_secs(3600);
 
 /// Reconciliation runs timed for each figure.
 const RUNS: usize = 15;
