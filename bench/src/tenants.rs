@@ -483,10 +483,9 @@ struct Timed {
 }
 
 /// How long the crowd may take to settle before the run is given up as
-/// hung. Paced periodic runs judge about 57 periods a second on the
-/// bench's machine, and a first-used period needs two visits: 100,000
-/// take about half an hour at that rate, which a 30-minute limit could
-/// not tell from a hang.
+/// hung: paced periodic runs visit one period at a time and a first-used
+/// period needs two visits, so 100,000 take about half an hour here
+/// (BENCHMARKS.md), too close to a 30-minute limit to tell from a hang.
 const SETTLE_LIMIT: Duration = Duration::from_secs(3600);
 
 /// Reconciliation runs timed for each figure.

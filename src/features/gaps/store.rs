@@ -380,13 +380,13 @@ pub(super) async fn contradicting_changes(
 /// lookback had every run probe them all (3.6 s with 300,000 and 51 open
 /// gaps). Ended documents come from their own partial index (migration
 /// 0023; the statuses are literals so that the planner may use it). A
-/// document inside a gap is looked up from the open gaps of the periods
-/// whose documents changed, a probe of the documents' index per gap:
-/// every open gap, probed, made each run cost what history left (100,000
-/// idle sequences with a number issued unattached each: a probe apiece),
-/// where the periods changed cost a read of the changes. `OFFSET 0` keeps
-/// the planner from turning the probe around, as it cannot tell a gap
-/// spans a few numbers, and read all the period's documents when let.
+/// document inside a gap is looked up only in the open gaps of periods
+/// whose documents changed, a probe of the documents' index per gap, so a
+/// run costs what changed: probing every open gap made it cost what
+/// history left (an idle sequence keeps its unattached numbers' gap open).
+/// `OFFSET 0` keeps the planner from turning the probe around, as it
+/// cannot tell a gap spans a few numbers, and reading all the period's
+/// documents when let.
 async fn documents_contradicting(
     conn: &mut impl Link,
     since: DateTime<Utc>,
