@@ -629,6 +629,10 @@ impl Idpool {
     }
 
     pub fn stop(&mut self) {
+        // Stopped already (stop, then drop): nothing to signal.
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         let _ = Command::new("kill")
             .arg(self.child.id().to_string())
             .status();
