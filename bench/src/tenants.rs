@@ -76,15 +76,9 @@ pub async fn crowd(
     let clock = tempfile::tempdir()?;
     let clock_file = clock.path().join("offset");
     std::fs::write(&clock_file, "0")?;
-    let mut env: Vec<(String, String)> = base_env
-        .iter()
-        .filter(|(k, _)| k != "DATABASE_URL" && k != "REDIS_URL")
-        .cloned()
-        .collect();
-    env.extend(
+    let mut settings = with_stores(base_env, &database, &redis.url());
+    settings.extend(
         [
-            ("DATABASE_URL", database.clone()),
-            ("REDIS_URL", redis.url()),
             ("IDPOOL_POOL_IDLE_S", POOL_IDLE_S.to_string()),
             // Periodic runs (paced) judge the crowd and give up its
             // pools; the runs the scenario times are asked for.
@@ -97,7 +91,7 @@ pub async fn crowd(
         ]
         .map(|(k, v)| (k.to_owned(), v)),
     );
-    let mut idpool = Idpool::start(binary, &env)?;
+    let mut idpool = Idpool::start(binary, &settings)?;
     let addr: SocketAddr = format!("127.0.0.1:{}", idpool.port).parse()?;
     let keys = services::create_keys(binary, &database, &["BUSY"], 64)?;
     let admin = services::create_keys(binary, &database, &[], 1)?;
@@ -106,7 +100,7 @@ pub async fn crowd(
         busy: keys.clone(),
         admin: admin[0].clone(),
     };
-    let clean = Clean::start(binary, &env, postgres)?;
+    let clean = Clean::start(binary, &settings, postgres)?;
     let earlier = load::use_keys(&keys, &admin[0])?;
     let outcome = run_crowd(
         bench,
@@ -153,7 +147,7 @@ async fn run_crowd(
     // then quiet.
     let smalls: Vec<String> = (0..100).map(small).collect();
     first_uses(bench, addr, crowd, &smalls, &["1"]).await?;
-    let before_crowd = busy_rounds(bench, addr, crowd, clean, sizes).await?;
+    let before_crowd = busy_rounds(bench, addr, clean, sizes).await?;
     bench.context(
         "busy tenant POST /ids on a clean installation beside, before the crowd (median of rounds)",
         before_crowd.clean,
@@ -210,7 +204,7 @@ async fn run_crowd(
 
     // The busy tenant while the crowd goes quiet: its numbers judged and
     // its pools given up by the periodic runs, paced.
-    let going_quiet = busy_rounds(bench, addr, crowd, clean, sizes).await?;
+    let going_quiet = busy_rounds(bench, addr, clean, sizes).await?;
     bench.context(
         "busy tenant POST /ids beside the crowd going quiet (median of rounds)",
         going_quiet.crowd,
@@ -309,7 +303,7 @@ async fn run_crowd(
     let with_100 = with_100.context("the run with 100 idle sequences")?;
     // The busy tenant beside the crowd at rest, the state it spends its
     // days in.
-    let beside = busy_rounds(bench, addr, crowd, clean, sizes).await?;
+    let beside = busy_rounds(bench, addr, clean, sizes).await?;
     bench.context(
         "busy tenant POST /ids beside the idle crowd (median of rounds)",
         beside.crowd,
@@ -435,7 +429,8 @@ async fn define_daily(addr: SocketAddr, projects: &[String]) -> anyhow::Result<(
 }
 
 /// The busy tenant at full speed: `POST /ids` count 1 on one sequence, 64
-/// connections, in rounds after one not counted; the median rate. Its
+/// connections, in rounds after one not counted, on the crowd's
+/// installation and the clean one in turn; the medians. Its
 /// pool may have been given up while it rested (longer than the idle
 /// delay), so a measurement can start cold: the uncounted round grows the
 /// pool and the leases back. Without it, two `--quick` runs of one build
@@ -444,7 +439,6 @@ async fn define_daily(addr: SocketAddr, projects: &[String]) -> anyhow::Result<(
 async fn busy_rounds(
     bench: &mut Bench,
     addr: SocketAddr,
-    crowd: &CrowdKeys,
     clean: &Clean,
     sizes: &Sizes,
 ) -> anyhow::Result<BusyRounds> {
@@ -454,22 +448,13 @@ async fn busy_rounds(
     for round in 0..=sizes.rounds {
         // Which side goes first alternates: the side second would
         // otherwise always run beside the first's writes still under way.
-        let mut alone = None;
-        let mut beside = None;
-        for clean_side in [round % 2 == 0, round % 2 == 1] {
-            if clean_side {
-                load::use_keys(&clean.busy, &clean.admin)?;
-                let rate = busy_round(bench, clean.addr, CLEAN_BUSY, sizes).await;
-                load::use_keys(&crowd.busy, &crowd.admin)?;
-                alone = Some(rate?);
-            } else {
-                beside = Some(busy_round(bench, addr, "BUSY/1", sizes).await?);
-            }
-        }
-        let (alone, beside) = (
-            alone.context("a clean round")?,
-            beside.context("a crowd round")?,
-        );
+        let (alone, beside) = if round % 2 == 0 {
+            let alone = clean.busy_round(bench, sizes).await?;
+            (alone, busy_round(bench, addr, "BUSY/1", sizes).await?)
+        } else {
+            let beside = busy_round(bench, addr, "BUSY/1", sizes).await?;
+            (clean.busy_round(bench, sizes).await?, beside)
+        };
         if round > 0 {
             clean_rates.push(alone);
             crowd_rates.push(beside);
@@ -530,17 +515,16 @@ struct Clean {
 }
 
 impl Clean {
-    fn start(binary: &Path, env: &[(String, String)], postgres: &Postgres) -> anyhow::Result<Self> {
+    /// `settings`: the crowd installation's, whose database and Redis
+    /// this one swaps for its own.
+    fn start(
+        binary: &Path,
+        settings: &[(String, String)],
+        postgres: &Postgres,
+    ) -> anyhow::Result<Self> {
         let database = postgres.url(CLEAN_DATABASE);
         let redis = Redis::start()?;
-        let mut env: Vec<(String, String)> = env
-            .iter()
-            .filter(|(k, _)| k != "DATABASE_URL" && k != "REDIS_URL")
-            .cloned()
-            .collect();
-        env.push(("DATABASE_URL".to_owned(), database.clone()));
-        env.push(("REDIS_URL".to_owned(), redis.url()));
-        let idpool = Idpool::start(binary, &env)?;
+        let idpool = Idpool::start(binary, &with_stores(settings, &database, &redis.url()))?;
         let addr = format!("127.0.0.1:{}", idpool.port).parse()?;
         Ok(Self {
             addr,
@@ -550,6 +534,27 @@ impl Clean {
             _redis: redis,
         })
     }
+
+    /// One busy round here, sending this installation's keys (the crowd
+    /// installation's are put back after).
+    async fn busy_round(&self, bench: &mut Bench, sizes: &Sizes) -> anyhow::Result<f64> {
+        let crowd_keys = load::use_keys(&self.busy, &self.admin)?;
+        let rate = busy_round(bench, self.addr, CLEAN_BUSY, sizes).await;
+        load::restore_keys(crowd_keys);
+        rate
+    }
+}
+
+/// `env` with its database and Redis replaced by `database` and `redis`.
+fn with_stores(env: &[(String, String)], database: &str, redis: &str) -> Vec<(String, String)> {
+    env.iter()
+        .filter(|(k, _)| k != "DATABASE_URL" && k != "REDIS_URL")
+        .cloned()
+        .chain([
+            ("DATABASE_URL".to_owned(), database.to_owned()),
+            ("REDIS_URL".to_owned(), redis.to_owned()),
+        ])
+        .collect()
 }
 
 /// One reconciliation run asked for (admin key): how long it took to be
