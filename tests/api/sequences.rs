@@ -47,6 +47,42 @@ async fn a_crowd_of_first_uses_is_served_and_leaves_a_busy_sequence_unharmed() {
         .await;
 }
 
+/// Issue #45: a sequence's first use asks its pool's Redis keys three
+/// things: the shared pop that finds the pool empty, the lock that keeps
+/// refills off while the counter gives the numbers (its answer says the
+/// pool is still empty and never filled, so no second pop asks again), and
+/// the lock's release. A crowd of first uses is bounded by such calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_use_asks_redis_to_pop_lock_and_release_and_nothing_more() {
+    let redis = crate::support::redis_server::RedisServer::start();
+    let app = TestEnv::new().with_redis(&redis.url()).spawn().await;
+    // Another sequence first: the scripts are loaded by then.
+    app.issue("WARM", "1", 1).await;
+    let monitor = redis.monitor();
+    let (ids, _) = app.issue("ONCE", "1", 1).await;
+    assert_eq!(ids, vec!["ONCE-1-1".to_string()]);
+    let seen = monitor.seen_so_far();
+    // The keys of the pool's period (list, meta, lock, pops in flight).
+    let pool = app.redis_pool_key("ONCE", "1", "");
+    let its_keys = pool.trim_end_matches("pool");
+    let scripts: Vec<&String> = seen
+        .iter()
+        .filter(|l| l.contains("\"EVALSHA\"") && l.contains(its_keys))
+        .collect();
+    assert_eq!(scripts.len(), 3, "{scripts:#?}");
+    let lock_taken = seen
+        .iter()
+        .filter(|l| l.contains(" lua]") && l.contains("\"SET\"") && l.contains("\"NX\""))
+        .filter(|l| l.contains(its_keys))
+        .count();
+    assert_eq!(lock_taken, 1, "the refill lock, taken once: {seen:#?}");
+    // And it left nothing behind: a sequence used once holds no pool.
+    assert_eq!(
+        app.redis_keys_of("ONCE", "1", "").await,
+        Vec::<String>::new()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_used_before_it_is_defined_gets_the_defaults() {
     let app = TestEnv::new().spawn().await;

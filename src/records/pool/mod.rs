@@ -291,6 +291,16 @@ impl PoolService {
         count: usize,
         first_use: bool,
     ) -> Result<(Vec<i64>, Option<FirstUse>), RedisFailure> {
+        // The shared pop found the pool empty and never filled a moment
+        // ago: a first use needs no second pop to know it (the lock's
+        // answer says, under the lock, whether it still is).
+        if first_use
+            && self.refills.seen_unfilled(pool)
+            && self.refills.first_ask(pool)
+            && let Some(claim) = self.claim_first_use(pool).await
+        {
+            return Ok((Vec::new(), Some(claim)));
+        }
         let mut popped = self.pop(pool, count).await?;
         let mut seqs = self
             .within_max(pool, std::mem::take(&mut popped.seqs))
@@ -368,7 +378,8 @@ impl PoolService {
     /// block meanwhile, so those numbers stay below every block the pool
     /// gets (taken while another instance's refill had begun, they came
     /// after its block, and that instance's next answers went below them).
-    /// None when a refill holds the lock or the pool has numbers by now.
+    /// None when a refill holds the lock, or the pool has numbers or was
+    /// filled before.
     async fn claim_first_use(&self, pool: &PoolRef) -> Option<FirstUse> {
         let token = uuid::Uuid::new_v4().simple().to_string();
         let locked = self
@@ -381,7 +392,9 @@ impl PoolService {
             keys: pool.keys.clone(),
             token: Some(token),
         };
-        if locked.depth > 0 {
+        // Numbers in it, or filled before (its target set): not a first
+        // use, the pool's refill serves it.
+        if locked.depth > 0 || locked.target != 0 {
             claim.release().await;
             return None;
         }
@@ -401,6 +414,8 @@ impl PoolService {
         let popped = self.pop(pool, count).await?;
         if popped.seqs.len() == count {
             self.refills.refill_if_low(pool, &popped);
+        } else if popped.seqs.is_empty() && popped.target == 0 {
+            self.refills.note_unfilled(pool);
         }
         Ok(self.within_max(pool, popped.seqs).await)
     }

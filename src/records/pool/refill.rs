@@ -42,6 +42,10 @@ pub struct Refills {
     /// Pools found empty and never filled that this instance was asked for
     /// once (at most [`MAX_ASKED`]; forgotten all at once beyond).
     asked: Mutex<std::collections::HashSet<String>>,
+    /// Pools the shared pop found empty and never filled, until their
+    /// request's `take` asks (at most [`MAX_ASKED`]; forgotten all at once
+    /// beyond: a mark only spares a pop, the lock's answer decides).
+    unfilled: Mutex<std::collections::HashSet<String>>,
     refill_slots: Arc<Semaphore>,
     /// Refills running in the background; awaited (for a while) at shutdown.
     refills: TaskTracker,
@@ -83,6 +87,7 @@ impl Refills {
             numbering: Mutex::new(std::collections::HashSet::new()),
             demand: Mutex::new(HashMap::new()),
             asked: Mutex::new(std::collections::HashSet::new()),
+            unfilled: Mutex::new(std::collections::HashSet::new()),
             refills: TaskTracker::new(),
         })
     }
@@ -304,6 +309,22 @@ impl Refills {
             asked.clear();
         }
         asked.insert(pool.keys.pool.clone())
+    }
+
+    /// Remembers that the shared pop found `pool` empty and never filled.
+    pub(super) fn note_unfilled(&self, pool: &PoolRef) {
+        let mut unfilled = self.unfilled.lock().unwrap_or_else(|e| e.into_inner());
+        if unfilled.len() >= MAX_ASKED {
+            unfilled.clear();
+        }
+        unfilled.insert(pool.keys.pool.clone());
+    }
+
+    /// Whether the shared pop found `pool` empty and never filled since
+    /// this was last asked (the mark is taken).
+    pub(super) fn seen_unfilled(&self, pool: &PoolRef) -> bool {
+        let mut unfilled = self.unfilled.lock().unwrap_or_else(|e| e.into_inner());
+        unfilled.remove(&pool.keys.pool)
     }
 
     pub(super) fn add_demand(&self, pool: &PoolRef, numbers: usize) {

@@ -110,6 +110,37 @@ impl RedisServer {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
+    /// Starts `MONITOR`: every command the server runs from now on, as
+    /// it prints them (scripts' own calls marked `lua`).
+    pub fn monitor(&self) -> Monitor {
+        let mut child = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "monitor"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(crate::support::app::child_output())
+            .spawn()
+            .expect("redis-cli monitor");
+        let stdout = child.stdout.take().expect("monitor's stdout");
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+            }
+        });
+        let monitor = Monitor {
+            port: self.port,
+            child,
+            lines,
+        };
+        // Watching once its "OK" is printed: nothing run later is missed.
+        crate::support::app::eventually_blocking(Duration::from_secs(10), "MONITOR begins", || {
+            monitor.lines_now().iter().any(|l| l == "OK").then_some(())
+        });
+        monitor
+    }
+
     /// Starts again on the same port, empty.
     pub fn restart_empty(&mut self) {
         crate::support::app::expect_redis_trouble();
@@ -137,5 +168,47 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.resume();
         self.kill();
+    }
+}
+
+/// A `redis-cli monitor` of one server (see [`RedisServer::monitor`]).
+pub struct Monitor {
+    port: u16,
+    child: Child,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Monitor {
+    fn lines_now(&self) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Every command the server ran up to now: a marker is sent and
+    /// waited for, and what came before it returned (the server runs and
+    /// reports commands in one order).
+    pub fn seen_so_far(&self) -> Vec<String> {
+        let marker = format!("monitor-mark-{}", uuid::Uuid::new_v4().simple());
+        let status = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "ECHO", &marker])
+            .stdout(crate::support::app::child_output())
+            .status()
+            .expect("redis-cli");
+        assert!(status.success(), "ECHO failed");
+        crate::support::app::eventually_blocking(
+            Duration::from_secs(10),
+            "the monitor sees its marker",
+            || {
+                let lines = self.lines_now();
+                let at = lines.iter().position(|l| l.contains(&marker))?;
+                Some(lines[..at].to_vec())
+            },
+        )
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
