@@ -296,7 +296,6 @@ impl PoolService {
         // answer says, under the lock, whether it still is).
         if first_use
             && self.refills.seen_unfilled(pool)
-            && self.refills.first_ask(pool)
             && let Some(claim) = self.claim_first_use(pool).await
         {
             return Ok((Vec::new(), Some(claim)));
@@ -308,7 +307,6 @@ impl PoolService {
         if first_use
             && seqs.is_empty()
             && popped.target == 0
-            && self.refills.first_ask(pool)
             && let Some(claim) = self.claim_first_use(pool).await
         {
             // A pool never filled (or given up), asked for the first time
@@ -378,9 +376,13 @@ impl PoolService {
     /// block meanwhile, so those numbers stay below every block the pool
     /// gets (taken while another instance's refill had begun, they came
     /// after its block, and that instance's next answers went below them).
-    /// None when a refill holds the lock, or the pool has numbers or was
-    /// filled before.
+    /// None when this instance was asked for the pool before (it is filled
+    /// now), a refill holds the lock, or the pool has numbers or was filled
+    /// before.
     async fn claim_first_use(&self, pool: &PoolRef) -> Option<FirstUse> {
+        if !self.refills.first_ask(pool) {
+            return None;
+        }
         let token = uuid::Uuid::new_v4().simple().to_string();
         let locked = self
             .lists

@@ -304,20 +304,12 @@ impl Refills {
     /// Whether this is the first time this instance is asked for `pool`
     /// finding it empty and never filled: then it is not filled yet.
     pub(super) fn first_ask(&self, pool: &PoolRef) -> bool {
-        let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
-        if asked.len() >= MAX_ASKED {
-            asked.clear();
-        }
-        asked.insert(pool.keys.pool.clone())
+        remember(&self.asked, &pool.keys.pool)
     }
 
     /// Remembers that the shared pop found `pool` empty and never filled.
     pub(super) fn note_unfilled(&self, pool: &PoolRef) {
-        let mut unfilled = self.unfilled.lock().unwrap_or_else(|e| e.into_inner());
-        if unfilled.len() >= MAX_ASKED {
-            unfilled.clear();
-        }
-        unfilled.insert(pool.keys.pool.clone());
+        remember(&self.unfilled, &pool.keys.pool);
     }
 
     /// Whether the shared pop found `pool` empty and never filled since
@@ -397,6 +389,16 @@ pub enum RefillOutcome {
 
 /// Most pools an instance remembers having been asked for once.
 const MAX_ASKED: usize = 100_000;
+
+/// Adds `pool` to a set of pool names bounded by [`MAX_ASKED`] (forgotten
+/// all at once beyond); whether it was new there.
+fn remember(set: &Mutex<std::collections::HashSet<String>>, pool: &str) -> bool {
+    let mut set = set.lock().unwrap_or_else(|e| e.into_inner());
+    if set.len() >= MAX_ASKED {
+        set.clear();
+    }
+    set.insert(pool.to_owned())
+}
 
 /// Upper bound for any pool's target depth.
 const MAX_TARGET: u32 = 1_000_000;
